@@ -1,0 +1,34 @@
+"""Gradient-accumulation bookkeeping: which micro-step synchronises."""
+
+from __future__ import annotations
+
+
+class Accumulator:
+    """Counts micro-steps; every ``steps``-th one (or a forced one) is a boundary.
+
+    The decision for a micro-step must be known *before* its forward, because
+    DDP decides at forward time whether the coming backward all-reduces.
+    """
+
+    def __init__(self, steps: int) -> None:
+        self.steps = steps
+        self.micro = 0
+        self._force = False
+        self.last_synced = True
+
+    @property
+    def next_is_boundary(self) -> bool:
+        """Whether the coming backward ends an accumulation cycle."""
+        return self._force or (self.micro + 1) % self.steps == 0
+
+    def force_boundary(self) -> None:
+        """End the cycle at the coming backward (the loader's last batch)."""
+        self._force = True
+
+    def advance(self) -> bool:
+        """Record one backward; returns whether it was a boundary."""
+        boundary = self.next_is_boundary
+        self.micro = 0 if boundary else self.micro + 1
+        self._force = False
+        self.last_synced = boundary
+        return boundary

@@ -1,0 +1,58 @@
+"""The configuration of a :class:`~manygpu.Parallel`: frozen, validated on construction."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+from manygpu.errors import UsageError
+from manygpu.strategies import DDPOptions, get_strategy
+
+Precision = Literal["fp32", "bf16", "fp16"]
+PRECISIONS: tuple[str, ...] = ("fp32", "bf16", "fp16")
+
+
+@dataclass(frozen=True, kw_only=True)
+class ParallelConfig:
+    """How to run: which strategy, which precision, how to accumulate."""
+
+    strategy: str | None = None
+    """Registry name; ``None`` picks ``"ddp"`` when launched with several
+    processes and ``"single"`` otherwise."""
+    precision: Precision = "fp32"
+    """``"bf16"`` autocasts to bfloat16; ``"fp16"`` also scales the loss."""
+    grad_accum_steps: int = 1
+    """Micro-batches per optimizer step; sync only on the last one."""
+    seed: int | None = 0
+    """Seeds python/numpy/torch with ``seed + rank`` and the samplers with
+    ``seed``; ``None`` leaves the RNGs alone."""
+    split_batches: bool = False
+    """Treat a loader's ``batch_size`` as the global batch and split it over
+    ranks (Accelerate's option); by default it is the per-rank batch."""
+    timeout_s: float | None = None
+    """Collective/rendezvous timeout; ``None`` reads ``MANYGPU_TIMEOUT`` or
+    uses 180 s."""
+    backend: str | None = None
+    """Force a backend (``"gloo"``, ``"nccl"``); default from the device."""
+    device: str | None = None
+    """Force a device (``"cpu"``); default ``cuda:LOCAL_RANK`` or CPU."""
+    ddp: DDPOptions = field(default_factory=DDPOptions)
+    """Knobs of ``"ddp"``."""
+
+    def __post_init__(self) -> None:
+        if self.strategy is not None:
+            get_strategy(self.strategy)  # raises with the list of names
+        if self.precision not in PRECISIONS:
+            raise UsageError(
+                f"unknown precision {self.precision!r}; choose one of {', '.join(PRECISIONS)}"
+            )
+        if not isinstance(self.grad_accum_steps, int) or self.grad_accum_steps < 1:
+            raise UsageError(f"grad_accum_steps must be an integer >= 1, got {self.grad_accum_steps!r}")
+        if self.timeout_s is not None and self.timeout_s <= 0:
+            raise UsageError(f"timeout_s must be > 0, got {self.timeout_s}")
+
+    def resolved_strategy(self, world_size: int) -> str:
+        """The strategy name actually used for a job of ``world_size``."""
+        if self.strategy is not None:
+            return self.strategy
+        return "ddp" if world_size > 1 else "single"

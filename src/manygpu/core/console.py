@@ -1,0 +1,64 @@
+"""Main-process-only printing and progress bars (one helper, as nanoGPT's master flag)."""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Iterable, Iterator
+from typing import Any, TypeVar
+
+from rich.console import Console
+from rich.progress import (
+    BarColumn,
+    MofNCompleteColumn,
+    Progress,
+    TextColumn,
+    TimeElapsedColumn,
+    TimeRemainingColumn,
+)
+
+T = TypeVar("T")
+
+
+class MainConsole:
+    """Prints and shows progress on the main process; silent elsewhere."""
+
+    def __init__(self, is_main: bool, rank: int) -> None:
+        self.is_main = is_main
+        self.rank = rank
+        self._console = Console(file=sys.stdout, highlight=False)
+
+    def print(self, *objects: Any, **kwargs: Any) -> None:
+        """``print`` on the main process only."""
+        if self.is_main:
+            self._console.print(*objects, **kwargs)
+
+    def progress(self, items: Iterable[T], description: str = "", total: int | None = None) -> Iterator[T]:
+        """Iterate ``items`` with a progress bar on the main process (when a terminal)."""
+        if not self.is_main or not self._console.is_terminal:
+            yield from items
+            return
+        if total is None and hasattr(items, "__len__"):
+            total = len(items)  # type: ignore[arg-type]
+        columns = (
+            TextColumn("[bold]{task.description}"),
+            BarColumn(),
+            MofNCompleteColumn(),
+            TimeElapsedColumn(),
+            TimeRemainingColumn(),
+            TextColumn("{task.fields[status]}"),
+        )
+        with Progress(*columns, console=self._console, transient=True) as bar:
+            task = bar.add_task(description, total=total, status="")
+            self._bar, self._task = bar, task
+            try:
+                for item in items:
+                    yield item
+                    bar.advance(task)
+            finally:
+                self._bar = None
+
+    def set_status(self, text: str) -> None:
+        """Text shown at the end of the live progress bar (e.g. the loss)."""
+        bar = getattr(self, "_bar", None)
+        if bar is not None:
+            bar.update(self._task, status=text)

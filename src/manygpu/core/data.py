@@ -1,0 +1,189 @@
+"""Data loaders that split work over ranks and put batches on the device."""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import numpy as np
+import torch
+from torch.utils.data import (
+    DataLoader,
+    DistributedSampler,
+    IterableDataset,
+    RandomSampler,
+    Sampler,
+    SequentialSampler,
+)
+
+from manygpu.errors import UsageError
+
+
+class ShardSampler(Sampler[int]):
+    """Every ``world``-th index from ``rank``: each sample exactly once, no padding.
+
+    For evaluation, where a duplicated sample would skew a metric and ranks
+    need not run the same number of batches (they only meet in a final reduce).
+    """
+
+    def __init__(self, length: int, rank: int, world: int) -> None:
+        self.length, self.rank, self.world = length, rank, world
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(range(self.rank, self.length, self.world))
+
+    def __len__(self) -> int:
+        return len(range(self.rank, self.length, self.world))
+
+
+def move_to_device(batch: Any, device: torch.device) -> Any:
+    """Move every tensor inside (nested) tuples, lists and dicts to ``device``."""
+    if isinstance(batch, torch.Tensor):
+        return batch.to(device, non_blocking=device.type == "cuda")
+    if isinstance(batch, dict):
+        return {k: move_to_device(v, device) for k, v in batch.items()}
+    if isinstance(batch, tuple) and hasattr(batch, "_fields"):  # namedtuple
+        return type(batch)(*(move_to_device(v, device) for v in batch))
+    if isinstance(batch, list | tuple):
+        return type(batch)(move_to_device(v, device) for v in batch)
+    return batch
+
+
+def _seed_worker(worker_id: int) -> None:
+    """DataLoader seeds torch per worker; seed numpy and random from it too."""
+    seed = torch.initial_seed() % 2**32
+    np.random.seed(seed)
+    random.seed(seed)
+
+
+def per_rank_batch(batch_size: int, world: int, split: bool) -> int:
+    """The batch each rank loads; validates a global batch against the world."""
+    if not split:
+        return batch_size
+    if batch_size < world:
+        raise UsageError(
+            f"global batch size {batch_size} is smaller than the world size {world}: "
+            f"every rank needs at least one sample; use a batch of at least {world}"
+        )
+    if batch_size % world:
+        raise UsageError(
+            f"global batch size {batch_size} does not divide over {world} ranks; "
+            f"use a multiple of {world}"
+        )
+    return batch_size // world
+
+
+def _train_sampler(loader: DataLoader, rank: int, world: int, seed: int) -> Sampler[int]:
+    sampler = loader.sampler
+    if not isinstance(sampler, RandomSampler | SequentialSampler | DistributedSampler):
+        raise UsageError(
+            f"cannot shard a DataLoader with a custom {type(sampler).__name__}; pass "
+            "shuffle=True/False instead, or shard the data yourself and prepare() only the model"
+        )
+    shuffle = isinstance(sampler, RandomSampler) or (
+        isinstance(sampler, DistributedSampler) and sampler.shuffle
+    )
+    return DistributedSampler(
+        loader.dataset,  # type: ignore[arg-type]
+        num_replicas=world,
+        rank=rank,
+        shuffle=shuffle,
+        seed=seed,
+        drop_last=loader.drop_last,
+    )
+
+
+def rebuild_loader(
+    loader: DataLoader,
+    *,
+    rank: int,
+    world: int,
+    train: bool,
+    seed: int,
+    split_batches: bool,
+    pin_memory: bool,
+) -> DataLoader:
+    """A copy of ``loader`` that reads this rank's share of the data."""
+    if isinstance(loader.dataset, IterableDataset):
+        raise UsageError(
+            "an IterableDataset cannot be split by manygpu; yield each rank's share inside "
+            "the dataset (use manygpu's rank / world_size) and prepare() only the model"
+        )
+    if loader.batch_size is None:
+        raise UsageError(
+            "DataLoader has a custom batch_sampler; give it batch_size= and shuffle= so "
+            "manygpu can split the data, or shard it yourself"
+        )
+    batch = per_rank_batch(loader.batch_size, world, split_batches)
+    if train:
+        sampler: Sampler[int] = _train_sampler(loader, rank, world, seed)
+    else:
+        sampler = ShardSampler(len(loader.dataset), rank, world)  # type: ignore[arg-type]
+    return DataLoader(
+        loader.dataset,
+        batch_size=batch,
+        sampler=sampler,
+        num_workers=loader.num_workers,
+        collate_fn=loader.collate_fn,
+        pin_memory=pin_memory or loader.pin_memory,
+        drop_last=loader.drop_last,
+        timeout=loader.timeout,
+        worker_init_fn=loader.worker_init_fn or _seed_worker,
+        multiprocessing_context=loader.multiprocessing_context,
+        generator=loader.generator,
+        prefetch_factor=loader.prefetch_factor if loader.num_workers else None,
+        persistent_workers=loader.persistent_workers,
+    )
+
+
+class PreparedLoader:
+    """Iterates a rank's share on its device and advances the epoch by itself.
+
+    Each ``iter()`` is one epoch: the sampler is told the epoch first, so every
+    epoch has its own shuffle and every rank agrees on it.
+    """
+
+    def __init__(
+        self,
+        loader: DataLoader,
+        device: torch.device,
+        on_last_batch: Callable[[], None] | None = None,
+    ) -> None:
+        self.loader = loader
+        self.device = device
+        self.epoch = 0
+        self._on_last_batch = on_last_batch
+
+    def set_epoch(self, epoch: int) -> None:
+        """Start the next ``iter()`` at ``epoch`` (for resuming)."""
+        self.epoch = epoch
+
+    @property
+    def dataset(self) -> Any:
+        return self.loader.dataset
+
+    @property
+    def sampler(self) -> Any:
+        return self.loader.sampler
+
+    @property
+    def batch_size(self) -> int | None:
+        return self.loader.batch_size
+
+    def __len__(self) -> int:
+        return len(self.loader)
+
+    def __iter__(self) -> Iterator[Any]:
+        sampler = self.loader.sampler
+        if isinstance(sampler, DistributedSampler):
+            sampler.set_epoch(self.epoch)
+        self.epoch += 1
+        total = len(self.loader)
+        for index, batch in enumerate(self.loader):
+            if index == total - 1 and self._on_last_batch is not None:
+                # End a partial accumulation cycle with the epoch, so no
+                # gradient is carried into the next epoch unsynchronised.
+                self._on_last_batch()
+            yield move_to_device(batch, self.device)
+

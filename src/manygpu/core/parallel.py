@@ -1,0 +1,271 @@
+"""The one object a training script talks to.
+
+``Parallel`` knows which process this is, owns the process group, and prepares
+model, optimizer and data for the chosen strategy. It never branches on the
+strategy's name: the strategy object does the strategy-specific work.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import random
+from collections.abc import Iterable, Iterator
+from typing import Any, TypeVar
+
+import numpy as np
+import torch
+from torch import nn
+from torch.utils.data import DataLoader
+
+from manygpu import comm
+from manygpu.core.accumulation import Accumulator
+from manygpu.core.config import ParallelConfig
+from manygpu.core.console import MainConsole
+from manygpu.core.data import PreparedLoader, rebuild_loader
+from manygpu.core.optimizer import PreparedOptimizer
+from manygpu.core.precision import PrecisionPlugin
+from manygpu.errors import CollectiveTimeoutError
+from manygpu.runtime import env as envmod
+from manygpu.runtime.cluster import ClusterInfo, detect_cluster
+from manygpu.runtime.device import choose_backend, choose_device, set_cpu_threads
+from manygpu.runtime.process_group import init_distributed, teardown
+from manygpu.strategies import Strategy, StrategyOptions, get_strategy
+
+T = TypeVar("T")
+
+# Backend messages that mean "a peer never answered" rather than a bug in the model.
+_PEER_FAILURE_HINTS = ("timed out", "timeout", "connection closed", "connection reset", "broken pipe")
+
+
+class Parallel:
+    """Prepare a model, optimizer and data loaders for one strategy.
+
+    Example::
+
+        par = Parallel(strategy="ddp", precision="bf16")
+        model, opt, loader = par.prepare(model, opt, loader)
+        for x, y in loader:
+            loss = F.cross_entropy(model(x), y)
+            par.backward(loss)
+            opt.step()
+            opt.zero_grad()
+
+    Args:
+        config: a full :class:`ParallelConfig`; or give its fields as keywords.
+        cluster: override environment detection (tests, embedding).
+    """
+
+    def __init__(
+        self,
+        config: ParallelConfig | None = None,
+        *,
+        cluster: ClusterInfo | None = None,
+        **fields: Any,
+    ) -> None:
+        self.config = config if config is not None else ParallelConfig(**fields)
+        environ = envmod.current()
+        self.cluster = cluster if cluster is not None else detect_cluster(environ)
+        self.strategy_name = self.config.resolved_strategy(self.cluster.world_size)
+        strategy_cls = get_strategy(self.strategy_name)
+        strategy_cls.validate_world(self.cluster)
+        self.timeout_s = self.config.timeout_s or envmod.timeout_s(environ)
+        device = choose_device(self.cluster.local_rank, self.config.device)
+        if device.type == "cuda":
+            torch.cuda.set_device(device)
+        else:
+            set_cpu_threads(self.cluster.local_world_size, environ)
+        self._ctx = init_distributed(
+            self.cluster,
+            device=device,
+            backend=choose_backend(device, self.config.backend),
+            timeout_s=self.timeout_s,
+            force=strategy_cls.needs_process_group,
+        )
+        self.strategy: Strategy = strategy_cls(self._ctx, StrategyOptions(ddp=self.config.ddp))
+        self.precision = PrecisionPlugin(self.config.precision, device)
+        self._accumulator = Accumulator(self.config.grad_accum_steps)
+        self._models: list[nn.Module] = []
+        self._optimizers: list[PreparedOptimizer] = []
+        self.console = MainConsole(self.is_main, self.rank)
+        if self.config.seed is not None:
+            self.seed_everything(self.config.seed)
+
+    # -- identity --------------------------------------------------------------
+    @property
+    def rank(self) -> int:
+        """Global rank of this process."""
+        return self.cluster.rank
+
+    @property
+    def local_rank(self) -> int:
+        """Rank on this node."""
+        return self.cluster.local_rank
+
+    @property
+    def world_size(self) -> int:
+        """Processes in the job."""
+        return self.cluster.world_size
+
+    @property
+    def is_main(self) -> bool:
+        """True on rank 0, the process that logs and saves."""
+        return self.cluster.is_main
+
+    @property
+    def device(self) -> torch.device:
+        """The device this process computes on."""
+        return self._ctx.device
+
+    @property
+    def sync_gradients(self) -> bool:
+        """Whether the last ``backward`` ended an accumulation cycle (the optimizer steps)."""
+        return self._accumulator.last_synced
+
+    # -- preparation -----------------------------------------------------------
+    def prepare(self, *objects: Any) -> Any:
+        """Prepare models, optimizers and training loaders; returns them in the same order.
+
+        Models are prepared before optimizers whatever the order given, because
+        wrapping may move parameters. Pass evaluation loaders to
+        :meth:`prepare_loader` with ``train=False`` instead.
+        """
+        prepared: list[Any] = list(objects)
+        for i, obj in enumerate(objects):
+            if isinstance(obj, nn.Module):
+                prepared[i] = self.prepare_model(obj)
+        for i, obj in enumerate(objects):
+            if isinstance(obj, torch.optim.Optimizer):
+                prepared[i] = self.prepare_optimizer(obj)
+            elif isinstance(obj, DataLoader):
+                prepared[i] = self.prepare_loader(obj)
+            elif not isinstance(obj, nn.Module):
+                raise TypeError(
+                    f"prepare() takes modules, optimizers and DataLoaders, not {type(obj).__name__}"
+                )
+        return prepared[0] if len(prepared) == 1 else tuple(prepared)
+
+    def prepare_model(self, model: nn.Module) -> nn.Module:
+        """Place and wrap ``model`` for the strategy; forward runs under autocast."""
+        wrapped = self.strategy.setup_module(model)
+        self.precision.wrap_forward(wrapped)
+        self.strategy.set_grad_sync(wrapped, self._accumulator.next_is_boundary)
+        self._models.append(wrapped)
+        return wrapped
+
+    def prepare_optimizer(self, optimizer: torch.optim.Optimizer) -> PreparedOptimizer:
+        """Wrap ``optimizer`` so it steps once per accumulation cycle."""
+        inner = self.strategy.setup_optimizer(optimizer)
+        prepared = PreparedOptimizer(inner, self._accumulator, self.precision)
+        self._optimizers.append(prepared)
+        return prepared
+
+    def prepare_loader(self, loader: DataLoader, *, train: bool = True) -> PreparedLoader:
+        """This rank's share of ``loader`` on this device.
+
+        Training loaders get a ``DistributedSampler`` (shuffle kept, epoch
+        advanced per ``iter()``, padded so every rank runs the same number of
+        steps); evaluation loaders (``train=False``) see each sample exactly once.
+        """
+        shard = self.strategy.shards_data
+        rebuilt = rebuild_loader(
+            loader,
+            rank=self.rank if shard else 0,
+            world=self.world_size if shard else 1,
+            train=train,
+            seed=self.config.seed or 0,
+            split_batches=self.config.split_batches,
+            pin_memory=self.device.type == "cuda",
+        )
+        hook = self._end_accumulation_cycle if train else None
+        return PreparedLoader(rebuilt, self.device, on_last_batch=hook)
+
+    # -- the training step -----------------------------------------------------
+    def backward(self, loss: torch.Tensor) -> None:
+        """Backward with loss scaling and accumulation; gradients sync on the last micro-step."""
+        if self.config.grad_accum_steps > 1:
+            loss = loss / self.config.grad_accum_steps
+        try:
+            self.precision.scale(loss).backward()
+        except RuntimeError as exc:
+            self._raise_if_peer_failure(exc, "gradient all-reduce in backward")
+            raise
+        self._accumulator.advance()
+        self._set_grad_sync(self._accumulator.next_is_boundary)
+
+    def clip_grad_norm_(self, parameters: Iterable[torch.Tensor] | nn.Module, max_norm: float) -> torch.Tensor:
+        """Clip the true (unscaled) gradient norm; call only when :attr:`sync_gradients`."""
+        for opt in self._optimizers:
+            self.precision.unscale(opt.optimizer)
+        params = parameters.parameters() if isinstance(parameters, nn.Module) else parameters
+        return torch.nn.utils.clip_grad_norm_(list(params), max_norm)
+
+    @contextlib.contextmanager
+    def autocast(self) -> Iterator[None]:
+        """Autocast for code outside the prepared model's forward (e.g. the loss)."""
+        with self.precision.autocast():
+            yield
+
+    # -- collectives -----------------------------------------------------------
+    def reduce(self, tensor: torch.Tensor, op: comm.collectives.ReduceOp = "mean") -> torch.Tensor:
+        """A new tensor: ``tensor`` reduced over ranks (``"mean"``, ``"sum"``, ``"max"``, ``"min"``)."""
+        return comm.all_reduce(tensor.detach().clone(), op, timeout_s=self.timeout_s)
+
+    def gather(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Every rank's ``tensor`` concatenated along dim 0, in rank order."""
+        return comm.all_gather(tensor.detach(), timeout_s=self.timeout_s)
+
+    def barrier(self) -> None:
+        """Wait for every rank (bounded by the timeout; names missing ranks on gloo)."""
+        comm.barrier(timeout_s=self.timeout_s)
+
+    # -- utilities -------------------------------------------------------------
+    def unwrap(self, model: nn.Module) -> nn.Module:
+        """The user's module inside the strategy's wrapper."""
+        return self.strategy.unwrap(model)
+
+    def print(self, *objects: Any, **kwargs: Any) -> None:
+        """Print on the main process only."""
+        self.console.print(*objects, **kwargs)
+
+    def progress(self, items: Iterable[T], description: str = "") -> Iterator[T]:
+        """A progress bar over ``items`` on the main process."""
+        return self.console.progress(items, description)
+
+    def seed_everything(self, seed: int) -> None:
+        """Seed python, numpy and torch with ``seed + rank`` (different noise per rank)."""
+        value = seed + self.rank
+        random.seed(value)
+        np.random.seed(value % 2**32)
+        torch.manual_seed(value)
+
+    def close(self) -> None:
+        """Tear down the strategy and the process group we created."""
+        self.strategy.teardown()
+        teardown(self._ctx)
+
+    def __enter__(self) -> Parallel:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return (
+            f"Parallel(strategy={self.strategy_name!r}, precision={self.config.precision!r}, "
+            f"rank={self.rank}/{self.world_size}, device={self.device})"
+        )
+
+    # -- internals -------------------------------------------------------------
+    def _set_grad_sync(self, enabled: bool) -> None:
+        for model in self._models:
+            self.strategy.set_grad_sync(model, enabled)
+
+    def _end_accumulation_cycle(self) -> None:
+        self._accumulator.force_boundary()
+        self._set_grad_sync(True)
+
+    def _raise_if_peer_failure(self, exc: RuntimeError, operation: str) -> None:
+        text = str(exc).lower()
+        if self.world_size > 1 and any(hint in text for hint in _PEER_FAILURE_HINTS):
+            first = str(exc).strip().splitlines()[0][:200]
+            raise CollectiveTimeoutError(self.rank, operation, self.timeout_s, first) from exc

@@ -1,0 +1,189 @@
+"""Detect how this process was started: torchrun, Slurm, MPI, or alone.
+
+Detected in that order, as Lightning Fabric does, because a torchrun worker
+inside a Slurm allocation must follow torchrun's variables, not Slurm's.
+"""
+
+from __future__ import annotations
+
+import zlib
+from dataclasses import dataclass
+
+from manygpu.errors import UsageError
+from manygpu.runtime import env as envmod
+from manygpu.runtime.env import Environ
+from manygpu.runtime.hostlist import expand_hostlist
+
+DEFAULT_PORT = 29500
+
+
+@dataclass(frozen=True, kw_only=True)
+class ClusterInfo:
+    """This process's place in the job."""
+
+    source: str
+    """Which launcher set the job up: torchelastic, slurm, mpi or single."""
+    rank: int
+    """Global rank, 0..world_size-1."""
+    world_size: int
+    """Number of processes in the job."""
+    local_rank: int
+    """Rank among the processes of this node; picks the GPU."""
+    local_world_size: int
+    """Processes on this node; used to split CPU threads."""
+    node_rank: int
+    """Index of this node."""
+    master_addr: str
+    """Host of the rendezvous store."""
+    master_port: int
+    """Port of the rendezvous store."""
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.rank < self.world_size:
+            raise UsageError(
+                f"rank {self.rank} is outside world size {self.world_size} "
+                f"(from {self.source}); check the launcher's environment"
+            )
+        if not 0 <= self.local_rank < max(self.local_world_size, 1):
+            raise UsageError(
+                f"local rank {self.local_rank} is outside local world size "
+                f"{self.local_world_size} (from {self.source})"
+            )
+
+    @property
+    def distributed(self) -> bool:
+        """Whether more than one process takes part."""
+        return self.world_size > 1
+
+    @property
+    def is_main(self) -> bool:
+        """Rank 0: the process that logs and writes files."""
+        return self.rank == 0
+
+
+def _from_torchelastic(env: Environ) -> ClusterInfo | None:
+    if envmod.get_str(env, "RANK") is None or envmod.get_str(env, "WORLD_SIZE") is None:
+        return None
+    world = envmod.get_int(env, "WORLD_SIZE") or 1
+    local_world = envmod.get_int(env, "LOCAL_WORLD_SIZE") or world
+    return ClusterInfo(
+        source="torchelastic" if "TORCHELASTIC_RUN_ID" in env else "env",
+        rank=envmod.get_int(env, "RANK") or 0,
+        world_size=world,
+        local_rank=envmod.get_int(env, "LOCAL_RANK") or 0,
+        local_world_size=local_world,
+        node_rank=envmod.get_int(env, "GROUP_RANK", "NODE_RANK") or 0,
+        master_addr=envmod.get_str(env, "MASTER_ADDR") or "127.0.0.1",
+        master_port=envmod.get_int(env, "MASTER_PORT") or DEFAULT_PORT,
+    )
+
+
+def slurm_master(env: Environ) -> tuple[str, int]:
+    """Master address (first host of the allocation) and a port from the job id."""
+    nodelist = envmod.get_str(env, "SLURM_JOB_NODELIST", "SLURM_NODELIST", "SLURM_STEP_NODELIST")
+    addr = envmod.get_str(env, "MASTER_ADDR") or (
+        expand_hostlist(nodelist)[0] if nodelist else "127.0.0.1"
+    )
+    port = envmod.get_int(env, "MASTER_PORT")
+    if port is None:
+        # Same job id -> same port on every node, spread over 10000 ports so
+        # two jobs sharing a node rarely collide.
+        job = envmod.get_str(env, "SLURM_JOB_ID", "SLURM_JOBID") or "0"
+        port = 20000 + zlib.crc32(job.encode()) % 10000
+    return addr, port
+
+
+def _from_slurm(env: Environ) -> ClusterInfo | None:
+    if envmod.get_str(env, "SLURM_PROCID") is None or envmod.get_str(env, "SLURM_NTASKS") is None:
+        return None
+    # A batch script itself (not started by srun) also has SLURM_PROCID=0 and
+    # SLURM_NTASKS=N; only trust it when srun started this step.
+    if envmod.get_str(env, "SLURM_STEP_ID", "SLURM_STEPID") is None:
+        return None
+    world = envmod.get_int(env, "SLURM_NTASKS") or 1
+    nnodes = envmod.get_int(env, "SLURM_NNODES", "SLURM_JOB_NUM_NODES") or 1
+    per_node = envmod.get_str(env, "SLURM_NTASKS_PER_NODE", "SLURM_TASKS_PER_NODE") or ""
+    local_world = _first_count(per_node) or max(world // nnodes, 1)
+    addr, port = slurm_master(env)
+    return ClusterInfo(
+        source="slurm",
+        rank=envmod.get_int(env, "SLURM_PROCID") or 0,
+        world_size=world,
+        local_rank=envmod.get_int(env, "SLURM_LOCALID") or 0,
+        local_world_size=local_world,
+        node_rank=envmod.get_int(env, "SLURM_NODEID") or 0,
+        master_addr=addr,
+        master_port=port,
+    )
+
+
+def _first_count(tasks_per_node: str) -> int | None:
+    """``'4(x2),2'`` -> 4: Slurm's tasks-per-node for the first node."""
+    head = tasks_per_node.split(",")[0].split("(")[0]
+    return int(head) if head.isdigit() else None
+
+
+_MPI_VARS = {
+    "openmpi": (
+        "OMPI_COMM_WORLD_RANK",
+        "OMPI_COMM_WORLD_SIZE",
+        "OMPI_COMM_WORLD_LOCAL_RANK",
+        "OMPI_COMM_WORLD_LOCAL_SIZE",
+    ),
+    "mpich": ("PMI_RANK", "PMI_SIZE", "MPI_LOCALRANKID", "MPI_LOCALNRANKS"),
+    "pmix": ("PMIX_RANK", "PMIX_SIZE", "PMIX_LOCAL_RANK", "PMIX_LOCAL_SIZE"),
+}
+
+
+def _from_mpi(env: Environ) -> ClusterInfo | None:
+    for rank_var, size_var, lrank_var, lsize_var in _MPI_VARS.values():
+        if envmod.get_str(env, rank_var) is None or envmod.get_str(env, size_var) is None:
+            continue
+        world = envmod.get_int(env, size_var) or 1
+        local_world = envmod.get_int(env, lsize_var) or world
+        local_rank = envmod.get_int(env, lrank_var) or 0
+        rank = envmod.get_int(env, rank_var) or 0
+        addr = envmod.get_str(env, "MASTER_ADDR")
+        if addr is None and local_world < world:
+            raise UsageError(
+                "MPI job spans several nodes but MASTER_ADDR is not set; "
+                "export MASTER_ADDR=<first node> (e.g. mpirun -x MASTER_ADDR=host0)"
+            )
+        return ClusterInfo(
+            source="mpi",
+            rank=rank,
+            world_size=world,
+            local_rank=local_rank,
+            local_world_size=local_world,
+            node_rank=rank // max(local_world, 1),
+            master_addr=addr or "127.0.0.1",
+            master_port=envmod.get_int(env, "MASTER_PORT") or DEFAULT_PORT,
+        )
+    return None
+
+
+def _single() -> ClusterInfo:
+    return ClusterInfo(
+        source="single",
+        rank=0,
+        world_size=1,
+        local_rank=0,
+        local_world_size=1,
+        node_rank=0,
+        master_addr="127.0.0.1",
+        master_port=DEFAULT_PORT,
+    )
+
+
+def detect_cluster(env: Environ | None = None) -> ClusterInfo:
+    """This process's place in the job, from its environment.
+
+    Args:
+        env: environment to read; this process's when ``None``.
+    """
+    env = envmod.current() if env is None else env
+    for probe in (_from_torchelastic, _from_slurm, _from_mpi):
+        info = probe(env)
+        if info is not None:
+            return info
+    return _single()

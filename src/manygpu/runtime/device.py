@@ -1,0 +1,60 @@
+"""Device and backend choice, and CPU threads when processes share a CPU."""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from manygpu.errors import UsageError
+from manygpu.runtime import env as envmod
+from manygpu.runtime.env import Environ
+
+BACKENDS = ("nccl", "gloo", "mpi", "xccl", "ucc")
+
+
+def cpu_count() -> int:
+    """CPUs this process may run on (affinity-aware, unlike ``os.cpu_count``)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # pragma: no cover - non-Linux
+        return os.cpu_count() or 1
+
+
+def choose_device(local_rank: int, requested: str | None = None) -> torch.device:
+    """``cuda:LOCAL_RANK`` when CUDA is there, else CPU; ``requested`` overrides."""
+    if requested is not None:
+        device = torch.device(requested)
+        if device.type == "cuda" and not torch.cuda.is_available():
+            raise UsageError(f"device {requested!r} asked for but CUDA is not available here")
+        return device
+    if torch.cuda.is_available():
+        return torch.device("cuda", local_rank % torch.cuda.device_count())
+    return torch.device("cpu")
+
+
+def choose_backend(device: torch.device, requested: str | None = None) -> str:
+    """NCCL for CUDA, gloo for CPU, unless the user asked for one."""
+    if requested is not None:
+        if requested not in BACKENDS:
+            raise UsageError(f"unknown backend {requested!r}; choose one of {', '.join(BACKENDS)}")
+        if requested == "nccl" and device.type != "cuda":
+            raise UsageError("backend 'nccl' needs CUDA devices; use 'gloo' on CPU")
+        return requested
+    return "nccl" if device.type == "cuda" else "gloo"
+
+
+def threads_per_process(local_world_size: int, cpus: int | None = None) -> int:
+    """Split the CPUs evenly among the processes of this node (at least 1)."""
+    cpus = cpu_count() if cpus is None else cpus
+    return max(1, cpus // max(local_world_size, 1))
+
+
+def set_cpu_threads(local_world_size: int, env: Environ) -> int:
+    """Avoid oversubscription: N processes x all cores threads thrash a CPU.
+
+    Respects ``OMP_NUM_THREADS`` when the user set it. Returns the count in use.
+    """
+    if not envmod.user_set_threads(env):
+        torch.set_num_threads(threads_per_process(local_world_size))
+    return torch.get_num_threads()

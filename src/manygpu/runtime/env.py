@@ -1,0 +1,63 @@
+"""The one place that reads environment variables.
+
+Every other module asks this one, so the rules of precedence (torchrun before
+Slurm before MPI) and the defaults live together and are testable with plain
+dictionaries instead of a patched ``os.environ``.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+
+Environ = Mapping[str, str]
+
+DEFAULT_TIMEOUT_S = 180.0
+"""Collective / rendezvous timeout a human would wait for, not torch's 30 minutes."""
+
+
+def current() -> Environ:
+    """Snapshot of this process's environment."""
+    return dict(os.environ)
+
+
+def get_int(env: Environ, *names: str) -> int | None:
+    """First of ``names`` that is set, as an int; ``None`` when none is set."""
+    for name in names:
+        value = env.get(name)
+        if value is not None and value.strip() != "":
+            return int(value)
+    return None
+
+
+def get_str(env: Environ, *names: str) -> str | None:
+    """First of ``names`` that is set and non-empty."""
+    for name in names:
+        value = env.get(name)
+        if value:
+            return value
+    return None
+
+
+def timeout_s(env: Environ) -> float:
+    """Collective timeout: ``MANYGPU_TIMEOUT`` seconds, else the default."""
+    raw = env.get("MANYGPU_TIMEOUT")
+    return float(raw) if raw else DEFAULT_TIMEOUT_S
+
+
+def debug_enabled(env: Environ) -> bool:
+    """``MANYGPU_DEBUG=1`` turns on cross-rank consistency checks."""
+    return env.get("MANYGPU_DEBUG", "0").lower() in {"1", "true", "yes", "on"}
+
+
+def user_set_threads(env: Environ) -> bool:
+    """Whether the user chose a thread count, which we then respect."""
+    return bool(env.get("OMP_NUM_THREADS"))
+
+
+def visible_devices(env: Environ) -> list[str] | None:
+    """``CUDA_VISIBLE_DEVICES`` split into entries, ``None`` when unset."""
+    raw = env.get("CUDA_VISIBLE_DEVICES")
+    if raw is None:
+        return None
+    return [part.strip() for part in raw.split(",") if part.strip()]

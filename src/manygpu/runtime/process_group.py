@@ -1,0 +1,97 @@
+"""Process-group set-up and teardown with a timeout a human would wait for."""
+
+from __future__ import annotations
+
+import datetime as dt
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from manygpu.runtime.cluster import ClusterInfo
+
+
+@dataclass(frozen=True, kw_only=True)
+class DistContext:
+    """Everything a strategy needs to know about the job it runs in."""
+
+    cluster: ClusterInfo
+    """Ranks and rendezvous address."""
+    device: torch.device
+    """The device this process drives."""
+    backend: str
+    """Collective backend of the default group."""
+    timeout_s: float
+    """Timeout of every collective and of the rendezvous."""
+    owns_group: bool
+    """Whether we created the default group, and so must destroy it."""
+
+    @property
+    def rank(self) -> int:
+        return self.cluster.rank
+
+    @property
+    def world_size(self) -> int:
+        return self.cluster.world_size
+
+
+def init_distributed(
+    cluster: ClusterInfo,
+    *,
+    device: torch.device,
+    backend: str,
+    timeout_s: float,
+    force: bool = False,
+) -> DistContext:
+    """Join (or create) the default process group.
+
+    Args:
+        cluster: where this process stands in the job.
+        device: this process's device; NCCL binds the group to it so the first
+            collective does not guess.
+        backend: ``"nccl"``, ``"gloo"``...
+        timeout_s: applies to the rendezvous and to every collective.
+        force: create a one-process group even when alone, for strategies (DDP)
+            that need a group whatever the world size.
+    """
+    if dist.is_initialized():
+        return DistContext(
+            cluster=cluster, device=device, backend=dist.get_backend(),
+            timeout_s=timeout_s, owns_group=False,
+        )
+    if cluster.world_size == 1 and not force:
+        return DistContext(
+            cluster=cluster, device=device, backend=backend, timeout_s=timeout_s, owns_group=False
+        )
+    timeout = dt.timedelta(seconds=timeout_s)
+    kwargs = {"device_id": device} if device.type == "cuda" else {}
+    if cluster.world_size == 1:
+        # No peers: an in-memory store, no port, nothing to collide with.
+        dist.init_process_group(
+            backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout, **kwargs
+        )
+    else:
+        dist.init_process_group(
+            backend,
+            init_method=f"tcp://{_bracket(cluster.master_addr)}:{cluster.master_port}"
+            if cluster.source in {"slurm", "mpi"}
+            else "env://",
+            rank=cluster.rank,
+            world_size=cluster.world_size,
+            timeout=timeout,
+            **kwargs,
+        )
+    return DistContext(
+        cluster=cluster, device=device, backend=backend, timeout_s=timeout_s, owns_group=True
+    )
+
+
+def _bracket(host: str) -> str:
+    """IPv6 literals need brackets inside a URL."""
+    return f"[{host}]" if ":" in host and not host.startswith("[") else host
+
+
+def teardown(ctx: DistContext) -> None:
+    """Destroy the default group if we created it (safe to call twice)."""
+    if ctx.owns_group and dist.is_initialized():
+        dist.destroy_process_group()

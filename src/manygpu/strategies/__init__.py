@@ -1,0 +1,11 @@
+"""Strategies: how a model, its optimizer and its data are spread over ranks.
+
+Importing this package registers the built-in strategies.
+"""
+
+from manygpu.strategies import ddp, dp, single  # noqa: F401  (registration)
+from manygpu.strategies.base import Strategy, StrategyOptions
+from manygpu.strategies.options import DDPOptions
+from manygpu.strategies.registry import available, get_strategy, register
+
+__all__ = ["DDPOptions", "Strategy", "StrategyOptions", "available", "get_strategy", "register"]

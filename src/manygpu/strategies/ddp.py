@@ -1,0 +1,59 @@
+"""``DistributedDataParallel``: one process per device, gradients all-reduced."""
+
+from __future__ import annotations
+
+import inspect
+from typing import Any
+
+from torch import nn
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+from torch.nn.parallel import DistributedDataParallel
+
+from manygpu.strategies.base import Strategy
+from manygpu.strategies.registry import register
+
+_HOOKS = {
+    "fp16": default_hooks.fp16_compress_hook,
+    "bf16": default_hooks.bf16_compress_hook,
+}
+
+
+def _buffer_sync_kwarg(enabled: bool) -> dict[str, Any]:
+    """torch 2.13 renamed ``broadcast_buffers`` to ``forward_sync_buffers``; older has the old."""
+    params = inspect.signature(DistributedDataParallel.__init__).parameters
+    name = "forward_sync_buffers" if "forward_sync_buffers" in params else "broadcast_buffers"
+    return {name: enabled}
+
+
+@register("ddp")
+class DDPStrategy(Strategy):
+    """Replicate the model on every rank; DDP overlaps all-reduce with backward."""
+
+    needs_process_group = True
+    shards_data = True
+
+    def setup_module(self, module: nn.Module) -> nn.Module:
+        opts = self.options.ddp
+        module = module.to(self.ctx.device)
+        device_ids = [self.ctx.device.index] if self.ctx.device.type == "cuda" else None
+        ddp = DistributedDataParallel(
+            module,
+            device_ids=device_ids,
+            bucket_cap_mb=opts.bucket_cap_mb,
+            find_unused_parameters=opts.find_unused_parameters,
+            static_graph=opts.static_graph,
+            **_buffer_sync_kwarg(opts.sync_buffers),
+            gradient_as_bucket_view=opts.gradient_as_bucket_view,
+        )
+        if opts.grad_compression != "none":
+            ddp.register_comm_hook(state=None, hook=_HOOKS[opts.grad_compression])
+        return ddp
+
+    def set_grad_sync(self, module: nn.Module, enabled: bool) -> None:
+        # What ``no_sync()`` toggles; setting it directly lets accumulation work
+        # without the user wrapping forward *and* backward in a context.
+        if isinstance(module, DistributedDataParallel):
+            module.require_backward_grad_sync = enabled
+
+    def unwrap(self, module: nn.Module) -> nn.Module:
+        return module.module if isinstance(module, DistributedDataParallel) else module

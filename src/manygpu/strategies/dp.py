@@ -1,0 +1,49 @@
+"""``nn.DataParallel``: one process driving every visible GPU.
+
+Kept because the classic tutorials use it. It is slower than DDP (one Python
+thread scatters inputs and gathers outputs; the replicas are rebuilt every
+step), so we say so once.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import torch
+from torch import nn
+
+from manygpu.errors import UsageError
+from manygpu.runtime.cluster import ClusterInfo
+from manygpu.strategies.base import Strategy
+from manygpu.strategies.registry import register
+
+
+@register("dp")
+class DataParallelStrategy(Strategy):
+    """Single-process data parallelism over all visible GPUs."""
+
+    @classmethod
+    def validate_world(cls, cluster: ClusterInfo) -> None:
+        if cluster.world_size > 1:
+            raise UsageError(
+                "strategy 'dp' (nn.DataParallel) runs in one process that drives every GPU, "
+                f"but this job has {cluster.world_size} processes; use strategy='ddp'"
+            )
+
+    def setup_module(self, module: nn.Module) -> nn.Module:
+        warnings.warn(
+            "strategy 'dp' (nn.DataParallel) is kept for old scripts; 'ddp' is faster even "
+            "on one machine: run `manygpu launch script.py` with strategy='ddp'",
+            UserWarning,
+            stacklevel=3,
+        )
+        module = module.to(self.ctx.device)
+        if self.ctx.device.type == "cuda":
+            ids = list(range(torch.cuda.device_count()))
+            return nn.DataParallel(module, device_ids=ids, output_device=self.ctx.device)
+        # Without GPUs DataParallel just calls the module; keep the wrapper so
+        # the code path (and unwrap) is the one users get on a GPU machine.
+        return nn.DataParallel(module)
+
+    def unwrap(self, module: nn.Module) -> nn.Module:
+        return module.module if isinstance(module, nn.DataParallel) else module

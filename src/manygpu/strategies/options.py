@@ -1,0 +1,36 @@
+"""Per-strategy knobs, as frozen dataclasses that validate themselves."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+from manygpu.errors import UsageError
+
+GradCompression = Literal["none", "fp16", "bf16"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class DDPOptions:
+    """Knobs of ``DistributedDataParallel`` worth exposing."""
+
+    bucket_cap_mb: float = 25.0
+    """Gradient bucket size: bigger buckets, fewer all-reduces, later overlap."""
+    find_unused_parameters: bool = False
+    """Needed when some parameters get no gradient in a step; costs a graph walk."""
+    static_graph: bool = False
+    """Promise the graph is the same every step; lets DDP skip work."""
+    grad_compression: GradCompression = "none"
+    """Compress gradients to fp16/bf16 for the all-reduce (comm hook)."""
+    sync_buffers: bool = True
+    """Copy rank 0's buffers (e.g. BatchNorm stats) to all ranks each forward."""
+    gradient_as_bucket_view: bool = True
+    """Gradients alias the buckets: saves one copy and memory."""
+
+    def __post_init__(self) -> None:
+        if self.bucket_cap_mb <= 0:
+            raise UsageError(f"bucket_cap_mb must be > 0, got {self.bucket_cap_mb}")
+        if self.grad_compression not in ("none", "fp16", "bf16"):
+            raise UsageError(
+                f"unknown grad_compression {self.grad_compression!r}; choose none, fp16 or bf16"
+            )
