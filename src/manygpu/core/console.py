@@ -25,7 +25,7 @@ class MainConsole:
     def __init__(self, is_main: bool, rank: int) -> None:
         self.is_main = is_main
         self.rank = rank
-        self._console = Console(file=sys.stdout, highlight=False)
+        self._console = Console(file=sys.stdout, highlight=False, soft_wrap=True)
 
     def print(self, *objects: Any, **kwargs: Any) -> None:
         """``print`` on the main process only."""

@@ -22,6 +22,8 @@ from manygpu.strategies.registry import register
 class DataParallelStrategy(Strategy):
     """Single-process data parallelism over all visible GPUs."""
 
+    multi_process = False
+
     @classmethod
     def validate_world(cls, cluster: ClusterInfo) -> None:
         if cluster.world_size > 1:

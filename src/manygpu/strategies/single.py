@@ -14,6 +14,8 @@ from manygpu.strategies.registry import register
 class SingleDevice(Strategy):
     """Plain training on this process's device."""
 
+    multi_process = False
+
     @classmethod
     def validate_world(cls, cluster: ClusterInfo) -> None:
         if cluster.world_size > 1:

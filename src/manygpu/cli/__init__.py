@@ -1,0 +1,1 @@
+"""The ``manygpu`` command line: one small module per subcommand."""

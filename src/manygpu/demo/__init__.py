@@ -1,0 +1,1 @@
+"""The main job: real training of a small CNN on every local device."""

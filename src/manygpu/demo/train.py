@@ -1,0 +1,172 @@
+"""The demo's worker: run by ``manygpu demo`` once per device via ``manygpu launch``.
+
+Trains :class:`SimpleCNN` on the digits with the chosen strategy, reports loss
+and held-out accuracy per epoch on the main process, then measures one worker
+alone on the same per-worker batch to state the speed-up and scaling efficiency.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from dataclasses import asdict, dataclass, field
+
+import torch
+import torch.nn.functional as F
+from torch.utils.data import DataLoader
+
+from manygpu import Parallel
+from manygpu.demo.data import digits
+from manygpu.demo.model import SimpleCNN
+
+
+@dataclass
+class DemoResult:
+    """What the demo measured (written as JSON with ``--json``)."""
+
+    strategy: str
+    precision: str
+    workers: int
+    device: str
+    threads_per_worker: int
+    global_batch: int
+    epochs: int
+    losses: list[float] = field(default_factory=list)
+    accuracies: list[float] = field(default_factory=list)
+    samples_per_s: float = 0.0
+    single_worker_samples_per_s: float = 0.0
+
+    @property
+    def speedup(self) -> float:
+        return self.samples_per_s / self.single_worker_samples_per_s if self.single_worker_samples_per_s else 0.0
+
+    @property
+    def efficiency(self) -> float:
+        return self.speedup / self.workers if self.workers else 0.0
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="manygpu.demo.train")
+    p.add_argument("--epochs", type=int, default=6)
+    p.add_argument("--global-batch-size", type=int, default=64)
+    p.add_argument("--lr", type=float, default=2e-3)
+    p.add_argument("--strategy", default=None)
+    p.add_argument("--precision", default="fp32")
+    p.add_argument("--image-size", type=int, default=16)
+    p.add_argument("--json", default=None)
+    return p.parse_args(argv)
+
+
+def evaluate(par: Parallel, model: torch.nn.Module, loader: object) -> float:
+    """Held-out accuracy over every test sample exactly once, summed over ranks."""
+    model.eval()
+    counts = torch.zeros(2, device=par.device)
+    with torch.no_grad():
+        for x, y in loader:  # type: ignore[attr-defined]
+            counts[0] += (model(x).argmax(1) == y).sum()
+            counts[1] += y.numel()
+    model.train()
+    total = par.reduce(counts, "sum")
+    return float(total[0] / total[1])
+
+
+def train_epoch(par: Parallel, model: torch.nn.Module, opt: torch.optim.Optimizer, loader: object, epoch: int) -> tuple[float, float, int]:
+    """One epoch; returns (mean loss over ranks, seconds, samples seen by all ranks)."""
+    loss_sum = torch.zeros(1, device=par.device)
+    start, seen = time.perf_counter(), 0
+    for x, y in par.progress(loader, description=f"epoch {epoch}"):  # type: ignore[arg-type]
+        loss = F.cross_entropy(model(x), y)
+        par.backward(loss)
+        opt.step()
+        opt.zero_grad()
+        loss_sum += loss.detach()
+        seen += y.numel()
+        par.console.set_status(f"loss {loss.item():.3f}")
+    elapsed = time.perf_counter() - start
+    mean_loss = par.reduce(loss_sum / max(len(loader), 1), "mean")  # type: ignore[arg-type]
+    return float(mean_loss), elapsed, seen * par.world_size
+
+
+def single_worker_rate(par: Parallel, dataset: object, batch: int, steps: int, image_size: int) -> float:
+    """Samples/s of one worker training alone (same batch, same threads).
+
+    Runs on the main process while the others wait at a barrier, so it uses
+    exactly the CPU share one worker of the job had.
+    """
+    if not par.is_main:
+        return 0.0
+    model = SimpleCNN(image_size).to(par.device)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    loader = DataLoader(dataset, batch_size=batch, shuffle=True, drop_last=True)  # type: ignore[arg-type]
+    warmup, timed, start = 3, 0, 0.0
+    while timed < steps:
+        for i, (x, y) in enumerate(loader):
+            if i == warmup and start == 0.0:
+                start = time.perf_counter()
+            x, y = x.to(par.device), y.to(par.device)
+            with par.autocast():
+                loss = F.cross_entropy(model(x), y)
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            if start:
+                timed += 1
+            if timed >= steps:
+                break
+    if par.device.type == "cuda":
+        torch.cuda.synchronize()
+    return timed * batch / (time.perf_counter() - start)
+
+
+def main(argv: list[str] | None = None) -> DemoResult:
+    args = parse_args(argv)
+    with Parallel(strategy=args.strategy, precision=args.precision, split_batches=True) as par:
+        train_set, test_set = digits(args.image_size)
+        model = SimpleCNN(args.image_size)
+        opt = torch.optim.Adam(model.parameters(), lr=args.lr)
+        train = DataLoader(train_set, batch_size=args.global_batch_size, shuffle=True, drop_last=True)
+        model, opt, train = par.prepare(model, opt, train)
+        test = par.prepare_loader(DataLoader(test_set, batch_size=256), train=False)
+        result = DemoResult(
+            strategy=par.strategy_name, precision=args.precision, workers=par.world_size,
+            device=str(par.device), threads_per_worker=torch.get_num_threads(),
+            global_batch=args.global_batch_size, epochs=args.epochs,
+        )
+        par.print(f"[bold]manygpu demo[/]: {par.strategy_name} on {par.world_size} worker(s) "
+                  f"({par.device.type}, {result.threads_per_worker} thread(s) each), "
+                  f"{len(train_set)} training / {len(test_set)} held-out digits")
+        timed_s, timed_samples = 0.0, 0
+        for epoch in range(1, args.epochs + 1):
+            loss, seconds, samples = train_epoch(par, model, opt, train, epoch)
+            acc = evaluate(par, model, test)
+            result.losses.append(loss)
+            result.accuracies.append(acc)
+            if epoch > 1 or args.epochs == 1:  # epoch 1 includes warm-up
+                timed_s, timed_samples = timed_s + seconds, timed_samples + samples
+            par.print(f"epoch {epoch:2d}  loss {loss:.4f}  held-out accuracy {acc:.2%}  "
+                      f"({samples / seconds:,.0f} samples/s)")
+        result.samples_per_s = timed_samples / timed_s
+        per_worker = args.global_batch_size // par.world_size
+        steps = min(len(train), 40)
+        rate = single_worker_rate(par, train_set, per_worker, steps, args.image_size)
+        result.single_worker_samples_per_s = float(par.reduce(torch.tensor([rate]), "max"))
+        report(par, result, args.json)
+    return result
+
+
+def report(par: Parallel, result: DemoResult, json_path: str | None) -> None:
+    """Final lines on the main process, and the JSON file when asked."""
+    par.print(
+        f"final held-out accuracy {result.accuracies[-1]:.2%}; throughput {result.samples_per_s:,.0f} "
+        f"samples/s with {result.workers} worker(s) vs {result.single_worker_samples_per_s:,.0f} with one: "
+        f"speed-up {result.speedup:.2f}x, scaling efficiency {result.efficiency:.0%}"
+    )
+    if json_path and par.is_main:
+        payload = asdict(result) | {"speedup": result.speedup, "efficiency": result.efficiency}
+        with open(json_path, "w") as fh:
+            json.dump(payload, fh, indent=2)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,131 @@
+"""Start a :class:`LaunchSpec` with torch's elastic agent and report how it ended.
+
+We build torch's ``LaunchConfig`` and call ``elastic_launch`` exactly as
+``torchrun`` does; what we add is validation before, and a failure report
+after that names the failing rank and returns its exit code.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import sys
+from collections.abc import Mapping
+
+from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, Std
+from torch.distributed.elastic.multiprocessing.api import SignalException
+from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
+from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
+from manygpu.launch.netcheck import check_port_free, is_local_address, split_endpoint
+from manygpu.launch.spec import LaunchSpec
+
+DEFAULT_RDZV_TIMEOUT_S = 900.0
+
+
+def build_config(spec: LaunchSpec) -> LaunchConfig:
+    """torch's launch configuration for ``spec``."""
+    join_timeout = int(spec.timeout_s or DEFAULT_RDZV_TIMEOUT_S)
+    if spec.rdzv_backend == "static":
+        rdzv_configs: dict[str, object] = {"rank": spec.node_rank, "timeout": join_timeout}
+    else:
+        rdzv_configs = {"join_timeout": join_timeout}
+    return LaunchConfig(
+        min_nodes=spec.min_nodes,
+        max_nodes=spec.max_nodes,
+        nproc_per_node=spec.nproc_per_node,
+        run_id=spec.rdzv_id,
+        role="worker",
+        rdzv_endpoint=spec.rdzv_endpoint,
+        rdzv_backend=spec.rdzv_backend,
+        rdzv_configs=rdzv_configs,
+        max_restarts=spec.max_restarts,
+        local_addr=spec.local_addr,
+        # stdout stays live (progress bars); stderr is tee'd with a rank prefix so
+        # interleaved errors from several ranks can be told apart.
+        logs_specs=DefaultLogsSpecs(log_dir=spec.log_dir, tee=Std.ERR),
+        log_line_prefix_template="[rank${rank}]:",
+        shutdown_timeout=spec.shutdown_grace_s,
+    )
+
+
+def worker_command(spec: LaunchSpec) -> tuple[str, list[str]]:
+    """The executable and arguments each worker runs."""
+    head = ["-u", "-m", "manygpu.launch.worker"]
+    entry = ["-m", spec.entry] if spec.is_module else [spec.entry]
+    return sys.executable, [*head, *entry, *spec.args]
+
+
+def preflight(spec: LaunchSpec) -> None:
+    """Fail fast on a rendezvous port that is taken on this machine."""
+    host, port = split_endpoint(spec.rdzv_endpoint, 0)
+    hosts_store = spec.rdzv_backend == "c10d" or spec.node_rank == 0
+    if port and hosts_store and is_local_address(host):
+        check_port_free(host, port)
+
+
+def worker_env(spec: LaunchSpec) -> dict[str, str]:
+    """Variables to add to the environment the agent passes to workers."""
+    env = dict(spec.extra_env)
+    if spec.timeout_s is not None:
+        env["MANYGPU_TIMEOUT"] = str(spec.timeout_s)
+    return env
+
+
+def _root_failure(err: ChildFailedError) -> tuple[int, ProcessFailure]:
+    """The failure that caused the others: a recorded exception or exit code
+    before a death by signal (ranks we stopped die by SIGTERM/SIGKILL)."""
+
+    def key(item: tuple[int, ProcessFailure]) -> tuple[int, int, int, int]:
+        rank, failure = item
+        killed = 1 if failure.exitcode < 0 else 0
+        no_file = 0 if failure.error_file_data.get("message") else 1
+        return (killed, no_file, failure.timestamp, rank)
+
+    return min(err.failures.items(), key=key)
+
+
+def exit_code_of(failure: ProcessFailure) -> int:
+    """Shell convention: a death by signal N exits 128+N."""
+    return 128 - failure.exitcode if failure.exitcode < 0 else failure.exitcode
+
+
+def _describe(rank: int, failure: ProcessFailure) -> str:
+    if failure.exitcode < 0:
+        return f"rank {rank} was killed by {failure.signal_name()} (pid {failure.pid})"
+    message = failure.message
+    text = message.get("message", "") if isinstance(message, Mapping) else str(message)
+    if text.startswith("To enable traceback"):
+        text = ""
+    detail = f": {text}" if text else ""
+    return f"rank {rank} failed with exit code {failure.exitcode}{detail}"
+
+
+def report_failure(err: ChildFailedError) -> int:
+    """Print which ranks failed (root cause first) and return the job's exit code."""
+    root_rank, root = _root_failure(err)
+    print(f"manygpu: {_describe(root_rank, root)}", file=sys.stderr)
+    for rank, failure in sorted(err.failures.items()):
+        if rank != root_rank:
+            print(f"manygpu:   then {_describe(rank, failure)}", file=sys.stderr)
+    return exit_code_of(root)
+
+
+def launch(spec: LaunchSpec) -> int:
+    """Run the job to the end; returns its exit code (0, or the failing rank's)."""
+    preflight(spec)
+    logging.getLogger("torch.distributed.elastic").setLevel(logging.WARNING)
+    os.environ.update(worker_env(spec))
+    config = build_config(spec)
+    executable, args = worker_command(spec)
+    try:
+        elastic_launch(config, executable)(*args)
+    except ChildFailedError as err:
+        return report_failure(err)
+    except SignalException as exc:
+        # The agent has already stopped the workers; exit like the signal did.
+        return 128 + int(exc.sigval)
+    except KeyboardInterrupt:
+        return 128 + signal.SIGINT
+    return 0

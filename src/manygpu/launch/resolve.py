@@ -1,0 +1,174 @@
+"""Turn what the user typed (plus Slurm's environment) into a :class:`LaunchSpec`.
+
+Pure functions of their inputs, including the environment and the GPU count,
+so every rule is testable without GPUs or a Slurm cluster.
+"""
+
+from __future__ import annotations
+
+import os
+import uuid
+from dataclasses import dataclass
+
+from manygpu.errors import UsageError
+from manygpu.launch.netcheck import split_endpoint
+from manygpu.launch.spec import LaunchSpec
+from manygpu.runtime import env as envmod
+from manygpu.runtime.cluster import DEFAULT_PORT, slurm_master
+from manygpu.runtime.device import threads_per_process
+from manygpu.runtime.env import Environ
+
+CPU_DEFAULT_PROCS = 2
+"""Processes started on a machine without GPUs when the user names none."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class LaunchRequest:
+    """The launch options as typed; ``None`` means "not given"."""
+
+    entry: str
+    is_module: bool = False
+    args: tuple[str, ...] = ()
+    gpus: str | None = None
+    nproc_per_node: int | None = None
+    nnodes: str | None = None
+    node_rank: int | None = None
+    master_addr: str | None = None
+    master_port: int | None = None
+    rdzv_endpoint: str | None = None
+    rdzv_backend: str | None = None
+    rdzv_id: str | None = None
+    local_addr: str | None = None
+    max_restarts: int = 0
+    timeout_s: float | None = None
+    log_dir: str | None = None
+
+
+def parse_gpus(text: str, env: Environ, cuda_count: int) -> tuple[str, ...]:
+    """``"0,2"`` -> the ``CUDA_VISIBLE_DEVICES`` entries for those GPUs.
+
+    Indices refer to the GPUs this process sees, so an outer
+    ``CUDA_VISIBLE_DEVICES`` is honoured (index 0 = its first entry).
+    """
+    parts = [p.strip() for p in text.split(",")]
+    if text.strip().lower() == "all":
+        return tuple(_visible(env, cuda_count))
+    if not parts or any(not p.isdigit() for p in parts):
+        raise UsageError(
+            f"--gpus {text!r} is not a list of GPU indices; write e.g. --gpus 0,1 or --gpus all"
+        )
+    indices = [int(p) for p in parts]
+    if len(set(indices)) != len(indices):
+        raise UsageError(f"--gpus {text!r} names a GPU twice; list each GPU once")
+    missing = [i for i in indices if i >= cuda_count]
+    if missing:
+        have = f"GPUs 0..{cuda_count - 1}" if cuda_count else "no CUDA GPU"
+        raise UsageError(
+            f"--gpus names GPU {missing[0]} but this machine has {have}; "
+            "check nvidia-smi, or use --nproc-per-node N for CPU processes"
+        )
+    visible = _visible(env, cuda_count)
+    return tuple(visible[i] for i in indices)
+
+
+def _visible(env: Environ, cuda_count: int) -> list[str]:
+    outer = envmod.visible_devices(env)
+    return outer[:cuda_count] if outer is not None else [str(i) for i in range(cuda_count)]
+
+
+def parse_nnodes(text: str | None) -> tuple[int, int]:
+    """``"2"`` -> (2, 2); ``"1:4"`` -> (1, 4)."""
+    if text is None:
+        return 1, 1
+    lo, _, hi = text.partition(":")
+    try:
+        bounds = (int(lo), int(hi or lo))
+    except ValueError:
+        raise UsageError(f"--nnodes {text!r} is not N or MIN:MAX") from None
+    return bounds
+
+
+def _slurm_nodes(env: Environ) -> tuple[int, int, str, int] | None:
+    """(nnodes, node_rank, master_addr, port) when run by srun once per node."""
+    if envmod.get_str(env, "SLURM_JOB_ID") is None or envmod.get_str(env, "SLURM_STEP_ID") is None:
+        return None
+    nnodes = envmod.get_int(env, "SLURM_NNODES", "SLURM_JOB_NUM_NODES") or 1
+    ntasks = envmod.get_int(env, "SLURM_NTASKS") or nnodes
+    if nnodes <= 1 or ntasks != nnodes:
+        return None
+    addr, port = slurm_master(env)
+    return nnodes, envmod.get_int(env, "SLURM_NODEID") or 0, addr, port
+
+
+def _rendezvous(req: LaunchRequest, env: Environ, multi: bool) -> tuple[str, str, int]:
+    """(backend, endpoint, node_rank) for the request."""
+    slurm = _slurm_nodes(env) if req.nnodes is None else None
+    addr = req.master_addr or (slurm[2] if slurm else None)
+    port = req.master_port or (slurm[3] if slurm else None)
+    node_rank = req.node_rank if req.node_rank is not None else (slurm[1] if slurm else 0)
+    if req.rdzv_endpoint:
+        host, rport = split_endpoint(req.rdzv_endpoint, DEFAULT_PORT)
+        return req.rdzv_backend or "c10d", _join(host, rport), node_rank
+    if multi and addr is None:
+        raise UsageError(
+            "a job over several nodes needs to know where to meet: give --master-addr "
+            "(node 0's address) or --rdzv-endpoint HOST:PORT"
+        )
+    if addr is None and port is None:
+        # One node, nothing given: torchrun --standalone, a free port on loopback.
+        return req.rdzv_backend or "c10d", "127.0.0.1:0", 0
+    backend = req.rdzv_backend or "static"
+    return backend, _join(addr or "127.0.0.1", port or DEFAULT_PORT), node_rank
+
+
+def _join(host: str, port: int) -> str:
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
+def resolve(req: LaunchRequest, env: Environ, cuda_count: int) -> LaunchSpec:
+    """Validate ``req`` and fill in every default; raises ``UsageError`` on bad input."""
+    if not req.is_module and not os.path.isfile(req.entry):
+        raise UsageError(f"script {req.entry!r} not found; give the path of a Python file")
+    gpus = parse_gpus(req.gpus, env, cuda_count) if req.gpus is not None else None
+    if req.nproc_per_node is not None:
+        nproc = req.nproc_per_node
+    elif gpus is not None:
+        nproc = len(gpus)
+    else:
+        nproc = cuda_count or CPU_DEFAULT_PROCS
+    if req.nnodes is None and (slurm := _slurm_nodes(env)) is not None:
+        min_nodes = max_nodes = slurm[0]
+    else:
+        min_nodes, max_nodes = parse_nnodes(req.nnodes)
+    backend, endpoint, node_rank = _rendezvous(req, env, multi=max_nodes > 1)
+    return LaunchSpec(
+        entry=req.entry,
+        is_module=req.is_module,
+        args=req.args,
+        nproc_per_node=nproc,
+        gpus=gpus,
+        min_nodes=min_nodes,
+        max_nodes=max_nodes,
+        node_rank=node_rank,
+        rdzv_backend=backend,
+        rdzv_endpoint=endpoint,
+        rdzv_id=req.rdzv_id or envmod.get_str(env, "SLURM_JOB_ID") or f"manygpu-{uuid.uuid4().hex[:8]}",
+        local_addr=req.local_addr or ("127.0.0.1" if max_nodes == 1 else None),
+        max_restarts=req.max_restarts,
+        timeout_s=req.timeout_s,
+        log_dir=req.log_dir,
+        extra_env=_worker_env(env, nproc, gpus, single_node=max_nodes == 1),
+    )
+
+
+def _worker_env(env: Environ, nproc: int, gpus: tuple[str, ...] | None, single_node: bool) -> dict[str, str]:
+    """Variables the workers need on top of the agent's."""
+    extra: dict[str, str] = {}
+    if gpus is not None:
+        extra["CUDA_VISIBLE_DEVICES"] = ",".join(gpus)
+    if not envmod.user_set_threads(env):
+        extra["OMP_NUM_THREADS"] = str(threads_per_process(nproc))
+    if single_node and "GLOO_SOCKET_IFNAME" not in env and os.path.exists("/sys/class/net/lo"):
+        # All ranks are local: keep gloo off interfaces the hostname resolves to.
+        extra["GLOO_SOCKET_IFNAME"] = "lo"
+    return extra
