@@ -9,6 +9,7 @@ from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel
 
+from manygpu.errors import UsageError
 from manygpu.strategies.base import Strategy
 from manygpu.strategies.registry import register
 
@@ -34,6 +35,11 @@ class DDPStrategy(Strategy):
 
     def setup_module(self, module: nn.Module) -> nn.Module:
         opts = self.options.ddp
+        if opts.grad_compression == "bf16" and self.ctx.backend != "nccl":
+            raise UsageError(
+                "grad_compression='bf16' needs the NCCL backend (CUDA GPUs); "
+                "use grad_compression='fp16' with gloo"
+            )
         module = module.to(self.ctx.device)
         device_ids = [self.ctx.device.index] if self.ctx.device.type == "cuda" else None
         ddp = DistributedDataParallel(
