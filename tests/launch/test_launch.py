@@ -1,0 +1,138 @@
+"""``manygpu launch`` for real: torchrun scripts, failures, hangs, bad input."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+SCRIPTS = Path(__file__).parent / "scripts"
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def manygpu(*args: str, timeout: float = 90, cwd: Path | None = None,
+            env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    """Run the CLI as a user would, in a fresh process."""
+    full_env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE")}
+    full_env["PYTHONUNBUFFERED"] = "1"
+    full_env |= env or {}
+    return subprocess.run([sys.executable, "-m", "manygpu", *args], capture_output=True,
+                          text=True, timeout=timeout, cwd=cwd, env=full_env)
+
+
+def assert_gone(pid_dir: Path) -> None:
+    """Every worker that wrote its pid has exited (no orphans)."""
+    pids = [int(p.read_text()) for p in pid_dir.glob("pid*")]
+    assert pids, "the workers never started"
+    deadline = time.monotonic() + 5
+    while time.monotonic() < deadline:
+        alive = [p for p in pids if psutil.pid_exists(p)
+                 and psutil.Process(p).status() != psutil.STATUS_ZOMBIE]
+        if not alive:
+            return
+        time.sleep(0.2)
+    raise AssertionError(f"worker processes {alive} outlived the job")
+
+
+def test_torchrun_script_runs_unchanged(tmp_path: Path) -> None:
+    res = manygpu("launch", "--nproc-per-node", "2", str(SCRIPTS / "torchrun_style.py"),
+                  str(tmp_path), "--flag", "x")
+    assert res.returncode == 0, res.stderr
+    records = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+    for rank, rec in enumerate(records):
+        assert rec["RANK"] == str(rank) and rec["LOCAL_RANK"] == str(rank)
+        assert rec["WORLD_SIZE"] == "2" and rec["LOCAL_WORLD_SIZE"] == "2"
+        assert rec["GROUP_RANK"] == "0" and rec["MASTER_ADDR"] and rec["MASTER_PORT"]
+        assert rec["sum"] == 3.0
+        assert rec["argv"] == [str(tmp_path), "--flag", "x"]
+
+
+def test_module_launch(tmp_path: Path) -> None:
+    res = manygpu("launch", "--nproc-per-node", "2", "-m", "pkg.job", str(tmp_path), "a",
+                  cwd=SCRIPTS)
+    assert res.returncode == 0, res.stderr
+    for rank in range(2):
+        text = (tmp_path / f"module-rank{rank}").read_text()
+        assert text.startswith("__main__ ") and text.endswith(f"{tmp_path} a")
+
+
+def test_failing_rank_exception_propagates(tmp_path: Path) -> None:
+    res = manygpu("launch", "--nproc-per-node", "2", str(SCRIPTS / "fails.py"), "raise",
+                  str(tmp_path))
+    assert res.returncode == 1
+    assert "rank 1 failed with exit code 1: ValueError: boom from the failing rank" in res.stderr
+    assert "[rank1]:Traceback" in res.stderr  # the worker's own traceback, prefixed
+    assert_gone(tmp_path)
+
+
+def test_failing_rank_exit_code_propagates(tmp_path: Path) -> None:
+    res = manygpu("launch", "--nproc-per-node", "2", str(SCRIPTS / "fails.py"), "7",
+                  str(tmp_path))
+    assert res.returncode == 7, res.stderr
+    assert "rank 1 failed with exit code 7" in res.stderr
+    assert_gone(tmp_path)
+
+
+def test_hung_rank_ends_within_timeout(tmp_path: Path) -> None:
+    timeout = 5
+    start = time.monotonic()
+    res = manygpu("launch", "--nproc-per-node", "2", "--timeout", str(timeout),
+                  str(SCRIPTS / "hangs.py"), str(tmp_path), env={"PYTHONPATH": str(ROOT / "src")})
+    elapsed = time.monotonic() - start
+    assert res.returncode != 0
+    # Start-up (two torch imports on 2 cores) + timeout + stopping the other rank.
+    assert elapsed < timeout + 25, f"took {elapsed:.1f}s"
+    assert "rank 0: all_reduce[sum](float32[4]) did not complete within 5s" in res.stderr
+    assert_gone(tmp_path)
+
+
+def _one_line_error(res: subprocess.CompletedProcess[str], *needles: str) -> None:
+    assert res.returncode == 2, (res.returncode, res.stderr)
+    lines = [ln for ln in res.stderr.splitlines() if ln.strip()]
+    assert len(lines) == 1, res.stderr
+    assert "Traceback" not in res.stderr
+    for needle in needles:
+        assert needle in lines[0], lines[0]
+
+
+def test_bad_input_gives_one_line_and_exit_2(tmp_path: Path) -> None:
+    script = str(SCRIPTS / "torchrun_style.py")
+    _one_line_error(manygpu("launch", "--gpus", "0,x", script), "--gpus", "0,x")
+    _one_line_error(manygpu("launch", "--gpus", "7", script), "GPU 7")
+    _one_line_error(manygpu("launch", "--nproc-per-node", "0", script), "--nproc-per-node")
+    _one_line_error(manygpu("launch", str(tmp_path / "missing.py")), "not found")
+    _one_line_error(manygpu("launch", "--nnodes", "2", script), "--master-addr")
+    _one_line_error(manygpu("launch", "--timeout", "-1", script), "--timeout")
+    _one_line_error(manygpu("launch"), "SCRIPT")
+    _one_line_error(manygpu("demo", "--strategy", "nope"), "unknown strategy 'nope'", "ddp")
+    _one_line_error(manygpu("demo", "--precision", "fp8"), "unknown precision 'fp8'")
+    _one_line_error(manygpu("demo", "--workers", "2", "--global-batch-size", "1"),
+                    "smaller than the world size")
+
+
+def test_master_port_in_use(tmp_path: Path) -> None:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        sock.listen()
+        port = sock.getsockname()[1]
+        res = manygpu("launch", "--master-addr", "127.0.0.1", "--master-port", str(port),
+                      str(SCRIPTS / "torchrun_style.py"), str(tmp_path))
+    _one_line_error(res, f"master port {port}", "already in use")
+
+
+@pytest.mark.slow
+def test_demo_reaches_accuracy(tmp_path: Path) -> None:
+    out = tmp_path / "demo.json"
+    res = manygpu("demo", "--epochs", "5", "--json", str(out), timeout=170)
+    assert res.returncode == 0, res.stderr
+    result = json.loads(out.read_text())
+    assert result["workers"] == 2 and result["strategy"] == "ddp"
+    assert result["accuracies"][-1] >= 0.95
+    assert result["speedup"] > 0 and "scaling efficiency" in res.stdout
