@@ -80,8 +80,7 @@ def _root_failure(err: ChildFailedError) -> tuple[int, ProcessFailure]:
     def key(item: tuple[int, ProcessFailure]) -> tuple[int, int, int, int]:
         rank, failure = item
         killed = 1 if failure.exitcode < 0 else 0
-        no_file = 0 if failure.error_file_data.get("message") else 1
-        return (killed, no_file, failure.timestamp, rank)
+        return (_has_record(failure), killed, failure.timestamp, rank)
 
     return min(err.failures.items(), key=key)
 
@@ -91,14 +90,23 @@ def exit_code_of(failure: ProcessFailure) -> int:
     return 128 - failure.exitcode if failure.exitcode < 0 else failure.exitcode
 
 
-def _describe(rank: int, failure: ProcessFailure) -> str:
-    if failure.exitcode < 0:
-        return f"rank {rank} was killed by {failure.signal_name()} (pid {failure.pid})"
+def _has_record(failure: ProcessFailure) -> int:
+    """0 when the worker recorded its exception (the best root cause), else 1."""
+    return 0 if os.path.isfile(failure.error_file) else 1
+
+
+def _recorded_message(failure: ProcessFailure) -> str:
+    if _has_record(failure):
+        return ""
     message = failure.message
-    text = message.get("message", "") if isinstance(message, Mapping) else str(message)
-    if text.startswith("To enable traceback"):
-        text = ""
+    return str(message.get("message", "") if isinstance(message, Mapping) else message)
+
+
+def _describe(rank: int, failure: ProcessFailure) -> str:
+    text = _recorded_message(failure)
     detail = f": {text}" if text else ""
+    if failure.exitcode < 0:
+        return f"rank {rank} was killed by {failure.signal_name()} (pid {failure.pid}){detail}"
     return f"rank {rank} failed with exit code {failure.exitcode}{detail}"
 
 
@@ -116,6 +124,8 @@ def launch(spec: LaunchSpec) -> int:
     """Run the job to the end; returns its exit code (0, or the failing rank's)."""
     preflight(spec)
     logging.getLogger("torch.distributed.elastic").setLevel(logging.WARNING)
+    # Its per-worker "failed (exitcode ...)" lines repeat what report_failure says.
+    logging.getLogger("torch.distributed.elastic.multiprocessing.api").setLevel(logging.CRITICAL)
     os.environ.update(worker_env(spec))
     config = build_config(spec)
     executable, args = worker_command(spec)

@@ -47,8 +47,21 @@ def main() -> None:
     except BaseException as exc:
         _record(exc)
         traceback.print_exc()
+        sys.stdout.flush()
         sys.stderr.flush()
+        if _is_distributed_failure(exc):
+            # A collective is still pending in a backend thread; a normal
+            # interpreter exit would abort in C++ (SIGABRT) and hide the exit code.
+            os._exit(1)
         raise SystemExit(1) from None
+
+
+def _is_distributed_failure(exc: BaseException) -> bool:
+    from manygpu.errors import CollectiveTimeoutError
+
+    return isinstance(exc, CollectiveTimeoutError) or type(exc).__module__.startswith(
+        "torch.distributed"
+    )
 
 
 if __name__ == "__main__":
