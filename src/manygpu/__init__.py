@@ -6,7 +6,8 @@ The Python API is one object, :class:`Parallel`; the CLI is ``manygpu``
 
 from manygpu.core import Parallel, ParallelConfig
 from manygpu.errors import CollectiveTimeoutError, LaunchError, ManyGPUError, UsageError
-from manygpu.strategies import DDPOptions, available as available_strategies
+from manygpu.strategies import DDPOptions
+from manygpu.strategies import available as available_strategies
 
 __version__ = "0.1.0"
 

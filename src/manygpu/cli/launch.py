@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+from typing import Any
 
 import torch
 
@@ -18,31 +19,63 @@ one worker per local GPU, or 2 CPU workers (gloo) on a machine without GPUs.
 Under Slurm (srun, one task per node) the nodes and master come from Slurm."""
 
 
-def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
-    p = sub.add_parser("launch", help="run a script on many devices / nodes", description=HELP,
-                       formatter_class=argparse.RawDescriptionHelpFormatter)
+def add_parser(sub: Any) -> None:
+    p = sub.add_parser(
+        "launch",
+        help="run a script on many devices / nodes",
+        description=HELP,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     p.add_argument("--gpus", help="GPUs to use, e.g. 0,1 or all (sets CUDA_VISIBLE_DEVICES)")
-    p.add_argument("--nproc-per-node", "--nproc_per_node", type=positive_int, dest="nproc_per_node",
-                   help="workers on this node (default: GPUs, or 2 on CPU)")
+    p.add_argument(
+        "--nproc-per-node",
+        "--nproc_per_node",
+        type=positive_int,
+        dest="nproc_per_node",
+        help="workers on this node (default: GPUs, or 2 on CPU)",
+    )
     p.add_argument("--nnodes", help="nodes: N, or MIN:MAX for an elastic job")
     p.add_argument("--node-rank", "--node_rank", type=positive_int, dest="node_rank")
-    p.add_argument("--master-addr", "--master_addr", dest="master_addr",
-                   help="address of node 0 (static rendezvous)")
+    p.add_argument(
+        "--master-addr",
+        "--master_addr",
+        dest="master_addr",
+        help="address of node 0 (static rendezvous)",
+    )
     p.add_argument("--master-port", "--master_port", type=positive_int, dest="master_port")
-    p.add_argument("--rdzv-endpoint", "--rdzv_endpoint", dest="rdzv_endpoint",
-                   help="HOST:PORT of the c10d rendezvous (elastic jobs)")
-    p.add_argument("--rdzv-backend", "--rdzv_backend", dest="rdzv_backend",
-                   choices=("c10d", "static"))
+    p.add_argument(
+        "--rdzv-endpoint",
+        "--rdzv_endpoint",
+        dest="rdzv_endpoint",
+        help="HOST:PORT of the c10d rendezvous (elastic jobs)",
+    )
+    p.add_argument(
+        "--rdzv-backend", "--rdzv_backend", dest="rdzv_backend", choices=("c10d", "static")
+    )
     p.add_argument("--rdzv-id", "--rdzv_id", dest="rdzv_id", help="job id shared by all nodes")
-    p.add_argument("--local-addr", "--local_addr", dest="local_addr",
-                   help="address this node announces to the others")
-    p.add_argument("--max-restarts", "--max_restarts", type=positive_int, default=0,
-                   dest="max_restarts")
-    p.add_argument("--timeout", type=positive_float, dest="timeout_s",
-                   help="seconds before a stuck rendezvous or collective fails (default 180)")
+    p.add_argument(
+        "--local-addr",
+        "--local_addr",
+        dest="local_addr",
+        help="address this node announces to the others",
+    )
+    p.add_argument(
+        "--max-restarts", "--max_restarts", type=positive_int, default=0, dest="max_restarts"
+    )
+    p.add_argument(
+        "--timeout",
+        type=positive_float,
+        dest="timeout_s",
+        help="seconds before a stuck rendezvous or collective fails (default 180)",
+    )
     p.add_argument("--log-dir", "--log_dir", dest="log_dir", help="keep workers' logs here")
-    p.add_argument("-m", "--module", action="store_true", dest="is_module",
-                   help="run ENTRY as a module, like python -m")
+    p.add_argument(
+        "-m",
+        "--module",
+        action="store_true",
+        dest="is_module",
+        help="run ENTRY as a module, like python -m",
+    )
     p.add_argument("entry", metavar="SCRIPT", help="training script (or module with -m)")
     p.add_argument("args", nargs=argparse.REMAINDER, help="arguments for the script")
     p.set_defaults(run=run)

@@ -53,7 +53,9 @@ def _first_line(exc: BaseException) -> str:
     return text[0][:200] if text else type(exc).__name__
 
 
-def all_reduce(tensor: torch.Tensor, op: ReduceOp = "sum", *, timeout_s: float = 180.0) -> torch.Tensor:
+def all_reduce(
+    tensor: torch.Tensor, op: ReduceOp = "sum", *, timeout_s: float = 180.0
+) -> torch.Tensor:
     """Reduce ``tensor`` across ranks in place and return it.
 
     ``"mean"`` is a sum divided by the world size (integer tensors are

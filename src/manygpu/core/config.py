@@ -47,7 +47,9 @@ class ParallelConfig:
                 f"unknown precision {self.precision!r}; choose one of {', '.join(PRECISIONS)}"
             )
         if not isinstance(self.grad_accum_steps, int) or self.grad_accum_steps < 1:
-            raise UsageError(f"grad_accum_steps must be an integer >= 1, got {self.grad_accum_steps!r}")
+            raise UsageError(
+                f"grad_accum_steps must be an integer >= 1, got {self.grad_accum_steps!r}"
+            )
         if self.timeout_s is not None and self.timeout_s <= 0:
             raise UsageError(f"timeout_s must be > 0, got {self.timeout_s}")
 

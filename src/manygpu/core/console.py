@@ -11,6 +11,7 @@ from rich.progress import (
     BarColumn,
     MofNCompleteColumn,
     Progress,
+    TaskID,
     TextColumn,
     TimeElapsedColumn,
     TimeRemainingColumn,
@@ -26,13 +27,16 @@ class MainConsole:
         self.is_main = is_main
         self.rank = rank
         self._console = Console(file=sys.stdout, highlight=False, soft_wrap=True)
+        self._live: tuple[Progress, TaskID] | None = None
 
     def print(self, *objects: Any, **kwargs: Any) -> None:
         """``print`` on the main process only."""
         if self.is_main:
             self._console.print(*objects, **kwargs)
 
-    def progress(self, items: Iterable[T], description: str = "", total: int | None = None) -> Iterator[T]:
+    def progress(
+        self, items: Iterable[T], description: str = "", total: int | None = None
+    ) -> Iterator[T]:
         """Iterate ``items`` with a progress bar on the main process (when a terminal)."""
         if not self.is_main or not self._console.is_terminal:
             yield from items
@@ -49,16 +53,16 @@ class MainConsole:
         )
         with Progress(*columns, console=self._console, transient=True) as bar:
             task = bar.add_task(description, total=total, status="")
-            self._bar, self._task = bar, task
+            self._live = (bar, task)
             try:
                 for item in items:
                     yield item
                     bar.advance(task)
             finally:
-                self._bar = None
+                self._live = None
 
     def set_status(self, text: str) -> None:
         """Text shown at the end of the live progress bar (e.g. the loss)."""
-        bar = getattr(self, "_bar", None)
-        if bar is not None:
-            bar.update(self._task, status=text)
+        if self._live is not None:
+            bar, task = self._live
+            bar.update(task, status=text)

@@ -85,7 +85,7 @@ def _train_sampler(loader: DataLoader, rank: int, world: int, seed: int) -> Samp
         isinstance(sampler, DistributedSampler) and sampler.shuffle
     )
     return DistributedSampler(
-        loader.dataset,  # type: ignore[arg-type]
+        loader.dataset,
         num_replicas=world,
         rank=rank,
         shuffle=shuffle,
@@ -186,4 +186,3 @@ class PreparedLoader:
                 # gradient is carried into the next epoch unsynchronised.
                 self._on_last_batch()
             yield move_to_device(batch, self.device)
-

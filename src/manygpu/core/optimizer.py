@@ -25,16 +25,16 @@ class PreparedOptimizer(torch.optim.Optimizer):
         self._accumulator = accumulator
         self._precision = precision
 
-    @property  # type: ignore[override]
-    def param_groups(self) -> list[dict[str, Any]]:
+    @property
+    def param_groups(self) -> list[dict[str, Any]]:  # type: ignore[override]
         return self.optimizer.param_groups
 
-    @property  # type: ignore[override]
-    def state(self) -> Any:
+    @property
+    def state(self) -> Any:  # type: ignore[override]
         return self.optimizer.state
 
-    @property  # type: ignore[override]
-    def defaults(self) -> dict[str, Any]:
+    @property
+    def defaults(self) -> dict[str, Any]:  # type: ignore[override]
         return self.optimizer.defaults
 
     def step(self, closure: Any = None) -> None:  # type: ignore[override]
@@ -57,6 +57,25 @@ class PreparedOptimizer(torch.optim.Optimizer):
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         self.optimizer.add_param_group(param_group)
+
+    # Hooks live on the wrapped optimizer, whose step() is the one that runs.
+    def register_step_pre_hook(self, hook: Any) -> Any:
+        return self.optimizer.register_step_pre_hook(hook)
+
+    def register_step_post_hook(self, hook: Any) -> Any:
+        return self.optimizer.register_step_post_hook(hook)
+
+    def register_state_dict_pre_hook(self, hook: Any, prepend: bool = False) -> Any:
+        return self.optimizer.register_state_dict_pre_hook(hook, prepend)
+
+    def register_state_dict_post_hook(self, hook: Any, prepend: bool = False) -> Any:
+        return self.optimizer.register_state_dict_post_hook(hook, prepend)
+
+    def register_load_state_dict_pre_hook(self, hook: Any, prepend: bool = False) -> Any:
+        return self.optimizer.register_load_state_dict_pre_hook(hook, prepend)
+
+    def register_load_state_dict_post_hook(self, hook: Any, prepend: bool = False) -> Any:
+        return self.optimizer.register_load_state_dict_post_hook(hook, prepend)
 
     def __repr__(self) -> str:
         return f"PreparedOptimizer({self.optimizer!r})"

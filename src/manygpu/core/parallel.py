@@ -34,7 +34,13 @@ from manygpu.strategies import Strategy, StrategyOptions, get_strategy
 T = TypeVar("T")
 
 # Backend messages that mean "a peer never answered" rather than a bug in the model.
-_PEER_FAILURE_HINTS = ("timed out", "timeout", "connection closed", "connection reset", "broken pipe")
+_PEER_FAILURE_HINTS = (
+    "timed out",
+    "timeout",
+    "connection closed",
+    "connection reset",
+    "broken pipe",
+)
 
 
 class Parallel:
@@ -192,7 +198,9 @@ class Parallel:
         self._accumulator.advance()
         self._set_grad_sync(self._accumulator.next_is_boundary)
 
-    def clip_grad_norm_(self, parameters: Iterable[torch.Tensor] | nn.Module, max_norm: float) -> torch.Tensor:
+    def clip_grad_norm_(
+        self, parameters: Iterable[torch.Tensor] | nn.Module, max_norm: float
+    ) -> torch.Tensor:
         """Clip the true (unscaled) gradient norm; call only when :attr:`sync_gradients`."""
         for opt in self._optimizers:
             self.precision.unscale(opt.optimizer)
@@ -207,7 +215,10 @@ class Parallel:
 
     # -- collectives -----------------------------------------------------------
     def reduce(self, tensor: torch.Tensor, op: comm.collectives.ReduceOp = "mean") -> torch.Tensor:
-        """A new tensor: ``tensor`` reduced over ranks (``"mean"``, ``"sum"``, ``"max"``, ``"min"``)."""
+        """A new tensor: ``tensor`` reduced over ranks.
+
+        ``op`` is ``"mean"``, ``"sum"``, ``"max"`` or ``"min"``; the input is left alone.
+        """
         return comm.all_reduce(tensor.detach().clone(), op, timeout_s=self.timeout_s)
 
     def gather(self, tensor: torch.Tensor) -> torch.Tensor:

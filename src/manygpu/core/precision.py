@@ -46,7 +46,7 @@ class PrecisionPlugin:
             with self.autocast():
                 return forward(*args, **kwargs)
 
-        module.forward = autocast_forward  # type: ignore[method-assign]
+        module.forward = autocast_forward
 
     def scale(self, loss: torch.Tensor) -> torch.Tensor:
         return self.scaler.scale(loss) if self.scaler is not None else loss

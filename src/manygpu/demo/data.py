@@ -13,7 +13,9 @@ from sklearn.model_selection import train_test_split
 from torch.utils.data import TensorDataset
 
 
-def digits(image_size: int = 16, test_fraction: float = 0.2, seed: int = 0) -> tuple[TensorDataset, TensorDataset]:
+def digits(
+    image_size: int = 16, test_fraction: float = 0.2, seed: int = 0
+) -> tuple[TensorDataset, TensorDataset]:
     """(train, test) datasets of normalised ``1 x image_size x image_size`` images.
 
     The split is stratified and seeded, so every rank builds the same one.
@@ -21,7 +23,9 @@ def digits(image_size: int = 16, test_fraction: float = 0.2, seed: int = 0) -> t
     bunch = load_digits()
     images = torch.tensor(bunch.images, dtype=torch.float32).unsqueeze(1) / 16.0
     if image_size != 8:
-        images = F.interpolate(images, size=(image_size, image_size), mode="bilinear", align_corners=False)
+        images = F.interpolate(
+            images, size=(image_size, image_size), mode="bilinear", align_corners=False
+        )
     images = (images - 0.5) / 0.5
     labels = torch.tensor(bunch.target, dtype=torch.long)
     train_idx, test_idx = train_test_split(

@@ -14,9 +14,10 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 import torch.nn.functional as F
-from torch.utils.data import DataLoader
+from torch.utils.data import DataLoader, TensorDataset
 
 from manygpu import Parallel
+from manygpu.core.data import PreparedLoader
 from manygpu.demo.data import digits
 from manygpu.demo.model import SimpleCNN
 
@@ -39,7 +40,11 @@ class DemoResult:
 
     @property
     def speedup(self) -> float:
-        return self.samples_per_s / self.single_worker_samples_per_s if self.single_worker_samples_per_s else 0.0
+        return (
+            self.samples_per_s / self.single_worker_samples_per_s
+            if self.single_worker_samples_per_s
+            else 0.0
+        )
 
     @property
     def efficiency(self) -> float:
@@ -58,12 +63,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def evaluate(par: Parallel, model: torch.nn.Module, loader: object) -> float:
+def evaluate(par: Parallel, model: torch.nn.Module, loader: PreparedLoader) -> float:
     """Held-out accuracy over every test sample exactly once, summed over ranks."""
     model.eval()
     counts = torch.zeros(2, device=par.device)
     with torch.no_grad():
-        for x, y in loader:  # type: ignore[attr-defined]
+        for x, y in loader:
             counts[0] += (model(x).argmax(1) == y).sum()
             counts[1] += y.numel()
     model.train()
@@ -71,11 +76,17 @@ def evaluate(par: Parallel, model: torch.nn.Module, loader: object) -> float:
     return float(total[0] / total[1])
 
 
-def train_epoch(par: Parallel, model: torch.nn.Module, opt: torch.optim.Optimizer, loader: object, epoch: int) -> tuple[float, float, int]:
+def train_epoch(
+    par: Parallel,
+    model: torch.nn.Module,
+    opt: torch.optim.Optimizer,
+    loader: PreparedLoader,
+    epoch: int,
+) -> tuple[float, float, int]:
     """One epoch; returns (mean loss over ranks, seconds, samples seen by all ranks)."""
     loss_sum = torch.zeros(1, device=par.device)
     start, seen = time.perf_counter(), 0
-    for x, y in par.progress(loader, description=f"epoch {epoch}"):  # type: ignore[arg-type]
+    for x, y in par.progress(loader, description=f"epoch {epoch}"):
         loss = F.cross_entropy(model(x), y)
         par.backward(loss)
         opt.step()
@@ -84,11 +95,13 @@ def train_epoch(par: Parallel, model: torch.nn.Module, opt: torch.optim.Optimize
         seen += y.numel()
         par.console.set_status(f"loss {loss.item():.3f}")
     elapsed = time.perf_counter() - start
-    mean_loss = par.reduce(loss_sum / max(len(loader), 1), "mean")  # type: ignore[arg-type]
+    mean_loss = par.reduce(loss_sum / max(len(loader), 1), "mean")
     return float(mean_loss), elapsed, seen * par.world_size
 
 
-def single_worker_rate(par: Parallel, dataset: object, batch: int, steps: int, image_size: int) -> float:
+def single_worker_rate(
+    par: Parallel, dataset: TensorDataset, batch: int, steps: int, image_size: int
+) -> float:
     """Samples/s of one worker training alone (same batch, same threads).
 
     Runs on the main process while the others wait at a barrier, so it uses
@@ -98,7 +111,7 @@ def single_worker_rate(par: Parallel, dataset: object, batch: int, steps: int, i
         return 0.0
     model = SimpleCNN(image_size).to(par.device)
     opt = torch.optim.Adam(model.parameters(), lr=1e-3)
-    loader = DataLoader(dataset, batch_size=batch, shuffle=True, drop_last=True)  # type: ignore[arg-type]
+    loader = DataLoader(dataset, batch_size=batch, shuffle=True, drop_last=True)
     warmup, timed, start = 3, 0, 0.0
     while timed < steps:
         for i, (x, y) in enumerate(loader):
@@ -125,17 +138,25 @@ def main(argv: list[str] | None = None) -> DemoResult:
         train_set, test_set = digits(args.image_size)
         model = SimpleCNN(args.image_size)
         opt = torch.optim.Adam(model.parameters(), lr=args.lr)
-        train = DataLoader(train_set, batch_size=args.global_batch_size, shuffle=True, drop_last=True)
+        train = DataLoader(
+            train_set, batch_size=args.global_batch_size, shuffle=True, drop_last=True
+        )
         model, opt, train = par.prepare(model, opt, train)
         test = par.prepare_loader(DataLoader(test_set, batch_size=256), train=False)
         result = DemoResult(
-            strategy=par.strategy_name, precision=args.precision, workers=par.world_size,
-            device=str(par.device), threads_per_worker=torch.get_num_threads(),
-            global_batch=args.global_batch_size, epochs=args.epochs,
+            strategy=par.strategy_name,
+            precision=args.precision,
+            workers=par.world_size,
+            device=str(par.device),
+            threads_per_worker=torch.get_num_threads(),
+            global_batch=args.global_batch_size,
+            epochs=args.epochs,
         )
-        par.print(f"[bold]manygpu demo[/]: {par.strategy_name} on {par.world_size} worker(s) "
-                  f"({par.device.type}, {result.threads_per_worker} thread(s) each), "
-                  f"{len(train_set)} training / {len(test_set)} held-out digits")
+        par.print(
+            f"[bold]manygpu demo[/]: {par.strategy_name} on {par.world_size} worker(s) "
+            f"({par.device.type}, {result.threads_per_worker} thread(s) each), "
+            f"{len(train_set)} training / {len(test_set)} held-out digits"
+        )
         timed_s, timed_samples = 0.0, 0
         for epoch in range(1, args.epochs + 1):
             loss, seconds, samples = train_epoch(par, model, opt, train, epoch)
@@ -144,8 +165,10 @@ def main(argv: list[str] | None = None) -> DemoResult:
             result.accuracies.append(acc)
             if epoch > 1 or args.epochs == 1:  # epoch 1 includes warm-up
                 timed_s, timed_samples = timed_s + seconds, timed_samples + samples
-            par.print(f"epoch {epoch:2d}  loss {loss:.4f}  held-out accuracy {acc:.2%}  "
-                      f"({samples / seconds:,.0f} samples/s)")
+            par.print(
+                f"epoch {epoch:2d}  loss {loss:.4f}  held-out accuracy {acc:.2%}  "
+                f"({samples / seconds:,.0f} samples/s)"
+            )
         result.samples_per_s = timed_samples / timed_s
         per_worker = args.global_batch_size // par.world_size
         steps = min(len(train), 40)
@@ -158,8 +181,9 @@ def main(argv: list[str] | None = None) -> DemoResult:
 def report(par: Parallel, result: DemoResult, json_path: str | None) -> None:
     """Final lines on the main process, and the JSON file when asked."""
     par.print(
-        f"final held-out accuracy {result.accuracies[-1]:.2%}; throughput {result.samples_per_s:,.0f} "
-        f"samples/s with {result.workers} worker(s) vs {result.single_worker_samples_per_s:,.0f} with one: "
+        f"final held-out accuracy {result.accuracies[-1]:.2%}; "
+        f"throughput {result.samples_per_s:,.0f} samples/s with {result.workers} worker(s) "
+        f"vs {result.single_worker_samples_per_s:,.0f} with one: "
         f"speed-up {result.speedup:.2f}x, scaling efficiency {result.efficiency:.0%}"
     )
     if json_path and par.is_main:

@@ -12,7 +12,9 @@ def split_endpoint(endpoint: str, default_port: int) -> tuple[str, int]:
     """``"host:port"`` / ``"[v6]:port"`` / ``"host"`` -> (host, port)."""
     text = endpoint.strip()
     if text.startswith("["):
-        host, _, rest = text[1:].partition("]")
+        host, closed, rest = text[1:].partition("]")
+        if not closed:
+            raise UsageError(f"rendezvous endpoint {endpoint!r} lacks the closing ']'")
         port_text = rest.removeprefix(":")
     elif text.count(":") == 1:
         host, port_text = text.split(":")

@@ -53,7 +53,7 @@ def parse_gpus(text: str, env: Environ, cuda_count: int) -> tuple[str, ...]:
     parts = [p.strip() for p in text.split(",")]
     if text.strip().lower() == "all":
         return tuple(_visible(env, cuda_count))
-    if not parts or any(not p.isdigit() for p in parts):
+    if not parts or any(not (p.isascii() and p.isdigit()) for p in parts):
         raise UsageError(
             f"--gpus {text!r} is not a list of GPU indices; write e.g. --gpus 0,1 or --gpus all"
         )
@@ -100,12 +100,19 @@ def _slurm_nodes(env: Environ) -> tuple[int, int, str, int] | None:
     return nnodes, envmod.get_int(env, "SLURM_NODEID") or 0, addr, port
 
 
-def _rendezvous(req: LaunchRequest, env: Environ, multi: bool) -> tuple[str, str, int]:
+def _rendezvous(
+    req: LaunchRequest, env: Environ, multi: bool, elastic: bool
+) -> tuple[str, str, int]:
     """(backend, endpoint, node_rank) for the request."""
     slurm = _slurm_nodes(env) if req.nnodes is None else None
     addr = req.master_addr or (slurm[2] if slurm else None)
-    port = req.master_port or (slurm[3] if slurm else None)
+    port = req.master_port if req.master_port is not None else (slurm[3] if slurm else None)
     node_rank = req.node_rank if req.node_rank is not None else (slurm[1] if slurm else 0)
+    if elastic and req.rdzv_backend == "static":
+        raise UsageError(
+            "--nnodes MIN:MAX needs the c10d rendezvous (static waits for MAX nodes); "
+            "drop --rdzv-backend static"
+        )
     if req.rdzv_endpoint:
         host, rport = split_endpoint(req.rdzv_endpoint, DEFAULT_PORT)
         return req.rdzv_backend or "c10d", _join(host, rport), node_rank
@@ -117,7 +124,8 @@ def _rendezvous(req: LaunchRequest, env: Environ, multi: bool) -> tuple[str, str
     if addr is None and port is None:
         # One node, nothing given: torchrun --standalone, a free port on loopback.
         return req.rdzv_backend or "c10d", "127.0.0.1:0", 0
-    backend = req.rdzv_backend or "static"
+    # Fixed node count: torchrun's static rendezvous; a range: c10d, the elastic one.
+    backend = req.rdzv_backend or ("c10d" if elastic else "static")
     return backend, _join(addr or "127.0.0.1", port or DEFAULT_PORT), node_rank
 
 
@@ -140,7 +148,9 @@ def resolve(req: LaunchRequest, env: Environ, cuda_count: int) -> LaunchSpec:
         min_nodes = max_nodes = slurm[0]
     else:
         min_nodes, max_nodes = parse_nnodes(req.nnodes)
-    backend, endpoint, node_rank = _rendezvous(req, env, multi=max_nodes > 1)
+    backend, endpoint, node_rank = _rendezvous(
+        req, env, multi=max_nodes > 1, elastic=min_nodes != max_nodes
+    )
     return LaunchSpec(
         entry=req.entry,
         is_module=req.is_module,
@@ -152,7 +162,9 @@ def resolve(req: LaunchRequest, env: Environ, cuda_count: int) -> LaunchSpec:
         node_rank=node_rank,
         rdzv_backend=backend,
         rdzv_endpoint=endpoint,
-        rdzv_id=req.rdzv_id or envmod.get_str(env, "SLURM_JOB_ID") or f"manygpu-{uuid.uuid4().hex[:8]}",
+        rdzv_id=req.rdzv_id
+        or envmod.get_str(env, "SLURM_JOB_ID")
+        or f"manygpu-{uuid.uuid4().hex[:8]}",
         local_addr=req.local_addr or ("127.0.0.1" if max_nodes == 1 else None),
         max_restarts=req.max_restarts,
         timeout_s=req.timeout_s,
@@ -161,7 +173,9 @@ def resolve(req: LaunchRequest, env: Environ, cuda_count: int) -> LaunchSpec:
     )
 
 
-def _worker_env(env: Environ, nproc: int, gpus: tuple[str, ...] | None, single_node: bool) -> dict[str, str]:
+def _worker_env(
+    env: Environ, nproc: int, gpus: tuple[str, ...] | None, single_node: bool
+) -> dict[str, str]:
     """Variables the workers need on top of the agent's."""
     extra: dict[str, str] = {}
     if gpus is not None:

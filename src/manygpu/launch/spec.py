@@ -50,20 +50,21 @@ class LaunchSpec:
 
     def __post_init__(self) -> None:
         if self.nproc_per_node < 1:
-            raise UsageError(
-                f"--nproc-per-node must be at least 1, got {self.nproc_per_node}"
-            )
+            raise UsageError(f"--nproc-per-node must be at least 1, got {self.nproc_per_node}")
         if not 1 <= self.min_nodes <= self.max_nodes:
             raise UsageError(
-                f"--nnodes {self.min_nodes}:{self.max_nodes} is not a valid range (need 1 <= MIN <= MAX)"
+                f"--nnodes {self.min_nodes}:{self.max_nodes} is not a valid range "
+                "(need 1 <= MIN <= MAX)"
             )
         if self.rdzv_backend not in RDZV_BACKENDS:
             raise UsageError(
-                f"unknown --rdzv-backend {self.rdzv_backend!r}; choose one of {', '.join(RDZV_BACKENDS)}"
+                f"unknown --rdzv-backend {self.rdzv_backend!r}; "
+                f"choose one of {', '.join(RDZV_BACKENDS)}"
             )
         if self.rdzv_backend == "static" and not 0 <= self.node_rank < self.max_nodes:
             raise UsageError(
-                f"--node-rank {self.node_rank} is outside 0..{self.max_nodes - 1} for --nnodes {self.max_nodes}"
+                f"--node-rank {self.node_rank} is outside 0..{self.max_nodes - 1} "
+                f"for --nnodes {self.max_nodes}"
             )
         if self.max_restarts < 0:
             raise UsageError(f"--max-restarts must be >= 0, got {self.max_restarts}")
@@ -71,7 +72,8 @@ class LaunchSpec:
             raise UsageError(f"--timeout must be > 0 seconds, got {self.timeout_s}")
         if self.gpus is not None and len(self.gpus) != self.nproc_per_node:
             raise UsageError(
-                f"--gpus lists {len(self.gpus)} GPUs but --nproc-per-node is {self.nproc_per_node}; "
+                f"--gpus lists {len(self.gpus)} GPUs "
+                f"but --nproc-per-node is {self.nproc_per_node}; "
                 "give one or the other"
             )
 

@@ -80,7 +80,9 @@ def _from_torchelastic(env: Environ) -> ClusterInfo | None:
 
 def slurm_master(env: Environ) -> tuple[str, int]:
     """Master address (first host of the allocation) and a port from the job id."""
-    nodelist = envmod.get_str(env, "SLURM_JOB_NODELIST", "SLURM_NODELIST", "SLURM_STEP_NODELIST")
+    # The step's nodes first: `srun -w b,c` inside an allocation of a,b,c must
+    # meet on b, where a task runs, not on the allocation's first node.
+    nodelist = envmod.get_str(env, "SLURM_STEP_NODELIST", "SLURM_JOB_NODELIST", "SLURM_NODELIST")
     addr = envmod.get_str(env, "MASTER_ADDR") or (
         expand_hostlist(nodelist)[0] if nodelist else "127.0.0.1"
     )
@@ -102,8 +104,11 @@ def _from_slurm(env: Environ) -> ClusterInfo | None:
         return None
     world = envmod.get_int(env, "SLURM_NTASKS") or 1
     nnodes = envmod.get_int(env, "SLURM_NNODES", "SLURM_JOB_NUM_NODES") or 1
-    per_node = envmod.get_str(env, "SLURM_NTASKS_PER_NODE", "SLURM_TASKS_PER_NODE") or ""
-    local_world = _first_count(per_node) or max(world // nnodes, 1)
+    per_node = envmod.get_str(
+        env, "SLURM_STEP_TASKS_PER_NODE", "SLURM_TASKS_PER_NODE", "SLURM_NTASKS_PER_NODE"
+    )
+    node_id = envmod.get_int(env, "SLURM_NODEID") or 0
+    local_world = _count_for_node(per_node or "", node_id) or max(world // nnodes, 1)
     addr, port = slurm_master(env)
     return ClusterInfo(
         source="slurm",
@@ -111,16 +116,21 @@ def _from_slurm(env: Environ) -> ClusterInfo | None:
         world_size=world,
         local_rank=envmod.get_int(env, "SLURM_LOCALID") or 0,
         local_world_size=local_world,
-        node_rank=envmod.get_int(env, "SLURM_NODEID") or 0,
+        node_rank=node_id,
         master_addr=addr,
         master_port=port,
     )
 
 
-def _first_count(tasks_per_node: str) -> int | None:
-    """``'4(x2),2'`` -> 4: Slurm's tasks-per-node for the first node."""
-    head = tasks_per_node.split(",")[0].split("(")[0]
-    return int(head) if head.isdigit() else None
+def _count_for_node(tasks_per_node: str, node_id: int) -> int | None:
+    """Slurm's compressed tasks-per-node (``'4(x2),2'``) for node ``node_id``."""
+    counts: list[int] = []
+    for item in filter(None, tasks_per_node.split(",")):
+        count, _, repeat = item.partition("(x")
+        if not count.isdigit():
+            return None
+        counts.extend([int(count)] * (int(repeat.rstrip(")")) if repeat else 1))
+    return counts[node_id] if node_id < len(counts) else None
 
 
 _MPI_VARS = {

@@ -10,6 +10,8 @@ from __future__ import annotations
 import os
 from collections.abc import Mapping
 
+from manygpu.errors import UsageError
+
 Environ = Mapping[str, str]
 
 DEFAULT_TIMEOUT_S = 180.0
@@ -26,7 +28,12 @@ def get_int(env: Environ, *names: str) -> int | None:
     for name in names:
         value = env.get(name)
         if value is not None and value.strip() != "":
-            return int(value)
+            try:
+                return int(value)
+            except ValueError:
+                raise UsageError(
+                    f"environment variable {name}={value!r} is not an integer"
+                ) from None
     return None
 
 

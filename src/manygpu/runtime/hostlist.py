@@ -16,7 +16,7 @@ def _split_top_level(text: str) -> list[str]:
     """Split on commas that are not inside brackets."""
     parts: list[str] = []
     depth = 0
-    current = []
+    current: list[str] = []
     for char in text:
         if char == "[":
             depth += 1

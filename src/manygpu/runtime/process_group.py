@@ -56,19 +56,27 @@ def init_distributed(
     """
     if dist.is_initialized():
         return DistContext(
-            cluster=cluster, device=device, backend=dist.get_backend(),
-            timeout_s=timeout_s, owns_group=False,
+            cluster=cluster,
+            device=device,
+            backend=dist.get_backend(),
+            timeout_s=timeout_s,
+            owns_group=False,
         )
     if cluster.world_size == 1 and not force:
         return DistContext(
             cluster=cluster, device=device, backend=backend, timeout_s=timeout_s, owns_group=False
         )
     timeout = dt.timedelta(seconds=timeout_s)
-    kwargs = {"device_id": device} if device.type == "cuda" else {}
+    device_id = device if device.type == "cuda" else None
     if cluster.world_size == 1:
         # No peers: an in-memory store, no port, nothing to collide with.
         dist.init_process_group(
-            backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout, **kwargs
+            backend,
+            store=dist.HashStore(),
+            rank=0,
+            world_size=1,
+            timeout=timeout,
+            device_id=device_id,
         )
     else:
         dist.init_process_group(
@@ -79,7 +87,7 @@ def init_distributed(
             rank=cluster.rank,
             world_size=cluster.world_size,
             timeout=timeout,
-            **kwargs,
+            device_id=device_id,
         )
     return DistContext(
         cluster=cluster, device=device, backend=backend, timeout_s=timeout_s, owns_group=True

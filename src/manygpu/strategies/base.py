@@ -8,7 +8,7 @@ asks which strategy it is talking to.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import ClassVar
 
 import torch
@@ -23,7 +23,7 @@ from manygpu.strategies.options import DDPOptions
 class StrategyOptions:
     """All strategy knobs; each strategy reads the part it owns."""
 
-    ddp: DDPOptions = DDPOptions()
+    ddp: DDPOptions = field(default_factory=DDPOptions)
     """Used by ``"ddp"``."""
 
 
