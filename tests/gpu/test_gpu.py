@@ -37,7 +37,7 @@ def _nccl_ddp(steps: int, batch: int) -> torch.Tensor:
         x, y = make_data(steps * batch)
         for step in range(steps):
             start = step * batch + par.rank * per
-            xb, yb = x[start:start + per].to(par.device), y[start:start + per].to(par.device)
+            xb, yb = x[start : start + per].to(par.device), y[start : start + per].to(par.device)
             par.backward(nn.functional.mse_loss(model(xb), yb))
             opt.step()
             opt.zero_grad()

@@ -41,7 +41,9 @@ def rank_env(rank: int, world: int, port: int) -> dict[str, str]:
     }
 
 
-def _entry(fn: Callable[..., Any], rank: int, env: dict[str, str], args: tuple[Any, ...], out: Any) -> None:
+def _entry(
+    fn: Callable[..., Any], rank: int, env: dict[str, str], args: tuple[Any, ...], out: Any
+) -> None:
     os.environ.update(env)
     import torch.distributed as dist
 

@@ -35,7 +35,7 @@ def reference_train(steps: int, batch: int, accum: int = 1, lr: float = 0.1) -> 
     for step in range(steps):
         for micro in range(accum):
             start = (step * accum + micro) * batch
-            loss = nn.functional.mse_loss(model(x[start:start + batch]), y[start:start + batch])
+            loss = nn.functional.mse_loss(model(x[start : start + batch]), y[start : start + batch])
             (loss / accum).backward()
         opt.step()
         opt.zero_grad()

@@ -17,14 +17,21 @@ SCRIPTS = Path(__file__).parent / "scripts"
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def manygpu(*args: str, timeout: float = 90, cwd: Path | None = None,
-            env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+def manygpu(
+    *args: str, timeout: float = 90, cwd: Path | None = None, env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess[str]:
     """Run the CLI as a user would, in a fresh process."""
     full_env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE")}
     full_env["PYTHONUNBUFFERED"] = "1"
     full_env |= env or {}
-    return subprocess.run([sys.executable, "-m", "manygpu", *args], capture_output=True,
-                          text=True, timeout=timeout, cwd=cwd, env=full_env)
+    return subprocess.run(
+        [sys.executable, "-m", "manygpu", *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        cwd=cwd,
+        env=full_env,
+    )
 
 
 def assert_gone(pid_dir: Path) -> None:
@@ -33,8 +40,11 @@ def assert_gone(pid_dir: Path) -> None:
     assert pids, "the workers never started"
     deadline = time.monotonic() + 5
     while time.monotonic() < deadline:
-        alive = [p for p in pids if psutil.pid_exists(p)
-                 and psutil.Process(p).status() != psutil.STATUS_ZOMBIE]
+        alive = [
+            p
+            for p in pids
+            if psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE
+        ]
         if not alive:
             return
         time.sleep(0.2)
@@ -42,8 +52,15 @@ def assert_gone(pid_dir: Path) -> None:
 
 
 def test_torchrun_script_runs_unchanged(tmp_path: Path) -> None:
-    res = manygpu("launch", "--nproc-per-node", "2", str(SCRIPTS / "torchrun_style.py"),
-                  str(tmp_path), "--flag", "x")
+    res = manygpu(
+        "launch",
+        "--nproc-per-node",
+        "2",
+        str(SCRIPTS / "torchrun_style.py"),
+        str(tmp_path),
+        "--flag",
+        "x",
+    )
     assert res.returncode == 0, res.stderr
     records = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
     for rank, rec in enumerate(records):
@@ -55,8 +72,9 @@ def test_torchrun_script_runs_unchanged(tmp_path: Path) -> None:
 
 
 def test_module_launch(tmp_path: Path) -> None:
-    res = manygpu("launch", "--nproc-per-node", "2", "-m", "pkg.job", str(tmp_path), "a",
-                  cwd=SCRIPTS)
+    res = manygpu(
+        "launch", "--nproc-per-node", "2", "-m", "pkg.job", str(tmp_path), "a", cwd=SCRIPTS
+    )
     assert res.returncode == 0, res.stderr
     for rank in range(2):
         text = (tmp_path / f"module-rank{rank}").read_text()
@@ -64,8 +82,9 @@ def test_module_launch(tmp_path: Path) -> None:
 
 
 def test_failing_rank_exception_propagates(tmp_path: Path) -> None:
-    res = manygpu("launch", "--nproc-per-node", "2", str(SCRIPTS / "fails.py"), "raise",
-                  str(tmp_path))
+    res = manygpu(
+        "launch", "--nproc-per-node", "2", str(SCRIPTS / "fails.py"), "raise", str(tmp_path)
+    )
     assert res.returncode == 1
     assert "rank 1 failed with exit code 1: ValueError: boom from the failing rank" in res.stderr
     assert "[rank1]:Traceback" in res.stderr  # the worker's own traceback, prefixed
@@ -73,8 +92,7 @@ def test_failing_rank_exception_propagates(tmp_path: Path) -> None:
 
 
 def test_failing_rank_exit_code_propagates(tmp_path: Path) -> None:
-    res = manygpu("launch", "--nproc-per-node", "2", str(SCRIPTS / "fails.py"), "7",
-                  str(tmp_path))
+    res = manygpu("launch", "--nproc-per-node", "2", str(SCRIPTS / "fails.py"), "7", str(tmp_path))
     assert res.returncode == 7, res.stderr
     assert "rank 1 failed with exit code 7" in res.stderr
     assert_gone(tmp_path)
@@ -83,8 +101,16 @@ def test_failing_rank_exit_code_propagates(tmp_path: Path) -> None:
 def test_hung_rank_ends_within_timeout(tmp_path: Path) -> None:
     timeout = 5
     start = time.monotonic()
-    res = manygpu("launch", "--nproc-per-node", "2", "--timeout", str(timeout),
-                  str(SCRIPTS / "hangs.py"), str(tmp_path), env={"PYTHONPATH": str(ROOT / "src")})
+    res = manygpu(
+        "launch",
+        "--nproc-per-node",
+        "2",
+        "--timeout",
+        str(timeout),
+        str(SCRIPTS / "hangs.py"),
+        str(tmp_path),
+        env={"PYTHONPATH": str(ROOT / "src")},
+    )
     elapsed = time.monotonic() - start
     assert res.returncode != 0
     # Start-up (two torch imports on 2 cores) + timeout + stopping the other rank.
@@ -113,8 +139,9 @@ def test_bad_input_gives_one_line_and_exit_2(tmp_path: Path) -> None:
     _one_line_error(manygpu("launch"), "SCRIPT")
     _one_line_error(manygpu("demo", "--strategy", "nope"), "unknown strategy 'nope'", "ddp")
     _one_line_error(manygpu("demo", "--precision", "fp8"), "unknown precision 'fp8'")
-    _one_line_error(manygpu("demo", "--workers", "2", "--global-batch-size", "1"),
-                    "smaller than the world size")
+    _one_line_error(
+        manygpu("demo", "--workers", "2", "--global-batch-size", "1"), "smaller than the world size"
+    )
 
 
 def test_master_port_in_use(tmp_path: Path) -> None:
@@ -122,8 +149,15 @@ def test_master_port_in_use(tmp_path: Path) -> None:
         sock.bind(("127.0.0.1", 0))
         sock.listen()
         port = sock.getsockname()[1]
-        res = manygpu("launch", "--master-addr", "127.0.0.1", "--master-port", str(port),
-                      str(SCRIPTS / "torchrun_style.py"), str(tmp_path))
+        res = manygpu(
+            "launch",
+            "--master-addr",
+            "127.0.0.1",
+            "--master-port",
+            str(port),
+            str(SCRIPTS / "torchrun_style.py"),
+            str(tmp_path),
+        )
     _one_line_error(res, f"master port {port}", "already in use")
 
 

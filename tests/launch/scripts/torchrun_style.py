@@ -11,7 +11,15 @@ dist.init_process_group("gloo")
 rank, world = dist.get_rank(), dist.get_world_size()
 t = torch.tensor([float(rank + 1)])
 dist.all_reduce(t)
-keys = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "GROUP_RANK")
+keys = (
+    "RANK",
+    "LOCAL_RANK",
+    "WORLD_SIZE",
+    "LOCAL_WORLD_SIZE",
+    "MASTER_ADDR",
+    "MASTER_PORT",
+    "GROUP_RANK",
+)
 record = {k: os.environ.get(k) for k in keys} | {"sum": t.item(), "argv": sys.argv[1:]}
 with open(os.path.join(sys.argv[1], f"rank{rank}.json"), "w") as fh:
     json.dump(record, fh)
