@@ -7,8 +7,6 @@ step), so we say so once.
 
 from __future__ import annotations
 
-import warnings
-
 import torch
 from torch import nn
 
@@ -16,6 +14,7 @@ from manygpu.errors import UsageError
 from manygpu.runtime.cluster import ClusterInfo
 from manygpu.strategies.base import Strategy
 from manygpu.strategies.registry import register
+from manygpu.warn import warn_user
 
 
 @register("dp")
@@ -33,11 +32,9 @@ class DataParallelStrategy(Strategy):
             )
 
     def setup_module(self, module: nn.Module) -> nn.Module:
-        warnings.warn(
+        warn_user(
             "strategy 'dp' (nn.DataParallel) is kept for old scripts; 'ddp' is faster even "
-            "on one machine: run `manygpu launch script.py` with strategy='ddp'",
-            UserWarning,
-            stacklevel=3,
+            "on one machine: run `manygpu launch script.py` with strategy='ddp'"
         )
         module = module.to(self.ctx.device)
         if self.ctx.device.type == "cuda":
