@@ -11,7 +11,7 @@ _PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__))
 
 def warn_user(message: str, category: type[Warning] = UserWarning) -> None:
     """``warnings.warn`` attributed to the first caller outside manygpu."""
-    level, frame = 1, sys._getframe(1)
+    level, frame = 2, sys._getframe(1)  # level 2 is our caller's frame
     while frame is not None and os.path.abspath(frame.f_code.co_filename).startswith(_PACKAGE_DIR):
         frame = frame.f_back  # type: ignore[assignment]
         level += 1
