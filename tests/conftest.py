@@ -19,8 +19,20 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 @pytest.fixture(autouse=True)
 def _no_job_env(monkeypatch: pytest.MonkeyPatch) -> None:
     """Tests start as a plain single process, whatever launched pytest."""
-    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR",
-                 "MASTER_PORT", "TORCHELASTIC_RUN_ID", "SLURM_PROCID", "SLURM_NTASKS",
-                 "SLURM_JOB_ID", "SLURM_STEP_ID", "OMPI_COMM_WORLD_RANK", "PMI_RANK",
-                 "MANYGPU_TIMEOUT"):
+    for name in (
+        "RANK",
+        "WORLD_SIZE",
+        "LOCAL_RANK",
+        "LOCAL_WORLD_SIZE",
+        "MASTER_ADDR",
+        "MASTER_PORT",
+        "TORCHELASTIC_RUN_ID",
+        "SLURM_PROCID",
+        "SLURM_NTASKS",
+        "SLURM_JOB_ID",
+        "SLURM_STEP_ID",
+        "OMPI_COMM_WORLD_RANK",
+        "PMI_RANK",
+        "MANYGPU_TIMEOUT",
+    ):
         monkeypatch.delenv(name, raising=False)

@@ -228,3 +228,17 @@ def test_elastic_range_with_master_addr_uses_c10d(tmp_path: Path) -> None:
 def test_unicode_digit_gpu_index_is_rejected() -> None:
     with pytest.raises(UsageError, match="--gpus"):
         parse_gpus("\u00b2", {}, 2)
+
+
+def test_nodes_of_one_job_share_the_run_id(tmp_path: Path) -> None:
+    script = tmp_path / "s.py"
+    script.write_text("")
+    ids = {
+        resolve(
+            LaunchRequest(entry=str(script), nnodes="2", node_rank=r, master_addr="10.0.0.1"),
+            {},
+            0,
+        ).rdzv_id
+        for r in range(2)
+    }
+    assert len(ids) == 1

@@ -148,8 +148,22 @@ class EmulatedCluster:
         elif rate is not None:
             # Token bucket: the burst must cover a timer tick at this rate, and the
             # queue (latency) must hold a bulk transfer's window, or TCP stalls.
-            self._in(ns, "tc", "qdisc", "add", "dev", dev, "root", "tbf", "rate", rate,
-                     "burst", "512kb", "latency", "100ms")
+            self._in(
+                ns,
+                "tc",
+                "qdisc",
+                "add",
+                "dev",
+                dev,
+                "root",
+                "tbf",
+                "rate",
+                rate,
+                "burst",
+                "512kb",
+                "latency",
+                "100ms",
+            )
 
     def _in(self, ns: str, *cmd: str) -> None:
         _sh(["ip", "netns", "exec", ns, *cmd])
@@ -168,8 +182,14 @@ class EmulatedCluster:
     ) -> list[subprocess.CompletedProcess[str]]:
         """Run one command per host at once; kill them all at ``timeout``."""
         procs = [
-            self.popen(i, argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env,
-                       start_new_session=True)
+            self.popen(
+                i,
+                argv,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                env=env,
+                start_new_session=True,
+            )
             for i, argv in enumerate(argv_for)
         ]
         results = []

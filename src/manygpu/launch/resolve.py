@@ -162,15 +162,22 @@ def resolve(req: LaunchRequest, env: Environ, cuda_count: int) -> LaunchSpec:
         node_rank=node_rank,
         rdzv_backend=backend,
         rdzv_endpoint=endpoint,
-        rdzv_id=req.rdzv_id
-        or envmod.get_str(env, "SLURM_JOB_ID")
-        or f"manygpu-{uuid.uuid4().hex[:8]}",
+        rdzv_id=req.rdzv_id or _default_run_id(env, multi_node=max_nodes > 1),
         local_addr=req.local_addr or ("127.0.0.1" if max_nodes == 1 else None),
         max_restarts=req.max_restarts,
         timeout_s=req.timeout_s,
         log_dir=req.log_dir,
         extra_env=_worker_env(env, nproc, gpus, single_node=max_nodes == 1),
     )
+
+
+def _default_run_id(env: Environ, multi_node: bool) -> str:
+    """Every node of a job must name the same run: never a random id across nodes."""
+    slurm_job = envmod.get_str(env, "SLURM_JOB_ID")
+    if slurm_job:
+        return slurm_job
+    # One node: a fresh id, so a leftover store of an earlier job can't be joined.
+    return "manygpu" if multi_node else f"manygpu-{uuid.uuid4().hex[:8]}"
 
 
 def _worker_env(
