@@ -23,12 +23,15 @@ class CollectiveTimeoutError(ManyGPUError, RuntimeError):
     waited in, so the person reading the log knows where the ranks diverged.
     """
 
-    def __init__(self, rank: int, operation: str, timeout_s: float, detail: str = "") -> None:
+    def __init__(
+        self, rank: int, operation: str, timeout_s: float | None, detail: str = ""
+    ) -> None:
         self.rank = rank
         self.operation = operation
         self.timeout_s = timeout_s
+        within = f"{timeout_s:g}s" if timeout_s is not None else "the process group's timeout"
         msg = (
-            f"rank {rank}: {operation} did not complete within {timeout_s:g}s; "
+            f"rank {rank}: {operation} did not complete within {within}; "
             "another rank never joined it (check that every rank runs the same "
             "collectives in the same order, or raise the timeout)"
         )

@@ -214,7 +214,7 @@ class Parallel:
             yield
 
     # -- collectives -----------------------------------------------------------
-    def reduce(self, tensor: torch.Tensor, op: comm.collectives.ReduceOp = "mean") -> torch.Tensor:
+    def reduce(self, tensor: torch.Tensor, op: comm.ReduceOp = "mean") -> torch.Tensor:
         """A new tensor: ``tensor`` reduced over ranks.
 
         ``op`` is ``"mean"``, ``"sum"``, ``"max"`` or ``"min"``; the input is left alone.
