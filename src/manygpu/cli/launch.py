@@ -26,6 +26,21 @@ def add_parser(sub: Any) -> None:
         description=HELP,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
+    add_launch_options(p)
+    p.add_argument(
+        "-m",
+        "--module",
+        action="store_true",
+        dest="is_module",
+        help="run ENTRY as a module, like python -m",
+    )
+    p.add_argument("entry", metavar="SCRIPT", help="training script (or module with -m)")
+    p.add_argument("args", nargs=argparse.REMAINDER, help="arguments for the script")
+    p.set_defaults(run=run)
+
+
+def add_launch_options(p: argparse.ArgumentParser) -> None:
+    """Where and how many workers: shared by every command that launches a job."""
     p.add_argument("--gpus", help="GPUs to use, e.g. 0,1 or all (sets CUDA_VISIBLE_DEVICES)")
     p.add_argument(
         "--nproc-per-node",
@@ -69,23 +84,18 @@ def add_parser(sub: Any) -> None:
         help="seconds before a stuck rendezvous or collective fails (default 180)",
     )
     p.add_argument("--log-dir", "--log_dir", dest="log_dir", help="keep workers' logs here")
-    p.add_argument(
-        "-m",
-        "--module",
-        action="store_true",
-        dest="is_module",
-        help="run ENTRY as a module, like python -m",
-    )
-    p.add_argument("entry", metavar="SCRIPT", help="training script (or module with -m)")
-    p.add_argument("args", nargs=argparse.REMAINDER, help="arguments for the script")
-    p.set_defaults(run=run)
 
 
 def run(ns: argparse.Namespace) -> int:
+    return launch_job(ns, ns.entry, ns.is_module, tuple(ns.args))
+
+
+def launch_job(ns: argparse.Namespace, entry: str, is_module: bool, args: tuple[str, ...]) -> int:
+    """Launch ``entry`` with the launch options parsed into ``ns``."""
     request = LaunchRequest(
-        entry=ns.entry,
-        is_module=ns.is_module,
-        args=tuple(ns.args),
+        entry=entry,
+        is_module=is_module,
+        args=args,
         gpus=ns.gpus,
         nproc_per_node=ns.nproc_per_node,
         nnodes=ns.nnodes,

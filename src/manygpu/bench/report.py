@@ -1,0 +1,137 @@
+"""Views on benchmark rows: a table, an alpha-beta fit, a plot, JSON."""
+
+from __future__ import annotations
+
+import json
+import platform
+from collections.abc import Sequence
+from dataclasses import dataclass
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from rich.console import Console
+from rich.table import Table
+
+from manygpu.bench.comm import CommRow
+
+
+def human_bytes(n: float) -> str:
+    for unit in ("B", "KB", "MB", "GB"):
+        if n < 1024 or unit == "GB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.4g} {unit}"
+        n /= 1024
+    return f"{n} GB"  # pragma: no cover
+
+
+def table(rows: Sequence[CommRow], title: str) -> Table:
+    """nccl-tests' columns: size, count, type, time, algbw, busbw, #wrong."""
+    out = Table(title=title)
+    for name in (
+        "op",
+        "algorithm",
+        "size",
+        "count",
+        "type",
+        "time (us)",
+        "algbw (GB/s)",
+        "busbw (GB/s)",
+        "#wrong",
+    ):
+        out.add_column(name, justify="left" if name in ("op", "algorithm", "type") else "right")
+    for r in rows:
+        out.add_row(
+            r.op,
+            r.algorithm,
+            human_bytes(r.bytes),
+            f"{r.count:,}",
+            r.dtype,
+            f"{r.time_us:,.1f}",
+            f"{r.algbw_gbs:.3f}",
+            f"{r.busbw_gbs:.3f}",
+            str(r.wrong),
+        )
+    return out
+
+
+@dataclass(frozen=True)
+class AlphaBeta:
+    """time = alpha + bytes * beta, fitted by least squares."""
+
+    alpha_us: float
+    """Fixed cost per operation (latency), microseconds."""
+    bandwidth_gbs: float
+    """1 / beta: the bandwidth the operation achieves on large messages, GB/s."""
+
+    def predict_us(self, nbytes: float) -> float:
+        return self.alpha_us + nbytes / (self.bandwidth_gbs * 1e3)
+
+
+def fit_alpha_beta(rows: Sequence[CommRow]) -> AlphaBeta:
+    """Fit one op/algorithm's rows (needs two sizes or more)."""
+    x = np.array([r.bytes for r in rows], dtype=float)
+    y = np.array([r.time_us for r in rows], dtype=float)
+    # Relative error matters at every size: weight by 1/time so small messages count.
+    beta, alpha = np.polyfit(x, y, 1, w=1.0 / y)
+    return AlphaBeta(alpha_us=max(float(alpha), 0.0), bandwidth_gbs=1.0 / float(beta) / 1e3)
+
+
+def fits(rows: Sequence[CommRow]) -> dict[str, AlphaBeta]:
+    """An alpha-beta fit per ``op/algorithm`` with at least two sizes."""
+    groups: dict[str, list[CommRow]] = {}
+    for r in rows:
+        groups.setdefault(f"{r.op}/{r.algorithm}", []).append(r)
+    return {k: fit_alpha_beta(v) for k, v in groups.items() if len({r.bytes for r in v}) >= 2}
+
+
+def plot(rows: Sequence[CommRow], path: Path, title: str) -> None:
+    """busbw vs size, one line per op/algorithm (log-log)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(8, 5))
+    groups: dict[str, list[CommRow]] = {}
+    for r in rows:
+        groups.setdefault(f"{r.op}/{r.algorithm}", []).append(r)
+    for name, group in groups.items():
+        ax.plot([r.bytes for r in group], [r.busbw_gbs for r in group], marker="o", label=name)
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xlabel("message size (bytes)")
+    ax.set_ylabel("bus bandwidth (GB/s)")
+    ax.set_title(title)
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def machine_info() -> dict[str, Any]:
+    import os
+
+    import torch
+
+    return {
+        "host": platform.node(),
+        "platform": platform.platform(),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "cpus": os.cpu_count(),
+        "cuda": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
+        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+    }
+
+
+def write_json(path: Path, payload: dict[str, Any]) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    tmp.write_text(json.dumps(payload, indent=2))
+    tmp.replace(path)
+
+
+def print_table(rows: Sequence[CommRow], title: str) -> None:
+    Console(soft_wrap=True, width=160).print(table(rows, title))
