@@ -11,15 +11,19 @@ import torch.distributed as dist
 from manygpu import Parallel
 from manygpu.bench import report
 from manygpu.bench.comm import SweepConfig, memcpy_gbs, sweep
+from manygpu.errors import UsageError
 
 
 def parse_size(text: str) -> int:
     """``"64M"`` -> 67108864; K, M, G are powers of 1024."""
     units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
-    text = text.strip().upper().removesuffix("B")
-    if text and text[-1] in units:
-        return int(float(text[:-1]) * units[text[-1]])
-    return int(text)
+    clean = text.strip().upper().removesuffix("B")
+    try:
+        if clean and clean[-1] in units:
+            return int(float(clean[:-1]) * units[clean[-1]])
+        return int(clean)
+    except ValueError:
+        raise UsageError(f"{text!r} is not a size; write e.g. 8, 64K, 1M or 1G") from None
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:

@@ -74,7 +74,9 @@ def fit_alpha_beta(rows: Sequence[CommRow]) -> AlphaBeta:
     y = np.array([r.time_us for r in rows], dtype=float)
     # Relative error matters at every size: weight by 1/time so small messages count.
     beta, alpha = np.polyfit(x, y, 1, w=1.0 / y)
-    return AlphaBeta(alpha_us=max(float(alpha), 0.0), bandwidth_gbs=1.0 / float(beta) / 1e3)
+    # Only latency-bound sizes: no slope to speak of, so no bandwidth estimate.
+    bandwidth = 1.0 / float(beta) / 1e3 if beta > 0 else float("nan")
+    return AlphaBeta(alpha_us=max(float(alpha), 0.0), bandwidth_gbs=bandwidth)
 
 
 def fits(rows: Sequence[CommRow]) -> dict[str, AlphaBeta]:
