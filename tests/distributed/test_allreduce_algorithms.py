@@ -33,10 +33,19 @@ def _property_run() -> int:
     try:
         n = par.world_size
 
-        @settings(derandomize=True, max_examples=12, deadline=None, database=None,
-                  phases=[Phase.explicit, Phase.generate])
-        @given(size=st.integers(0, 3000), dtype=st.sampled_from(DTYPES),
-               seed=st.integers(0, 2**16), shape2d=st.booleans())
+        @settings(
+            derandomize=True,
+            max_examples=12,
+            deadline=None,
+            database=None,
+            phases=[Phase.explicit, Phase.generate],
+        )
+        @given(
+            size=st.integers(0, 3000),
+            dtype=st.sampled_from(DTYPES),
+            seed=st.integers(0, 2**16),
+            shape2d=st.booleans(),
+        )
         @example(size=0, dtype="float32", seed=1, shape2d=False)
         @example(size=1, dtype="int64", seed=2, shape2d=False)
         @example(size=n + 1, dtype="float64", seed=3, shape2d=False)

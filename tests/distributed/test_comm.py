@@ -2,9 +2,8 @@
 
 from __future__ import annotations
 
-from typing import Any
-
 import time
+from typing import Any
 
 import torch
 from dist_harness import run_ranks

@@ -1,0 +1,81 @@
+"""The comm benchmark's pure parts: factors, config, alpha-beta fit, views."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from manygpu.bench import report
+from manygpu.bench.comm import CommRow, SweepConfig, bus_factor
+from manygpu.bench.comm_worker import parse_size
+from manygpu.errors import UsageError
+
+
+def _row(nbytes: int, time_us: float, algorithm: str = "ring") -> CommRow:
+    algbw = nbytes / time_us / 1e3
+    return CommRow(
+        op="all_reduce",
+        algorithm=algorithm,
+        bytes=nbytes,
+        count=nbytes // 4,
+        dtype="float32",
+        ranks=4,
+        time_us=time_us,
+        algbw_gbs=algbw,
+        busbw_gbs=algbw * 1.5,
+        wrong=0,
+    )
+
+
+def test_bus_factors_follow_nccl_tests() -> None:
+    assert bus_factor("all_reduce", 4) == pytest.approx(1.5)
+    assert bus_factor("all_gather", 4) == pytest.approx(0.75)
+    assert bus_factor("reduce_scatter", 8) == pytest.approx(7 / 8)
+    assert bus_factor("broadcast", 4) == 1.0
+
+
+def test_sizes_double_and_iterations_adapt() -> None:
+    cfg = SweepConfig(min_bytes=8, max_bytes=64)
+    assert cfg.sizes() == [8, 16, 32, 64]
+    assert cfg.iterations(8) > cfg.iterations(64 << 20)
+    assert SweepConfig(iters=3).iterations(8) == 3
+
+
+@pytest.mark.parametrize(
+    "kwargs, needle",
+    [
+        ({"ops": ("allreduce",)}, "unknown op"),
+        ({"algorithms": ("butterfly",)}, "unknown algorithm"),
+        ({"min_bytes": 64, "max_bytes": 8}, "min bytes"),
+        ({"dtype": "complex32"}, "dtype"),
+    ],
+)
+def test_bad_sweep_config(kwargs: dict[str, object], needle: str) -> None:
+    with pytest.raises(UsageError, match=needle):
+        SweepConfig(**kwargs)  # type: ignore[arg-type]
+
+
+def test_parse_size() -> None:
+    assert parse_size("8") == 8 and parse_size("64K") == 65536 and parse_size("1MB") == 1 << 20
+    with pytest.raises(UsageError, match="not a size"):
+        parse_size("12Q")
+
+
+def test_alpha_beta_fit_recovers_the_model() -> None:
+    alpha_us, gbs = 50.0, 0.125  # 1 Gbit/s
+    rows = [_row(s, alpha_us + s / (gbs * 1e3)) for s in (1 << 20, 4 << 20, 16 << 20, 64 << 20)]
+    fit = report.fit_alpha_beta(rows)
+    assert fit.alpha_us == pytest.approx(alpha_us, rel=1e-3)
+    assert fit.bandwidth_gbs == pytest.approx(gbs, rel=1e-6)
+    assert fit.predict_us(8 << 20) == pytest.approx(alpha_us + (8 << 20) / 125.0, rel=1e-6)
+
+
+def test_table_and_plot_views(tmp_path: Path) -> None:
+    rows = [_row(1 << 10, 100.0), _row(1 << 20, 900.0), _row(1 << 10, 80.0, "native")]
+    tbl = report.table(rows, "t")
+    assert tbl.row_count == 3 and len(tbl.columns) == 9
+    out = tmp_path / "plot.png"
+    report.plot(rows, out, "t")
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert set(report.fits(rows)) == {"all_reduce/ring"}  # native has one size only
