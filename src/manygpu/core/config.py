@@ -38,6 +38,10 @@ class ParallelConfig:
     """Force a device (``"cpu"``); default ``cuda:LOCAL_RANK`` or CPU."""
     ddp: DDPOptions = field(default_factory=DDPOptions)
     """Knobs of ``"ddp"``."""
+    debug: bool | None = None
+    """Check before each collective of :meth:`Parallel.reduce` / ``gather`` /
+    ``barrier`` that every rank calls the same one (shape, dtype); ``None``
+    reads ``MANYGPU_DEBUG``."""
 
     def __post_init__(self) -> None:
         if self.strategy is not None:

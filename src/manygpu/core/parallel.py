@@ -219,15 +219,17 @@ class Parallel:
 
         ``op`` is ``"mean"``, ``"sum"``, ``"max"`` or ``"min"``; the input is left alone.
         """
-        return comm.all_reduce(tensor.detach().clone(), op, timeout_s=self.timeout_s)
+        return comm.all_reduce(
+            tensor.detach().clone(), op, timeout_s=self.timeout_s, debug=self.config.debug
+        )
 
     def gather(self, tensor: torch.Tensor) -> torch.Tensor:
         """Every rank's ``tensor`` concatenated along dim 0, in rank order."""
-        return comm.all_gather(tensor.detach(), timeout_s=self.timeout_s)
+        return comm.all_gather(tensor.detach(), timeout_s=self.timeout_s, debug=self.config.debug)
 
     def barrier(self) -> None:
         """Wait for every rank (bounded by the timeout; names missing ranks on gloo)."""
-        comm.barrier(timeout_s=self.timeout_s)
+        comm.barrier(timeout_s=self.timeout_s, debug=self.config.debug)
 
     # -- utilities -------------------------------------------------------------
     def unwrap(self, model: nn.Module) -> nn.Module:
