@@ -85,3 +85,57 @@ def test_two_hosts_two_processes_match_single_process(tmp_path: Path) -> None:
         assert rec["master_addr"] == master  # rendezvous over the namespace network
         assert (rec["params"] - ref).abs().max().item() < 1e-5
         assert torch.equal(rec["params"], records[0]["params"])
+
+
+def _netns_names() -> str:
+    return subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+
+
+def test_torn_down_on_error() -> None:
+    names: list[str] = []
+    with pytest.raises(RuntimeError, match="boom"), EmulatedCluster(2) as cluster:
+        names = list(cluster.names)
+        raise RuntimeError("boom")
+    assert names and not any(n in _netns_names() for n in names)
+
+
+def test_torn_down_on_sigterm() -> None:
+    code = (
+        "import sys, time\n"
+        "from manygpu.emulate import EmulatedCluster\n"
+        "with EmulatedCluster(2) as c:\n"
+        "    print(' '.join(c.names), flush=True)\n"
+        "    time.sleep(60)\n"
+    )
+    proc = subprocess.Popen(
+        [sys.executable, "-c", code], stdout=subprocess.PIPE, text=True, env=_env()
+    )
+    assert proc.stdout is not None
+    names = proc.stdout.readline().split()
+    assert len(names) == 2 and all(n in _netns_names() for n in names)
+    proc.terminate()
+    proc.wait(timeout=30)
+    assert not any(n in _netns_names() for n in names)
+
+
+def test_module_cli_runs_a_command_per_host() -> None:
+    res = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "manygpu.emulate",
+            "--hosts",
+            "2",
+            "--",
+            "sh",
+            "-c",
+            "echo host={host} addr={addr} master={master}",
+        ],
+        capture_output=True,
+        text=True,
+        env=_env(),
+        timeout=60,
+    )
+    assert res.returncode == 0, res.stderr
+    assert "[host0] host=0 addr=10.213.0.1 master=10.213.0.1" in res.stdout
+    assert "[host1] host=1 addr=10.213.0.2 master=10.213.0.1" in res.stdout

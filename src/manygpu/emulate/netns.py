@@ -16,6 +16,7 @@ import os
 import shutil
 import signal
 import subprocess
+import threading
 import uuid
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
@@ -82,9 +83,11 @@ class EmulatedCluster:
 
     # -- life cycle -------------------------------------------------------------
     def __enter__(self) -> EmulatedCluster:
-        self._old_handlers = {
-            sig: signal.signal(sig, self._on_signal) for sig in (signal.SIGINT, signal.SIGTERM)
-        }
+        self._old_handlers = {}
+        if threading.current_thread() is threading.main_thread():  # signals: main thread only
+            self._old_handlers = {
+                sig: signal.signal(sig, self._on_signal) for sig in (signal.SIGINT, signal.SIGTERM)
+            }
         try:
             self._create()
         except BaseException:
