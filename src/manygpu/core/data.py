@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import random
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -35,6 +36,29 @@ class ShardSampler(Sampler[int]):
 
     def __len__(self) -> int:
         return len(range(self.rank, self.length, self.world))
+
+
+class ResumableSampler(Sampler[int]):
+    """A ``DistributedSampler`` that can start an epoch part-way through.
+
+    After a restart the loader must continue with the batch after the last one
+    trained on, with the same shuffle: skipping indices here costs nothing,
+    whereas skipping batches would load and collate them for nothing.
+    """
+
+    def __init__(self, base: DistributedSampler, batch_size: int) -> None:
+        self.base = base
+        self.batch_size = batch_size
+        self.skip_batches = 0
+
+    def set_epoch(self, epoch: int) -> None:
+        self.base.set_epoch(epoch)
+
+    def __iter__(self) -> Iterator[int]:
+        return itertools.islice(iter(self.base), self.skip_batches * self.batch_size, None)
+
+    def __len__(self) -> int:
+        return max(len(self.base) - self.skip_batches * self.batch_size, 0)
 
 
 def move_to_device(batch: Any, device: torch.device) -> Any:
@@ -74,7 +98,7 @@ def per_rank_batch(batch_size: int, world: int, split: bool) -> int:
     return batch_size // world
 
 
-def _train_sampler(loader: DataLoader, rank: int, world: int, seed: int) -> Sampler[int]:
+def _train_sampler(loader: DataLoader, rank: int, world: int, seed: int) -> DistributedSampler:
     sampler = loader.sampler
     if not isinstance(sampler, RandomSampler | SequentialSampler | DistributedSampler):
         raise UsageError(
@@ -117,7 +141,7 @@ def rebuild_loader(
         )
     batch = per_rank_batch(loader.batch_size, world, split_batches)
     if train:
-        sampler: Sampler[int] = _train_sampler(loader, rank, world, seed)
+        sampler: Sampler[int] = ResumableSampler(_train_sampler(loader, rank, world, seed), batch)
     else:
         sampler = ShardSampler(len(loader.dataset), rank, world)  # type: ignore[arg-type]
     return DataLoader(
@@ -131,7 +155,10 @@ def rebuild_loader(
         timeout=loader.timeout,
         worker_init_fn=loader.worker_init_fn or _seed_worker,
         multiprocessing_context=loader.multiprocessing_context,
-        generator=loader.generator,
+        # Our own generator: creating an iterator draws a seed from it, and from
+        # the global RNG otherwise, which would shift the model's random stream
+        # between a run and its resumption.
+        generator=loader.generator or torch.Generator(),
         prefetch_factor=loader.prefetch_factor if loader.num_workers else None,
         persistent_workers=loader.persistent_workers,
     )
@@ -149,15 +176,30 @@ class PreparedLoader:
         loader: DataLoader,
         device: torch.device,
         on_last_batch: Callable[[], None] | None = None,
+        generator_seed: int | None = None,
     ) -> None:
         self.loader = loader
+        self._generator_seed = generator_seed
         self.device = device
         self.epoch = 0
         self._on_last_batch = on_last_batch
+        self._position = (0, 0)  # (epoch being read, batches handed out in it)
 
-    def set_epoch(self, epoch: int) -> None:
-        """Start the next ``iter()`` at ``epoch`` (for resuming)."""
+    def set_epoch(self, epoch: int, skip_batches: int = 0) -> None:
+        """Start the next ``iter()`` at ``epoch``, after its first ``skip_batches`` (resuming)."""
         self.epoch = epoch
+        sampler = self.loader.sampler
+        if isinstance(sampler, ResumableSampler):
+            sampler.skip_batches = skip_batches
+        elif skip_batches:
+            raise ValueError("this loader cannot skip batches (evaluation loaders start at 0)")
+
+    def state_dict(self) -> dict[str, int]:
+        """Where reading stands: resuming from this continues with the next batch."""
+        return {"epoch": self._position[0], "batches": self._position[1]}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        self.set_epoch(int(state["epoch"]), int(state["batches"]))
 
     @property
     def dataset(self) -> Any:
@@ -176,13 +218,24 @@ class PreparedLoader:
 
     def __iter__(self) -> Iterator[Any]:
         sampler = self.loader.sampler
-        if isinstance(sampler, DistributedSampler):
+        if isinstance(sampler, DistributedSampler | ResumableSampler):
             sampler.set_epoch(self.epoch)
-        self.epoch += 1
+        skipped = sampler.skip_batches if isinstance(sampler, ResumableSampler) else 0
+        epoch, self.epoch = self.epoch, self.epoch + 1
+        if self._generator_seed is not None and self.loader.generator is not None:
+            # Worker seeds then depend on the epoch alone, not on how many epochs
+            # this process has run: a resumed epoch gets the same ones.
+            self.loader.generator.manual_seed(self._generator_seed + epoch)
         total = len(self.loader)
-        for index, batch in enumerate(self.loader):
-            if index == total - 1 and self._on_last_batch is not None:
-                # End a partial accumulation cycle with the epoch, so no
-                # gradient is carried into the next epoch unsynchronised.
-                self._on_last_batch()
-            yield move_to_device(batch, self.device)
+        try:
+            for index, batch in enumerate(self.loader):
+                if index == total - 1 and self._on_last_batch is not None:
+                    # End a partial accumulation cycle with the epoch, so no
+                    # gradient is carried into the next epoch unsynchronised.
+                    self._on_last_batch()
+                self._position = (epoch, skipped + index + 1)
+                yield move_to_device(batch, self.device)
+            self._position = (epoch + 1, 0)  # epoch done: resume at the next one
+        finally:
+            if isinstance(sampler, ResumableSampler):
+                sampler.skip_batches = 0  # only the resumed epoch starts late

@@ -183,7 +183,13 @@ class Parallel:
             pin_memory=self.device.type == "cuda",
         )
         hook = self._end_accumulation_cycle if train else None
-        return PreparedLoader(rebuilt, self.device, on_last_batch=hook)
+        # A generator of ours (the user gave none) is re-seeded per epoch.
+        seed = (
+            None
+            if loader.generator is not None
+            else ((self.config.seed or 0) * 1_000_003 + self.rank * 10_007)
+        )
+        return PreparedLoader(rebuilt, self.device, on_last_batch=hook, generator_seed=seed)
 
     # -- the training step -----------------------------------------------------
     def backward(self, loss: torch.Tensor) -> None:

@@ -36,6 +36,8 @@ class Strategy(ABC):
     """Create a group even for one process (DDP cannot work without one)."""
     shards_data: ClassVar[bool] = False
     """Whether each rank sees a different part of the data."""
+    checkpoint_format: ClassVar[str] = "full"
+    """``"full"`` (main rank writes one copy: replicated state) or ``"dcp"`` (sharded)."""
     multi_process: ClassVar[bool] = True
     """Whether a job of this strategy runs one process per device (else one in all)."""
 

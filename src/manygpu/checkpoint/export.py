@@ -1,0 +1,93 @@
+"""Look inside a checkpoint, and export its weights as safetensors for inference."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from manygpu.checkpoint import formats, layout
+from manygpu.checkpoint.layout import CheckpointError
+
+
+def locate(path: Path) -> Path:
+    """A step directory, or the newest good one under a checkpoint root."""
+    if (path / layout.META).is_file():
+        return path
+    for candidate in reversed(layout.committed(path)):
+        try:
+            return layout.verify(candidate).path
+        except CheckpointError:
+            continue
+    raise CheckpointError(f"no complete checkpoint in {path}")
+
+
+def model_state(path: Path) -> dict[str, torch.Tensor]:
+    """The model's full (consolidated) state dict, on CPU, from either format."""
+    meta = layout.read_meta(path)
+    if meta["format"] == "full":
+        state = torch.load(path / formats.MODEL, map_location="cpu", weights_only=True)
+        return dict(state)
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.format_utils import _EmptyStateDictLoadPlanner
+    from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
+
+    full: dict[str, Any] = {}
+    _load_state_dict(
+        full,
+        storage_reader=FileSystemReader(str(path / formats.SHARDS)),
+        planner=_EmptyStateDictLoadPlanner(),
+        no_dist=True,
+    )
+    return {k: v for k, v in full.get("model", {}).items() if isinstance(v, torch.Tensor)}
+
+
+def export_safetensors(path: Path, out: Path) -> dict[str, Any]:
+    """Write the model weights of the checkpoint at ``path`` to ``out``; returns a summary."""
+    from safetensors.torch import save_file
+
+    step_path = locate(path)
+    layout.verify(step_path)
+    state = {k: v.contiguous() for k, v in model_state(step_path).items()}
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_suffix(out.suffix + ".tmp")
+    save_file(state, str(tmp), metadata={"source": str(step_path)})
+    tmp.replace(out)
+    return {
+        "checkpoint": str(step_path),
+        "tensors": len(state),
+        "parameters": sum(v.numel() for v in state.values()),
+        "bytes": out.stat().st_size,
+    }
+
+
+def inspect(path: Path, *, hashes: bool = True) -> dict[str, Any]:
+    """What a checkpoint holds, and whether it verifies."""
+    step_path = locate(path)
+    meta = layout.read_meta(step_path)
+    try:
+        layout.verify(step_path, hashes=hashes)
+        status = "ok"
+    except CheckpointError as exc:
+        status = str(exc)
+    state = model_state(step_path) if status == "ok" else {}
+    dtypes = sorted({str(v.dtype).removeprefix("torch.") for v in state.values()})
+    return {
+        "path": str(step_path),
+        "status": status,
+        "step": meta.get("step"),
+        "epoch": meta.get("epoch"),
+        "format": meta.get("format"),
+        "world_size": meta.get("world_size"),
+        "strategy": meta.get("strategy"),
+        "precision": meta.get("precision"),
+        "created": meta.get("created"),
+        "loader": meta.get("loader"),
+        "extra": meta.get("extra"),
+        "files": {k: v["bytes"] for k, v in meta.get("files", {}).items()},
+        "bytes": sum(v["bytes"] for v in meta.get("files", {}).values()),
+        "model_tensors": len(state),
+        "model_parameters": sum(v.numel() for v in state.values()),
+        "dtypes": dtypes,
+    }

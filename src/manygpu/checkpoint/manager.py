@@ -1,0 +1,269 @@
+"""One call to save, one to resume: :class:`Checkpointer`.
+
+Saves model, optimizer, LR scheduler, grad scaler, step, the data loader's
+position inside its epoch, and every rank's RNGs; resume is exact (the same
+losses and final parameters as an uninterrupted run, bitwise on CPU fp32).
+Saves every ``every`` steps, keeps the newest ``keep``, and on SIGTERM (a
+preemption) saves at the next step boundary and exits cleanly.
+"""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import threading
+import warnings
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from manygpu import comm
+from manygpu.checkpoint import formats, layout, rng
+from manygpu.checkpoint.layout import CheckpointError
+from manygpu.errors import UsageError
+from manygpu.runtime import env as envmod
+
+if TYPE_CHECKING:
+    from manygpu.core.data import PreparedLoader
+    from manygpu.core.parallel import Parallel
+
+
+@dataclass
+class TrainState:
+    """Counters the loop owns; saved with every checkpoint."""
+
+    step: int = 0
+    """Optimizer steps taken."""
+    epoch: int = 0
+    """The epoch the loader is in (set on resume)."""
+    extra: dict[str, Any] = field(default_factory=dict)
+    """JSON-serialisable values of your own (best loss, ...)."""
+
+
+class Checkpointer:
+    """Save and resume a training job.
+
+    Args:
+        par: the job's :class:`~manygpu.Parallel`.
+        directory: where ``step-N`` directories go (shared by all ranks).
+        model: the prepared model; optimizer / scheduler / loader likewise.
+        every: save every this many steps in :meth:`after_step` (0: never).
+        keep: newest checkpoints kept; older ones are deleted after a save.
+        async_save: write in a background thread after a CPU snapshot, so
+            training stalls only for the copy (``full`` format).
+        handle_signals: on SIGTERM, save at the next :meth:`after_step` and exit 0.
+        requeue: under Slurm, also ``scontrol requeue`` the job before exiting.
+        format: ``"full"`` or ``"dcp"``; default: what the strategy needs.
+    """
+
+    def __init__(
+        self,
+        par: Parallel,
+        directory: str | Path,
+        *,
+        model: torch.nn.Module,
+        optimizer: torch.optim.Optimizer | None = None,
+        scheduler: Any = None,
+        loader: PreparedLoader | None = None,
+        every: int = 0,
+        keep: int = 3,
+        async_save: bool = False,
+        handle_signals: bool = True,
+        requeue: bool = False,
+        format: str | None = None,
+    ) -> None:
+        self.par = par
+        self.root = Path(directory)
+        inner_opt = getattr(optimizer, "optimizer", optimizer)  # PreparedOptimizer -> torch's
+        self.parts = formats.Parts(
+            model=par.unwrap(model),
+            wrapped=model,
+            optimizer=inner_opt,
+            scheduler=scheduler,
+            scaler=par.precision.scaler,
+        )
+        self.loader = loader
+        self.every, self.keep = every, keep
+        self.format = format or par.strategy.checkpoint_format
+        if self.format not in ("full", "dcp"):
+            raise UsageError(f"unknown checkpoint format {self.format!r}; choose full or dcp")
+        self.async_save = async_save and self.format == "full"
+        self.requeue = requeue
+        self._pending: threading.Thread | None = None
+        self._error: BaseException | None = None
+        self._preempted = False
+        if handle_signals and threading.current_thread() is threading.main_thread():
+            signal.signal(signal.SIGTERM, self._on_sigterm)
+
+    # -- saving -----------------------------------------------------------------
+    def save(self, state: TrainState) -> Path:
+        """Write a checkpoint of ``state`` (collective: every rank calls it)."""
+        self.wait()
+        tmp, final = layout.tmp_dir(self.root, state.step), layout.step_dir(self.root, state.step)
+        if self.par.is_main:
+            layout.remove_stale(self.root)
+            tmp.mkdir(parents=True, exist_ok=True)
+        self.par.barrier()
+        torch.save(rng.capture(), tmp / f"rng-rank{self.par.rank}.pt")
+        meta = self._meta(state)
+        if self.format == "dcp":
+            formats.write_dcp(tmp, self.parts)
+        files = (
+            formats.full_snapshot(self.parts) if self.format == "full" and self.par.is_main else {}
+        )
+        self.par.barrier()  # every rank's files are in tmp before the commit
+        if self.par.is_main:
+            if self.async_save:
+                self._pending = threading.Thread(
+                    target=self._finish,
+                    args=(tmp, final, meta, files),
+                    name="manygpu-checkpoint",
+                    daemon=False,
+                )
+                self._pending.start()
+            else:
+                self._finish(tmp, final, meta, files)
+        if not self.async_save:
+            self.par.barrier()  # nobody reads the directory before it is committed
+        return final
+
+    def _finish(self, tmp: Path, final: Path, meta: dict[str, Any], files: dict[str, Any]) -> None:
+        try:
+            formats.write_files(tmp, files)
+            layout.commit(tmp, final, meta)
+            layout.prune(self.root, self.keep)
+        except BaseException as exc:  # surfaced by wait() on the training thread
+            self._error = exc
+
+    def wait(self) -> None:
+        """Block until an asynchronous save has been committed (and raise its error)."""
+        if self._pending is not None:
+            self._pending.join()
+            self._pending = None
+        if self._error is not None:
+            error, self._error = self._error, None
+            raise CheckpointError(f"saving the checkpoint failed: {error}") from error
+
+    def _meta(self, state: TrainState) -> dict[str, Any]:
+        position = None
+        if self.loader is not None:
+            position = self.loader.state_dict()
+            state.epoch = position["epoch"]
+            position |= {"world": self.par.world_size, "batch_size": self.loader.batch_size or 0}
+        from manygpu import __version__
+
+        return {
+            "step": state.step,
+            "epoch": state.epoch,
+            "extra": state.extra,
+            "loader": position,
+            "world_size": self.par.world_size,
+            "strategy": self.par.strategy_name,
+            "format": self.format,
+            "precision": self.par.config.precision,
+            "manygpu": __version__,
+            "torch": torch.__version__,
+            "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        }
+
+    # -- the loop hook ----------------------------------------------------------
+    def after_step(self, state: TrainState) -> None:
+        """Call after each optimizer step: periodic saves, and save-and-exit on SIGTERM."""
+        flag = torch.tensor([1 if self._preempted else 0])
+        if self.par.world_size > 1:  # ranks may see the signal at different steps
+            comm.all_reduce(flag, "max", timeout_s=self.par.timeout_s)
+        if flag.item():
+            self.save(state)
+            self.wait()
+            self.par.print(f"manygpu: preempted: saved step {state.step} to {self.root}; exiting")
+            if self.requeue and self.par.is_main:
+                self._slurm_requeue()
+            self.par.close()
+            raise SystemExit(0)
+        if self.every and state.step % self.every == 0:
+            self.save(state)
+
+    # -- resuming ---------------------------------------------------------------
+    def resume(self, which: str | int | Path = "latest") -> TrainState:
+        """Load a checkpoint and return its counters (a fresh state when there is none).
+
+        ``"latest"`` takes the newest checkpoint that verifies (sizes and SHA-256)
+        and warns about any corrupt one it skips; a step number or a path must
+        verify or raise :class:`CheckpointError` naming the bad file.
+        """
+        self.wait()
+        verdict = ("none", "")
+        if self.par.is_main:
+            verdict = self._choose(which)
+        verdict = comm.broadcast_object(verdict, src=0)  # the main rank's files decide
+        kind, value = verdict
+        if kind == "error":
+            raise CheckpointError(value)
+        if kind == "none":
+            return TrainState()
+        path = Path(value)
+        meta = layout.read_meta(path)
+        reader = formats.read_dcp if meta["format"] == "dcp" else formats.read_full
+        reader(path, self.parts)
+        self._restore_rng(path, meta)
+        state = TrainState(
+            step=int(meta["step"]), epoch=int(meta["epoch"]), extra=dict(meta.get("extra") or {})
+        )
+        if self.loader is not None and meta.get("loader"):
+            state.epoch = self._restore_loader(meta["loader"])
+        self.par.barrier()
+        return state
+
+    def _choose(self, which: str | int | Path) -> tuple[str, str]:
+        if which == "latest":
+            for path in reversed(layout.committed(self.root)):
+                try:
+                    return "ok", str(layout.verify(path).path)
+                except CheckpointError as exc:
+                    warnings.warn(f"skipping it: {exc}", stacklevel=3)
+            return "none", ""
+        path = layout.step_dir(self.root, which) if isinstance(which, int) else Path(which)
+        try:
+            return "ok", str(layout.verify(path).path)
+        except CheckpointError as exc:
+            return "error", str(exc)
+
+    def _restore_rng(self, path: Path, meta: dict[str, Any]) -> None:
+        file = path / f"rng-rank{self.par.rank}.pt"
+        if meta["world_size"] == self.par.world_size and file.is_file():
+            rng.restore(torch.load(file, weights_only=True))
+            return
+        # Another world size: no saved stream belongs to this rank; derive one.
+        self.par.seed_everything((self.par.config.seed or 0) + 1000 * int(meta["step"]))
+
+    def _restore_loader(self, saved: dict[str, int]) -> int:
+        assert self.loader is not None
+        epoch, batches = int(saved["epoch"]), int(saved["batches"])
+        batch = self.loader.batch_size or 1
+        if saved["world"] != self.par.world_size or saved["batch_size"] != batch:
+            # Same number of global samples consumed, spread over the new ranks.
+            samples = batches * saved["world"] * saved["batch_size"]
+            batches = samples // (self.par.world_size * batch)
+            if samples % (self.par.world_size * batch):
+                warnings.warn(
+                    "resuming on another world size: the epoch restarts a few "
+                    "samples early (global batches no longer line up)",
+                    stacklevel=3,
+                )
+        self.loader.set_epoch(epoch, batches)
+        return epoch
+
+    def close(self) -> None:
+        """Wait for a pending save."""
+        self.wait()
+
+    def _on_sigterm(self, signum: int, frame: object) -> None:
+        self._preempted = True
+
+    def _slurm_requeue(self) -> None:
+        job = envmod.get_str(envmod.current(), "SLURM_JOB_ID")
+        if job:
+            subprocess.run(["scontrol", "requeue", job], check=False, timeout=30)
