@@ -108,7 +108,9 @@ def _dcp_state(parts: Parts) -> dict[str, Any]:
 
 def write_dcp(directory: Path, parts: Parts) -> None:
     """Every rank writes its shards into ``directory/shards`` (collective)."""
-    dcp.save(_dcp_state(parts), checkpoint_id=str(directory / SHARDS))
+    dcp.save(
+        _dcp_state(parts), checkpoint_id=str(directory / SHARDS), no_dist=not dist.is_initialized()
+    )
     if not dist.is_initialized() or dist.get_rank() == 0:
         torch.save(to_cpu_copy(parts.extras()), directory / EXTRAS)
 
@@ -117,7 +119,7 @@ def read_dcp(directory: Path, parts: Parts) -> None:
     """Load DCP shards into ``parts``, resharding to this world size (collective)."""
     state = _dcp_state(parts)
     try:
-        dcp.load(state, checkpoint_id=str(directory / SHARDS))
+        dcp.load(state, checkpoint_id=str(directory / SHARDS), no_dist=not dist.is_initialized())
     except Exception as exc:
         raise CheckpointError(f"checkpoint {directory} cannot be loaded: {exc}") from None
     optimizers = [parts.optimizer] if parts.optimizer is not None else []

@@ -101,7 +101,7 @@ class Checkpointer:
     # -- saving -----------------------------------------------------------------
     def save(self, state: TrainState) -> Path:
         """Write a checkpoint of ``state`` (collective: every rank calls it)."""
-        self.wait()
+        self._raise_everywhere()
         tmp, final = layout.tmp_dir(self.root, state.step), layout.step_dir(self.root, state.step)
         if self.par.is_main:
             layout.remove_stale(self.root)
@@ -127,8 +127,21 @@ class Checkpointer:
             else:
                 self._finish(tmp, final, meta, files)
         if not self.async_save:
-            self.par.barrier()  # nobody reads the directory before it is committed
+            self._raise_everywhere()  # nobody reads the directory before it is committed
         return final
+
+    def _raise_everywhere(self) -> None:
+        """Finish a pending save; if the main rank's commit failed, every rank raises."""
+        message = None
+        if self.par.is_main:
+            try:
+                self.wait()
+            except CheckpointError as exc:
+                message = str(exc)
+        if self.par.world_size > 1:
+            message = comm.broadcast_object(message, src=0)
+        if message is not None:
+            raise CheckpointError(message)
 
     def _finish(self, tmp: Path, final: Path, meta: dict[str, Any], files: dict[str, Any]) -> None:
         try:

@@ -1,0 +1,135 @@
+"""Checkpoints in one process: exact resume, atomicity, corruption, retention, safety, CLI."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from ckpt_job import build, train
+
+from manygpu import Parallel
+from manygpu.checkpoint import CheckpointError, TrainState, formats, layout
+from manygpu.checkpoint.export import export_safetensors, inspect
+
+
+def _run(
+    directory: Path, total: int, every: int, **kw: object
+) -> tuple[dict[int, float], torch.Tensor]:
+    with Parallel(strategy="single") as par:
+        return train(par, directory, total, every, **kw)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("fmt, async_save", [("full", False), ("full", True), ("dcp", False)])
+def test_resume_is_bit_identical(tmp_path: Path, fmt: str, async_save: bool) -> None:
+    ref_losses, ref_params = _run(tmp_path / "ref", 30, every=0)
+    _run(tmp_path / "ck", 17, every=5, fmt=fmt, async_save=async_save)  # "dies" after step 17
+    losses, params = _run(tmp_path / "ck", 30, every=5, fmt=fmt)  # resumes at step 15, mid-epoch
+    assert min(losses) == 16
+    assert all(losses[s] == ref_losses[s] for s in losses)  # exactly the same losses
+    assert torch.equal(params, ref_params)
+
+
+def test_crash_inside_save_keeps_the_previous_checkpoint(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    with Parallel(strategy="single") as par:
+        _, _, _, _, ckpt = build(par, tmp_path, every=0)
+        ckpt.save(TrainState(step=1))
+        real = torch.save
+        calls = {"n": 0}
+
+        def dying_save(obj: object, f: object, *a: object, **k: object) -> None:
+            calls["n"] += 1
+            if calls["n"] == 2:  # rng file written, then the model file "crashes"
+                raise OSError("disk died")
+            real(obj, f, *a, **k)  # type: ignore[arg-type]
+
+        monkeypatch.setattr(torch, "save", dying_save)
+        with pytest.raises(CheckpointError, match="disk died"):
+            ckpt.save(TrainState(step=2))
+        monkeypatch.setattr(torch, "save", real)
+        assert [p.name for p in layout.committed(tmp_path)] == ["step-00000001"]
+        assert (tmp_path / "step-00000002.tmp").exists()  # the debris is ignored...
+        assert ckpt.resume().step == 1
+        ckpt.save(TrainState(step=3))
+        assert not (tmp_path / "step-00000002.tmp").exists()  # ...and cleaned by the next save
+
+
+def test_corrupt_latest_falls_back_and_is_named(tmp_path: Path) -> None:
+    with Parallel(strategy="single") as par:
+        _, _, _, _, ckpt = build(par, tmp_path, every=0)
+        ckpt.save(TrainState(step=1))
+        ckpt.save(TrainState(step=2))
+        model_file = layout.step_dir(tmp_path, 2) / formats.MODEL
+        model_file.write_bytes(model_file.read_bytes()[:-10])  # truncated
+        with pytest.warns(UserWarning, match=r"step-00000002 is corrupt: model.pt has"):
+            assert ckpt.resume("latest").step == 1
+        with pytest.raises(CheckpointError, match=r"step-00000002 is corrupt: model.pt"):
+            ckpt.resume(2)
+        flipped = layout.step_dir(tmp_path, 1) / formats.OPTIM
+        data = bytearray(flipped.read_bytes())
+        data[len(data) // 2] ^= 0xFF  # same size, one bit pattern changed
+        flipped.write_bytes(bytes(data))
+        with pytest.raises(CheckpointError, match="optim.pt fails its SHA-256 check"):
+            ckpt.resume(1)
+
+
+def test_keeps_the_newest_k(tmp_path: Path) -> None:
+    with Parallel(strategy="single") as par:
+        _, _, _, _, ckpt = build(par, tmp_path, every=0)
+        ckpt.keep = 2
+        for step in range(1, 6):
+            ckpt.save(TrainState(step=step))
+        assert [p.name for p in layout.committed(tmp_path)] == ["step-00000004", "step-00000005"]
+
+
+class _Evil:
+    def __reduce__(self) -> tuple[object, tuple[str]]:
+        return (print, ("pwned",))
+
+
+def test_loading_never_unpickles_arbitrary_objects(tmp_path: Path) -> None:
+    with Parallel(strategy="single") as par:
+        _, _, _, _, ckpt = build(par, tmp_path, every=0)
+        final = ckpt.save(TrainState(step=1))
+        torch.save({"x": _Evil()}, final / formats.EXTRAS)
+        meta = layout.read_meta(final)  # re-sign it, so only weights_only can stop it
+        meta["files"] = layout.file_table(final)
+        (final / layout.META).write_text(json.dumps(meta))
+        with pytest.raises(CheckpointError, match="cannot be read"):
+            ckpt.resume(1)
+
+
+def test_inspect_and_export(tmp_path: Path) -> None:
+    _run(tmp_path / "ck", 6, every=3)
+    info = inspect(tmp_path / "ck")
+    assert info["status"] == "ok" and info["step"] == 6 and info["format"] == "full"
+    assert info["model_parameters"] == 8 * 16 + 16 + 16 * 4 + 4
+    out = tmp_path / "w.safetensors"
+    summary = export_safetensors(tmp_path / "ck", out)
+    from safetensors.torch import load_file
+
+    weights = load_file(str(out))
+    saved = torch.load(layout.step_dir(tmp_path / "ck", 6) / formats.MODEL, weights_only=True)
+    assert summary["tensors"] == 4 and all(torch.equal(weights[k], saved[k]) for k in saved)
+
+
+def test_cli_inspect_export_and_errors(tmp_path: Path) -> None:
+    _run(tmp_path / "ck", 3, every=3)
+    cli = [sys.executable, "-m", "manygpu", "checkpoint"]
+    res = subprocess.run(
+        [*cli, "inspect", str(tmp_path / "ck"), "--json"], capture_output=True, text=True
+    )
+    assert res.returncode == 0 and json.loads(res.stdout)["step"] == 3
+    out = tmp_path / "m.safetensors"
+    res = subprocess.run(
+        [*cli, "export", str(tmp_path / "ck"), str(out)], capture_output=True, text=True
+    )
+    assert res.returncode == 0 and out.is_file() and "4 tensors" in res.stdout
+    res = subprocess.run([*cli, "inspect", str(tmp_path / "nope")], capture_output=True, text=True)
+    assert res.returncode == 2 and len(res.stderr.strip().splitlines()) == 1
+    assert "does not exist" in res.stderr
