@@ -77,9 +77,9 @@ def train(
             if started and par.is_main:
                 Path(started).write_text(str(state.step))
             ckpt.after_step(state)
-            if state.step == kill_at and os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0":
-                if par.rank == 1:
-                    os.kill(os.getpid(), signal.SIGKILL)  # a worker dies mid-epoch
+            first_attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
+            if state.step == kill_at and first_attempt and par.rank == 1:
+                os.kill(os.getpid(), signal.SIGKILL)  # a worker dies mid-epoch
             time.sleep(sleep_s)
             if state.step >= total:
                 break

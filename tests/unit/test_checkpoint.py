@@ -74,7 +74,7 @@ def test_corrupt_latest_falls_back_and_is_named(tmp_path: Path) -> None:
         data = bytearray(flipped.read_bytes())
         data[len(data) // 2] ^= 0xFF  # same size, one bit pattern changed
         flipped.write_bytes(bytes(data))
-        with pytest.raises(CheckpointError, match="optim.pt fails its SHA-256 check"):
+        with pytest.raises(CheckpointError, match=r"optim\.pt fails its SHA-256 check"):
             ckpt.resume(1)
 
 

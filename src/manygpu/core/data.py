@@ -188,6 +188,7 @@ class PreparedLoader:
     def set_epoch(self, epoch: int, skip_batches: int = 0) -> None:
         """Start the next ``iter()`` at ``epoch``, after its first ``skip_batches`` (resuming)."""
         self.epoch = epoch
+        self._position = (epoch, skip_batches)
         sampler = self.loader.sampler
         if isinstance(sampler, ResumableSampler):
             sampler.skip_batches = skip_batches
@@ -233,9 +234,9 @@ class PreparedLoader:
                     # End a partial accumulation cycle with the epoch, so no
                     # gradient is carried into the next epoch unsynchronised.
                     self._on_last_batch()
-                self._position = (epoch, skipped + index + 1)
+                last = index == total - 1  # then a resume starts the next epoch
+                self._position = (epoch + 1, 0) if last else (epoch, skipped + index + 1)
                 yield move_to_device(batch, self.device)
-            self._position = (epoch + 1, 0)  # epoch done: resume at the next one
         finally:
             if isinstance(sampler, ResumableSampler):
                 sampler.skip_batches = 0  # only the resumed epoch starts late

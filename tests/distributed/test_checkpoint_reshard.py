@@ -1,0 +1,58 @@
+"""A checkpoint saved by 4 ranks loads on 2 ranks and in 1 process, optimizer included."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from ckpt_job import build, train
+from dist_harness import run_ranks
+
+from manygpu import Parallel
+
+
+def _save_with_four(directory: str, fmt: str) -> int:
+    par = Parallel(strategy="ddp")
+    try:
+        losses, _ = train(par, directory, 6, every=6, fmt=fmt)
+        return len(losses)
+    finally:
+        par.close()
+
+
+def _load(directory: str, fmt: str) -> dict[str, object]:
+    par = Parallel(strategy="ddp")  # ddp in one process too: a 1-rank group
+    try:
+        model, opt, sched, loader, ckpt = build(par, directory, 0, fmt)
+        state = ckpt.resume()
+        inner = opt.optimizer
+        first = inner.state[inner.param_groups[0]["params"][0]]
+        return {
+            "step": state.step,
+            "params": torch.cat([p.detach().reshape(-1) for p in par.unwrap(model).parameters()]),
+            "exp_avg": first["exp_avg"].clone(),
+            "lr": inner.param_groups[0]["lr"],
+            "position": loader.state_dict(),
+        }
+    finally:
+        par.close()
+
+
+@pytest.mark.parametrize("fmt", ["full", "dcp"])
+def test_four_ranks_to_two_and_one(tmp_path: Path, fmt: str) -> None:
+    directory = str(tmp_path / "ck")
+    run_ranks(_save_with_four, 4, directory, fmt, timeout=120)
+    on_four = run_ranks(_load, 4, directory, fmt)
+    on_two = run_ranks(_load, 2, directory, fmt)
+    alone = _load(directory, fmt)
+    reference = on_four[0]
+    assert reference["step"] == 6
+    for got in [*on_two, alone]:
+        assert got["step"] == 6
+        assert torch.equal(got["params"], reference["params"])
+        assert torch.equal(got["exp_avg"], reference["exp_avg"])  # optimizer state resharded
+        assert got["lr"] == reference["lr"]
+    # 6 steps x 4 ranks x 4 samples = 96 samples = 2 epochs of 48: next epoch, first batch.
+    assert reference["position"] == {"epoch": 2, "batches": 0}
+    assert alone["position"] == {"epoch": 2, "batches": 0}
