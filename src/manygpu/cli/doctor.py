@@ -1,0 +1,141 @@
+"""``manygpu doctor``: is this machine (or cluster) ready for multi-GPU training?
+
+Local: probe this machine, check the facts, and run a short live test on the
+local workers (every GPU, or 2 CPU processes on gloo) through ``manygpu
+launch``. ``--all-ranks`` runs the whole doctor under the launcher instead, on
+every node, and compares the nodes. Exit code 1 when a check fails.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+
+from manygpu.bench.comm_worker import parse_size
+from manygpu.cli.launch import add_launch_options, launch_job
+from manygpu.cli.parser import positive_float
+from manygpu.doctor import probes
+from manygpu.doctor.checks import run_checks
+from manygpu.doctor.crosscheck import check_live
+from manygpu.doctor.live import DEFAULT_OP_TIMEOUT_S
+from manygpu.doctor.report import DoctorReport, render
+from manygpu.doctor.result import CheckResult, fail
+from manygpu.errors import UsageError
+
+MAX_NBYTES = 1 << 30
+
+HELP = """Find set-up problems before they become a hang: versions of CUDA, the
+driver, cuDNN, NCCL and PyTorch; GPUs, their health and peer-to-peer access;
+/dev/shm, limits, the network interface gloo and NCCL would pick; and a live
+all-reduce and point-to-point test between every pair of ranks. Each finding
+comes with a one-line fix. --all-ranks runs it under the launcher on every
+node (give the same launch options as for training) and compares the nodes."""
+
+
+def add_parser(sub: Any) -> None:
+    p = sub.add_parser(
+        "doctor",
+        help="check that this machine / cluster is ready for multi-GPU training",
+        description=HELP,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("--json", action="store_true", help="print the report as JSON")
+    p.add_argument("--no-live", action="store_true", help="skip the live communication test")
+    p.add_argument(
+        "--all-ranks",
+        action="store_true",
+        help="run under the launcher on every rank (and node) and compare them",
+    )
+    p.add_argument(
+        "--op-timeout",
+        type=positive_float,
+        default=DEFAULT_OP_TIMEOUT_S,
+        help=f"seconds each live operation may take (default {DEFAULT_OP_TIMEOUT_S:g})",
+    )
+    p.add_argument("--p2p-bytes", default="4M", help="bytes each way per rank pair (default 4M)")
+    add_launch_options(p)
+    p.set_defaults(run=run)
+
+
+def _worker_args(ns: argparse.Namespace, nbytes: int, fmt: str, out: str) -> tuple[str, ...]:
+    args = ["--format", fmt, "--nbytes", str(nbytes), "--op-timeout", str(ns.op_timeout)]
+    if out:
+        args += ["--out", out]
+    if ns.no_live:
+        args.append("--no-live")
+    return tuple(args)
+
+
+def validate(ns: argparse.Namespace) -> int:
+    """Bad input fails here, in a second; returns the p2p size in bytes."""
+    nbytes = parse_size(ns.p2p_bytes)
+    if not 4 <= nbytes <= MAX_NBYTES:
+        raise UsageError(f"--p2p-bytes {ns.p2p_bytes} is outside 4 bytes .. 1G")
+    if not ns.all_ranks and (ns.nnodes or ns.node_rank or ns.master_addr or ns.rdzv_endpoint):
+        raise UsageError(
+            "--nnodes / --node-rank / --master-addr / --rdzv-endpoint need --all-ranks "
+            "(the local doctor checks this machine only)"
+        )
+    return nbytes
+
+
+def run(ns: argparse.Namespace) -> int:
+    nbytes = validate(ns)
+    if ns.all_ranks:
+        return launch_job(
+            ns,
+            "manygpu.doctor.live",
+            True,
+            _worker_args(ns, nbytes, "json" if ns.json else "text", ""),
+        )
+    facts = probes.gather()
+    checks = run_checks(facts)
+    report = DoctorReport(nodes=[facts], checks=checks)
+    if not ns.no_live:
+        report.live, live_checks = local_live(ns, nbytes)
+        report.checks += live_checks
+    show(report, as_json=ns.json)
+    return report.exit_code
+
+
+def local_live(ns: argparse.Namespace, nbytes: int) -> tuple[Any, list[CheckResult]]:
+    """The live test on this machine's workers, through the real launcher."""
+    with tempfile.TemporaryDirectory(prefix="manygpu-doctor-") as tmp:
+        out = Path(tmp) / "report.json"
+        code = launch_job(
+            ns, "manygpu.doctor.live", True, _worker_args(ns, nbytes, "none", str(out))
+        )
+        if code != 0 or not out.is_file():
+            return None, [
+                fail(
+                    "live",
+                    f"the live test's workers failed (exit code {code}); their errors are above",
+                    "fix the failing checks first; then run manygpu launch with a small script "
+                    "to see the error in full",
+                )
+            ]
+        worker = DoctorReport.from_dict(json.loads(out.read_text()))
+    if worker.live is None:
+        return None, []
+    return worker.live, check_live(worker.live)
+
+
+def show(report: DoctorReport, *, as_json: bool) -> None:
+    if as_json:
+        print(json.dumps(report.to_dict(), indent=2))
+        return
+    render(report, console())
+
+
+def console() -> Console:
+    """A terminal's own width; 120 columns in a pipe or a log (rich would use 80)."""
+    out = Console(file=sys.stdout, highlight=False)
+    if not out.is_terminal:
+        out = Console(file=sys.stdout, highlight=False, width=120)
+    return out

@@ -1,0 +1,208 @@
+"""The per-rank program of ``manygpu doctor`` (started by ``manygpu launch``).
+
+Every rank gathers its facts; rank 0 collects them, and all ranks run a short
+all-reduce and a timed exchange between every pair of ranks, each bounded by
+``--op-timeout``, so a broken link is named instead of hanging. Rank 0 then
+checks every node, compares them, prints the report, and writes it as JSON.
+Every rank exits with the report's exit code, so every node's launcher agrees.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from manygpu import Parallel, comm
+from manygpu.comm.common import first_line
+from manygpu.doctor import probes
+from manygpu.doctor.checks import run_checks
+from manygpu.doctor.crosscheck import check_consistency, check_live
+from manygpu.doctor.facts import Facts, LiveResults, PairResult
+from manygpu.doctor.report import DoctorReport, render
+
+DEFAULT_NBYTES = 4 << 20
+DEFAULT_OP_TIMEOUT_S = 20.0
+REPEATS = 3
+"""Timed exchanges per pair; the best one counts (the link's capacity, not noise)."""
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="manygpu.doctor.live")
+    p.add_argument("--format", choices=("text", "json", "none"), default="text")
+    p.add_argument("--out", default="", help="rank 0 writes the report here as JSON")
+    p.add_argument("--nbytes", type=int, default=DEFAULT_NBYTES)
+    p.add_argument("--op-timeout", type=float, default=DEFAULT_OP_TIMEOUT_S)
+    p.add_argument("--no-live", action="store_true", help="facts and checks only")
+    return p.parse_args(argv)
+
+
+def pairs(world_size: int) -> list[tuple[int, int]]:
+    """Every pair of ranks, in an order every rank agrees on."""
+    return [(a, b) for a in range(world_size) for b in range(a + 1, world_size)]
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def time_all_reduce(par: Parallel, timeout_s: float) -> tuple[float | None, str | None]:
+    """(ms, error) of a 1 MB all-reduce, checked for the right sum."""
+    t = torch.full((1 << 18,), float(par.rank + 1), device=par.device)
+    try:
+        comm.all_reduce(t.clone(), "sum", timeout_s=timeout_s)  # warm-up: connections
+        _sync(par.device)
+        start = time.perf_counter()
+        comm.all_reduce(t, "sum", timeout_s=timeout_s)
+        _sync(par.device)
+        elapsed = time.perf_counter() - start
+    except Exception as exc:
+        return None, first_line(exc)
+    expected = par.world_size * (par.world_size + 1) / 2
+    if not torch.allclose(t, torch.full_like(t, expected)):
+        return None, f"wrong result: got {t[0].item()}, expected {expected}"
+    return elapsed * 1e3, None
+
+
+def time_pairs(par: Parallel, nbytes: int, timeout_s: float) -> list[PairResult]:
+    """This rank's side of every pair it belongs to.
+
+    Pairs run one after another in the same global order on every rank, so two
+    ranks always agree on what comes next, and a broken pair costs its two
+    ranks one timeout, not the job.
+    """
+    out = []
+    numel = max(nbytes // 4, 1)
+    for a, b in pairs(par.world_size):
+        if par.rank not in (a, b):
+            continue
+        peer = b if par.rank == a else a
+        send = torch.full((numel,), float(par.rank), device=par.device)
+        recv = torch.empty_like(send)
+        try:
+            seconds = _best_exchange(send, recv, peer, par.device, timeout_s)
+        except Exception as exc:
+            out.append(PairResult(a=a, b=b, error=first_line(exc)))
+            continue
+        if recv[0].item() != float(peer) or recv[-1].item() != float(peer):
+            out.append(PairResult(a=a, b=b, error="received wrong data"))
+            continue
+        out.append(PairResult(a=a, b=b, seconds=seconds, gbps=numel * 4 / seconds / 1e9))
+    return out
+
+
+def _best_exchange(
+    send: torch.Tensor, recv: torch.Tensor, peer: int, device: torch.device, timeout_s: float
+) -> float:
+    """Best of a few timed exchanges, after one that connects and touches the buffers."""
+    comm.exchange(send, peer, recv, peer, timeout_s=timeout_s)
+    best = float("inf")
+    for _ in range(REPEATS):
+        _sync(device)
+        start = time.perf_counter()
+        comm.exchange(send, peer, recv, peer, timeout_s=timeout_s)
+        _sync(device)
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
+def merge_pairs(per_rank: list[list[dict[str, Any]]]) -> list[PairResult]:
+    """One result per pair: an error seen by either side wins; else the slower side."""
+    merged: dict[tuple[int, int], PairResult] = {}
+    for results in per_rank:
+        for data in results:
+            p = PairResult(**data)
+            key = (p.a, p.b)
+            old = merged.get(key)
+            if (
+                old is None
+                or p.error
+                or (old.error is None and (p.seconds or 0) > (old.seconds or 0))
+            ):
+                merged[key] = p
+    return [merged[k] for k in sorted(merged)]
+
+
+def nodes_of(per_rank: list[Facts]) -> list[Facts]:
+    """One fact set per host: the first rank's on it (that one probed in full)."""
+    seen: dict[str, Facts] = {}
+    for f in per_rank:
+        seen.setdefault(f.system.hostname, f)
+    return list(seen.values())
+
+
+def build_report(per_rank: list[Facts], live: LiveResults | None) -> DoctorReport:
+    nodes = nodes_of(per_rank)
+    multi = len(nodes) > 1
+    checks = [r for f in nodes for r in run_checks(f, f.system.hostname if multi else "")]
+    if len(per_rank) > 1:
+        checks += check_consistency(per_rank)
+    if live is not None:
+        checks += check_live(live)
+    return DoctorReport(nodes=nodes, checks=checks, live=live)
+
+
+def run(ns: argparse.Namespace) -> int:
+    timeout_s = ns.op_timeout
+    # The group's timeout bounds the object collectives; each test has its own.
+    with Parallel(strategy="ddp", timeout_s=max(2 * timeout_s, 30.0)) as par:
+        facts = probes.gather(full=par.local_rank == 0)
+        gathered = comm.all_gather_object(facts.to_dict())
+        live = None
+        failed = False
+        if not ns.no_live:
+            ms, error = time_all_reduce(par, timeout_s)
+            mine = time_pairs(par, ns.nbytes, timeout_s)
+            failed = error is not None or any(p.error for p in mine)
+            everyone = comm.all_gather_object([vars(p) for p in mine])
+            live = LiveResults(
+                backend=str(torch.distributed.get_backend()),
+                world_size=par.world_size,
+                hosts=[d["system"]["hostname"] for d in gathered],
+                nbytes=ns.nbytes,
+                all_reduce_ms=ms,
+                all_reduce_error=error,
+                pairs=merge_pairs(everyone),
+            )
+        code = 0
+        if par.is_main:
+            report = build_report([Facts.from_dict(d) for d in gathered], live)
+            code = emit(report, ns)
+        code = int(comm.broadcast_object(code))
+        if failed:
+            # A timed-out operation may still be pending in the backend; a
+            # normal teardown could block on it. The report is out already.
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(code)
+    return code
+
+
+def emit(report: DoctorReport, ns: argparse.Namespace) -> int:
+    """Print and write the report on rank 0; the job's exit code."""
+    data = report.to_dict()
+    if ns.out:
+        Path(ns.out).write_text(json.dumps(data, indent=2) + "\n")
+    if ns.format == "json":
+        print(json.dumps(data, indent=2), flush=True)
+    elif ns.format == "text":
+        from manygpu.cli.doctor import console
+
+        render(report, console())
+    # A silent run reports through --out; the caller judges it.
+    return 0 if ns.format == "none" else report.exit_code
+
+
+def main(argv: list[str] | None = None) -> int:
+    return run(parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
