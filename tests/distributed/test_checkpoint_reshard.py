@@ -24,7 +24,7 @@ def _save_with_four(directory: str, fmt: str) -> int:
 def _load(directory: str, fmt: str) -> dict[str, object]:
     par = Parallel(strategy="ddp")  # ddp in one process too: a 1-rank group
     try:
-        model, opt, sched, loader, ckpt = build(par, directory, 0, fmt)
+        model, opt, _sched, loader, ckpt = build(par, directory, 0, fmt)
         state = ckpt.resume()
         inner = opt.optimizer
         first = inner.state[inner.param_groups[0]["params"][0]]
