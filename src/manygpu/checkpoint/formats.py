@@ -65,12 +65,16 @@ def to_cpu_copy(tree: Any) -> Any:
     return tree
 
 
-def full_snapshot(parts: Parts) -> dict[str, Any]:
-    """Main rank's files for the ``full`` format, as CPU copies."""
+def full_snapshot(parts: Parts, *, copy: bool) -> dict[str, Any]:
+    """Main rank's files for the ``full`` format.
+
+    ``copy=True`` snapshots to CPU (needed when training goes on while the
+    files are written); a blocking save writes the live tensors instead.
+    """
     files = {MODEL: parts.model.state_dict(), EXTRAS: parts.extras()}
     if parts.optimizer is not None:
         files[OPTIM] = parts.optimizer.state_dict()
-    return {name: to_cpu_copy(state) for name, state in files.items()}
+    return {name: to_cpu_copy(state) for name, state in files.items()} if copy else files
 
 
 def write_files(directory: Path, files: dict[str, Any]) -> None:

@@ -112,7 +112,9 @@ class Checkpointer:
         if self.format == "dcp":
             formats.write_dcp(tmp, self.parts)
         files = (
-            formats.full_snapshot(self.parts) if self.format == "full" and self.par.is_main else {}
+            formats.full_snapshot(self.parts, copy=self.async_save)
+            if self.format == "full" and self.par.is_main
+            else {}
         )
         self.par.barrier()  # every rank's files are in tmp before the commit
         if self.par.is_main:
