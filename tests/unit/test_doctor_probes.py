@@ -161,7 +161,12 @@ def fake_nvml(fail_init: bool = False) -> types.ModuleType:
     nv.nvmlDeviceGetClockInfo = lambda h, c: 345 if c == 1 else 2619
     nv.nvmlDeviceGetMaxClockInfo = lambda h, c: 1980
     nv.nvmlDeviceGetComputeRunningProcesses = lambda h: (
-        [types.SimpleNamespace(pid=os.getpid(), usedGpuMemory=1 << 30)] if h == 0 else []
+        [
+            types.SimpleNamespace(pid=os.getpid(), usedGpuMemory=1 << 30),  # the doctor itself
+            types.SimpleNamespace(pid=1, usedGpuMemory=1 << 30),
+        ]
+        if h == 0
+        else []
     )
     nv.nvmlDeviceGetNvLinkState = nvlink_state
     nv.nvmlDeviceGetNvLinkRemoteDeviceType = lambda h, link: 2
@@ -186,7 +191,7 @@ def test_nvml_probe_reads_gpus_and_topology(monkeypatch: pytest.MonkeyPatch) -> 
     assert h0.compute_capability == "9.0" and h0.ecc_enabled and h0.ecc_uncorrected_errors == 0
     assert h0.power_w == pytest.approx(71.944) and h0.power_limit_w is None  # not supported
     assert (h0.sm_clock_mhz, h0.sm_clock_max_mhz, h0.mem_clock_mhz) == (345, 1980, 2619)
-    assert [p.pid for p in h0.processes] == [os.getpid()] and h0.processes[0].name
+    assert [p.pid for p in h0.processes] == [1] and h0.processes[0].name  # not ourselves
     assert [g.nvlinks_active for g in gpus] == [18, 18, 0]
     assert gpus[2].ecc_uncorrected_errors is None  # ECC off: not asked
     paths = {(link.a, link.b): (link.path, link.p2p, link.p2p_detail) for link in links}

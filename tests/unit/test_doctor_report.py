@@ -12,7 +12,7 @@ from rich.console import Console
 
 from manygpu.doctor.crosscheck import check_consistency, check_links, check_live, ranges
 from manygpu.doctor.facts import Facts, LiveResults, PairResult
-from manygpu.doctor.live import build_report, merge_pairs, nodes_of, pairs
+from manygpu.doctor.live import build_report, merge_pairs, node_labels, pairs
 from manygpu.doctor.report import DoctorReport, render
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "doctor"
@@ -131,11 +131,25 @@ def test_build_report_for_two_nodes() -> None:
     ranks = cluster(2, 2)
     ranks[2].limits.shm_bytes = 64 << 20  # a node's facts are its first rank's
     live = live_of({p: 20.0 for p in pairs(4)}, 4)
-    report = build_report(ranks, live)
-    assert [n.system.hostname for n in nodes_of(ranks)] == ["node0", "node1"]
+    report = build_report(ranks, live, [0, 0, 1, 1])
+    assert [n.system.hostname for n in report.nodes] == ["node0", "node1"]
     shm = [c for c in report.checks if c.name == "shm"]
     assert [(c.host, c.status) for c in shm] == [("node0", "ok"), ("node1", "fail")]
     assert report.status == "fail" and report.exit_code == 1
+
+
+def test_nodes_sharing_a_hostname_are_told_apart() -> None:
+    ranks = cluster(2, 2)
+    for f in ranks:
+        f.system.hostname = "vm"  # containers / network namespaces keep the host's name
+    assert node_labels(ranks, [0, 0, 1, 1]) == ["vm#0", "vm#0", "vm#1", "vm#1"]
+    assert node_labels(ranks[:2], [0, 0]) == ["vm", "vm"]
+    ranks[3].torch.version = "2.4.0"
+    report = build_report(ranks, live_of({p: 1.0 for p in pairs(4)}, 4), [0, 0, 1, 1])
+    assert len(report.nodes) == 2
+    assert report.live is not None and report.live.hosts == ["vm#0", "vm#0", "vm#1", "vm#1"]
+    torch_msg = next(c.message for c in report.checks if c.message.startswith("torch differs"))
+    assert "2.4.0 on ranks 3 (vm#1)" in torch_msg
 
 
 def test_report_round_trips_and_renders() -> None:

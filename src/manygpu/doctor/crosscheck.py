@@ -48,9 +48,14 @@ def _where(ranks: list[int], hosts: Sequence[str]) -> str:
     return f"ranks {ranges(ranks)} ({shown})" if names else f"ranks {ranges(ranks)}"
 
 
-def check_consistency(per_rank: Sequence[Facts]) -> list[CheckResult]:
-    """Same versions and GPU models on every rank; names who differs."""
-    hosts = [f.system.hostname for f in per_rank]
+def check_consistency(
+    per_rank: Sequence[Facts], hosts: Sequence[str] | None = None
+) -> list[CheckResult]:
+    """Same versions and GPU models on every rank; names who differs.
+
+    ``hosts`` names each rank's node (default: its hostname).
+    """
+    hosts = list(hosts) if hosts is not None else [f.system.hostname for f in per_rank]
     out = []
     for table, status in ((MUST_MATCH, fail), (SHOULD_MATCH, warn)):
         for what, get in table.items():

@@ -9,6 +9,8 @@ torch (empty on a machine without GPUs).
 
 from __future__ import annotations
 
+import contextlib
+import os
 from collections.abc import Callable
 from typing import Any
 
@@ -121,11 +123,25 @@ def _gpu(nv: Any, index: int, h: Any, full: bool) -> GPUFacts:
     return facts
 
 
+def _ours() -> set[int]:
+    """This process, its launcher, and the launcher's other workers (the doctor's
+    own ranks hold GPUs too; they are not someone else's job)."""
+    import psutil
+
+    ours = {os.getpid(), os.getppid()}
+    with contextlib.suppress(psutil.Error, OSError):
+        ours |= {c.pid for c in psutil.Process(os.getppid()).children()}
+    return ours
+
+
 def _processes(nv: Any, h: Any) -> list[GPUProcess]:
     import psutil
 
     out = []
+    ours = _ours()
     for p in _ask(nv, nv.nvmlDeviceGetComputeRunningProcesses, h) or []:
+        if p.pid in ours:
+            continue
         try:
             name = psutil.Process(p.pid).name()
         except (psutil.Error, OSError):

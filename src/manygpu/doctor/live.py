@@ -26,6 +26,8 @@ from manygpu.doctor.checks import run_checks
 from manygpu.doctor.crosscheck import check_consistency, check_live
 from manygpu.doctor.facts import Facts, LiveResults, PairResult
 from manygpu.doctor.report import DoctorReport, render
+from manygpu.doctor.result import CheckResult, fail
+from manygpu.errors import CollectiveTimeoutError
 
 DEFAULT_NBYTES = 4 << 20
 DEFAULT_OP_TIMEOUT_S = 20.0
@@ -130,23 +132,40 @@ def merge_pairs(per_rank: list[list[dict[str, Any]]]) -> list[PairResult]:
     return [merged[k] for k in sorted(merged)]
 
 
-def nodes_of(per_rank: list[Facts]) -> list[Facts]:
-    """One fact set per host: the first rank's on it (that one probed in full)."""
+def node_labels(per_rank: list[Facts], node_ids: list[int]) -> list[str]:
+    """Each rank's node as a person would name it: the hostname, with the node
+    index added where two nodes share a name (containers, emulated hosts)."""
+    names: dict[str, set[int]] = {}
+    for f, node in zip(per_rank, node_ids, strict=True):
+        names.setdefault(f.system.hostname, set()).add(node)
+    return [
+        f.system.hostname if len(names[f.system.hostname]) == 1 else f"{f.system.hostname}#{node}"
+        for f, node in zip(per_rank, node_ids, strict=True)
+    ]
+
+
+def nodes_of(per_rank: list[Facts], labels: list[str]) -> list[tuple[str, Facts]]:
+    """One fact set per node: its first rank's (that one probed in full)."""
     seen: dict[str, Facts] = {}
-    for f in per_rank:
-        seen.setdefault(f.system.hostname, f)
-    return list(seen.values())
+    for label, f in zip(labels, per_rank, strict=True):
+        seen.setdefault(label, f)
+    return list(seen.items())
 
 
-def build_report(per_rank: list[Facts], live: LiveResults | None) -> DoctorReport:
-    nodes = nodes_of(per_rank)
+def build_report(
+    per_rank: list[Facts], live: LiveResults | None, node_ids: list[int] | None = None
+) -> DoctorReport:
+    """Check every node, compare the ranks, judge the live test."""
+    labels = node_labels(per_rank, node_ids or [0] * len(per_rank))
+    nodes = nodes_of(per_rank, labels)
     multi = len(nodes) > 1
-    checks = [r for f in nodes for r in run_checks(f, f.system.hostname if multi else "")]
+    checks = [r for label, f in nodes for r in run_checks(f, label if multi else "")]
     if len(per_rank) > 1:
-        checks += check_consistency(per_rank)
+        checks += check_consistency(per_rank, labels)
     if live is not None:
+        live.hosts = labels
         checks += check_live(live)
-    return DoctorReport(nodes=nodes, checks=checks, live=live)
+    return DoctorReport(nodes=[f for _, f in nodes], checks=checks, live=live)
 
 
 def run(ns: argparse.Namespace) -> int:
@@ -154,35 +173,64 @@ def run(ns: argparse.Namespace) -> int:
     # The group's timeout bounds the object collectives; each test has its own.
     with Parallel(strategy="ddp", timeout_s=max(2 * timeout_s, 30.0)) as par:
         facts = probes.gather(full=par.local_rank == 0)
-        gathered = comm.all_gather_object(facts.to_dict())
-        live = None
+        gathered = comm.all_gather_object((par.cluster.node_rank, facts.to_dict()))
+        node_ids = [int(node) for node, _ in gathered]
+        per_rank = [Facts.from_dict(d) for _, d in gathered]
+        live: LiveResults | None = None
+        extra: list[CheckResult] = []
         failed = False
         if not ns.no_live:
-            ms, error = time_all_reduce(par, timeout_s)
-            mine = time_pairs(par, ns.nbytes, timeout_s)
-            failed = error is not None or any(p.error for p in mine)
-            everyone = comm.all_gather_object([vars(p) for p in mine])
-            live = LiveResults(
-                backend=str(torch.distributed.get_backend()),
-                world_size=par.world_size,
-                hosts=[d["system"]["hostname"] for d in gathered],
-                nbytes=ns.nbytes,
-                all_reduce_ms=ms,
-                all_reduce_error=error,
-                pairs=merge_pairs(everyone),
-            )
+            live, extra, failed = live_test(par, ns.nbytes, timeout_s)
         code = 0
         if par.is_main:
-            report = build_report([Facts.from_dict(d) for d in gathered], live)
+            report = build_report(per_rank, live, node_ids)
+            report.checks += extra
             code = emit(report, ns)
-        code = int(comm.broadcast_object(code))
+        try:
+            code = int(comm.broadcast_object(code))
+        except CollectiveTimeoutError:
+            failed = True
         if failed:
             # A timed-out operation may still be pending in the backend; a
             # normal teardown could block on it. The report is out already.
             sys.stdout.flush()
             sys.stderr.flush()
-            os._exit(code)
+            os._exit(code or 1)
     return code
+
+
+def live_test(
+    par: Parallel, nbytes: int, timeout_s: float
+) -> tuple[LiveResults, list[CheckResult], bool]:
+    """(results, extra findings, whether anything failed) of the timed tests.
+
+    When the results cannot be collected from every rank, rank 0 reports what
+    it saw itself, and says so.
+    """
+    ms, error = time_all_reduce(par, timeout_s)
+    mine = time_pairs(par, nbytes, timeout_s)
+    failed = error is not None or any(p.error for p in mine)
+    extra: list[CheckResult] = []
+    try:
+        everyone = comm.all_gather_object([vars(p) for p in mine])
+    except CollectiveTimeoutError as exc:
+        everyone, failed = [[vars(p) for p in mine]], True
+        extra.append(
+            fail(
+                "collect",
+                f"could not collect the live results from every rank: {exc}",
+                "the pairs below are rank 0's view; look for the rank that stopped answering",
+            )
+        )
+    live = LiveResults(
+        backend=str(torch.distributed.get_backend()),
+        world_size=par.world_size,
+        nbytes=nbytes,
+        all_reduce_ms=ms,
+        all_reduce_error=error,
+        pairs=merge_pairs(everyone),
+    )
+    return live, extra, failed
 
 
 def emit(report: DoctorReport, ns: argparse.Namespace) -> int:
