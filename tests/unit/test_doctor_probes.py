@@ -74,6 +74,16 @@ def test_bounded_gives_up_instead_of_hanging() -> None:
         probes.bounded(lambda: 1 / 0, 1, "boom")
 
 
+def test_a_stuck_gpu_probe_becomes_an_unknown_fact(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(probes, "GPU_TIMEOUT_S", 0.2)
+    monkeypatch.setattr(probes, "probe_gpus", lambda *a, **k: time.sleep(5))
+    start = time.monotonic()
+    facts = probes.gather({}, full=False)
+    assert time.monotonic() - start < 4
+    assert facts.gpus == [] and "did not answer within 0.2s" in (facts.driver.error or "")
+    assert "is a GPU hung?" in facts.errors["gpus"]
+
+
 def test_parsers() -> None:
     assert (
         probes.os_name('NAME="Ubuntu"\nPRETTY_NAME="Ubuntu 22.04.4 LTS"\n') == "Ubuntu 22.04.4 LTS"

@@ -22,6 +22,7 @@ import psutil
 
 from manygpu.doctor.facts import (
     UNLIMITED,
+    DriverFacts,
     Facts,
     InterfaceFacts,
     LimitsFacts,
@@ -38,6 +39,8 @@ from manygpu.runtime.env import Environ
 
 T = TypeVar("T")
 
+GPU_TIMEOUT_S = 30.0
+"""NVML and CUDA answer in well under a second unless a GPU or the driver is stuck."""
 RESOLVE_TIMEOUT_S = 3.0
 """A hostname lookup slower than this is a finding in itself (a broken DNS)."""
 
@@ -78,7 +81,14 @@ def gather(env: Environ | None = None, *, full: bool = True) -> Facts:
     environ = envmod.current() if env is None else env
     errors: dict[str, str] = {}
     torch_facts = probe_torch(errors)
-    driver, gpus, links = probe_gpus(torch_facts, errors, full=full)
+    try:
+        # A GPU that fell off the bus can stall NVML or CUDA for minutes.
+        driver, gpus, links = bounded(
+            lambda: probe_gpus(torch_facts, errors, full=full), GPU_TIMEOUT_S, "GPU probe"
+        )
+    except ProbeTimeout as exc:
+        driver, gpus, links = DriverFacts(error=str(exc)), [], []
+        errors["gpus"] = f"{exc}: is a GPU hung? (dmesg | grep -i xid)"
     return Facts(
         system=probe_system(errors),
         torch=torch_facts,
