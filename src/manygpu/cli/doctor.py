@@ -29,6 +29,7 @@ from manygpu.doctor.result import CheckResult, fail
 from manygpu.errors import UsageError
 
 MAX_NBYTES = 1 << 30
+RENDEZVOUS_TIMEOUT_S = 120.0
 
 HELP = """Find set-up problems before they become a hang: versions of CUDA, the
 driver, cuDNN, NCCL and PyTorch; GPUs, their health and peer-to-peer access;
@@ -87,6 +88,10 @@ def validate(ns: argparse.Namespace) -> int:
 
 def run(ns: argparse.Namespace) -> int:
     nbytes = validate(ns)
+    if ns.timeout_s is None:
+        # A node that cannot reach the rendezvous (firewall, wrong address)
+        # should be reported in minutes, not after the launcher's 15.
+        ns.timeout_s = RENDEZVOUS_TIMEOUT_S
     if ns.all_ranks:
         return launch_job(
             ns,
