@@ -22,14 +22,36 @@ def _env() -> dict[str, str]:
     return env
 
 
-def _launch(out: Path, ckpt: Path, total: int, every: int, kill_at: int = -1,
-            sleep_s: float = 0.0, restarts: int = 0) -> subprocess.Popen[str]:
+def _launch(
+    out: Path,
+    ckpt: Path,
+    total: int,
+    every: int,
+    kill_at: int = -1,
+    sleep_s: float = 0.0,
+    restarts: int = 0,
+) -> subprocess.Popen[str]:
     out.mkdir(parents=True, exist_ok=True)
-    cmd = [sys.executable, "-m", "manygpu", "launch", "--nproc-per-node", "2",
-           "--max-restarts", str(restarts), str(SCRIPT), str(ckpt), str(out), str(total),
-           str(every), str(kill_at), str(sleep_s)]
-    return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env=_env())
+    cmd = [
+        sys.executable,
+        "-m",
+        "manygpu",
+        "launch",
+        "--nproc-per-node",
+        "2",
+        "--max-restarts",
+        str(restarts),
+        str(SCRIPT),
+        str(ckpt),
+        str(out),
+        str(total),
+        str(every),
+        str(kill_at),
+        str(sleep_s),
+    ]
+    return subprocess.Popen(
+        cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_env()
+    )
 
 
 def test_kill_9_restarts_and_ends_bit_identical(tmp_path: Path) -> None:
@@ -44,8 +66,9 @@ def test_kill_9_restarts_and_ends_bit_identical(tmp_path: Path) -> None:
     resumed = json.loads((tmp_path / "run" / "losses-1.json").read_text())
     assert min(int(s) for s in resumed) == 9  # continued after the step-8 checkpoint
     assert all(resumed[s] == ref_losses[s] for s in resumed)
-    assert torch.equal(torch.load(tmp_path / "run" / "params.pt"),
-                       torch.load(tmp_path / "ref" / "params.pt"))
+    assert torch.equal(
+        torch.load(tmp_path / "run" / "params.pt"), torch.load(tmp_path / "ref" / "params.pt")
+    )
 
 
 def test_sigterm_saves_and_exits_cleanly(tmp_path: Path) -> None:
@@ -62,8 +85,12 @@ def test_sigterm_saves_and_exits_cleanly(tmp_path: Path) -> None:
     assert job.returncode == 0, err
     steps = sorted(p.name for p in ckpt.iterdir())
     assert len(steps) == 1 and steps[0].startswith("step-")
-    info = subprocess.run([sys.executable, "-m", "manygpu", "checkpoint", "inspect", str(ckpt),
-                           "--json"], capture_output=True, text=True, env=_env())
+    info = subprocess.run(
+        [sys.executable, "-m", "manygpu", "checkpoint", "inspect", str(ckpt), "--json"],
+        capture_output=True,
+        text=True,
+        env=_env(),
+    )
     assert info.returncode == 0, info.stderr
     meta = json.loads(info.stdout)
     assert meta["status"] == "ok" and 0 < meta["step"] < 100_000 and meta["world_size"] == 2

@@ -218,3 +218,19 @@ def test_bench_comm_every_op_correct(tmp_path: Path) -> None:
         assert r["busbw_gbs"] == pytest.approx(r["algbw_gbs"] * factor)
     assert png.read_bytes()[:4] == b"\x89PNG"
     assert "busbw (GB/s)" in res.stdout
+
+
+def test_no_orphans_when_the_launcher_is_killed(tmp_path: Path) -> None:
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "manygpu", "launch", "--nproc-per-node", "2",
+         str(SCRIPTS / "fails.py"), "0", str(tmp_path)],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )
+    deadline = time.monotonic() + 60
+    while len(list(tmp_path.glob("pid*"))) < 2:
+        assert time.monotonic() < deadline
+        time.sleep(0.2)
+    time.sleep(1)
+    proc.kill()  # SIGKILL: the launcher gets no chance to clean up
+    proc.wait()
+    assert_gone(tmp_path)  # workers asked the kernel to kill them with their parent

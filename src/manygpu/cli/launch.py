@@ -69,6 +69,12 @@ def add_launch_options(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--rdzv-id", "--rdzv_id", dest="rdzv_id", help="job id shared by all nodes")
     p.add_argument(
+        "--rdzv-conf",
+        "--rdzv_conf",
+        dest="rdzv_conf",
+        help="rendezvous settings KEY=VALUE,... (e.g. last_call_timeout=5)",
+    )
+    p.add_argument(
         "--local-addr",
         "--local_addr",
         dest="local_addr",
@@ -105,6 +111,7 @@ def launch_job(ns: argparse.Namespace, entry: str, is_module: bool, args: tuple[
         rdzv_endpoint=ns.rdzv_endpoint,
         rdzv_backend=ns.rdzv_backend,
         rdzv_id=ns.rdzv_id,
+        rdzv_conf=ns.rdzv_conf,
         local_addr=ns.local_addr,
         max_restarts=ns.max_restarts,
         timeout_s=ns.timeout_s,

@@ -19,7 +19,7 @@ import subprocess
 import threading
 import uuid
 from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from dataclasses import dataclass
 from types import FrameType
 
@@ -179,6 +179,15 @@ class EmulatedCluster:
     def popen(self, host: int, argv: Sequence[str], **kwargs: object) -> subprocess.Popen[str]:
         """Start ``argv`` on host ``host`` (text mode; pass stdout/stderr as needed)."""
         return subprocess.Popen(self.command(host, argv), text=True, **kwargs)  # type: ignore[call-overload]
+
+    def kill_host(self, host: int) -> list[int]:
+        """SIGKILL every process in host ``host`` (a machine that crashes); returns pids."""
+        res = _sh(["ip", "netns", "pids", self.names[host]], check=False)
+        pids = [int(p) for p in res.stdout.split()]
+        for pid in pids:
+            with suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        return pids
 
     def run_all(
         self, argv_for: Sequence[Sequence[str]], timeout: float, env: dict[str, str] | None = None

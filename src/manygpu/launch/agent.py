@@ -31,6 +31,13 @@ def build_config(spec: LaunchSpec) -> LaunchConfig:
         rdzv_configs: dict[str, object] = {"rank": spec.node_rank, "timeout": join_timeout}
     else:
         rdzv_configs = {"join_timeout": join_timeout}
+        host, port = split_endpoint(spec.rdzv_endpoint, 0)
+        if port and is_local_address(host):
+            # torch decides whether to host the store by matching the machine's
+            # hostname, which fails where the endpoint is one of several
+            # addresses (containers, namespaces): the store is then never started.
+            rdzv_configs["is_host"] = True
+    rdzv_configs.update(spec.rdzv_conf)
     return LaunchConfig(
         min_nodes=spec.min_nodes,
         max_nodes=spec.max_nodes,

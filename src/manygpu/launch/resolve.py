@@ -39,6 +39,7 @@ class LaunchRequest:
     rdzv_backend: str | None = None
     rdzv_id: str | None = None
     local_addr: str | None = None
+    rdzv_conf: str | None = None
     max_restarts: int = 0
     timeout_s: float | None = None
     log_dir: str | None = None
@@ -74,6 +75,17 @@ def parse_gpus(text: str, env: Environ, cuda_count: int) -> tuple[str, ...]:
 def _visible(env: Environ, cuda_count: int) -> list[str]:
     outer = envmod.visible_devices(env)
     return outer[:cuda_count] if outer is not None else [str(i) for i in range(cuda_count)]
+
+
+def parse_rdzv_conf(text: str | None) -> dict[str, str]:
+    """``"last_call_timeout=5,read_timeout=60"`` -> a dict (torchrun's format)."""
+    conf: dict[str, str] = {}
+    for item in filter(None, (text or "").split(",")):
+        key, sep, value = item.partition("=")
+        if not sep or not key.strip():
+            raise UsageError(f"--rdzv-conf item {item!r} is not KEY=VALUE")
+        conf[key.strip()] = value.strip()
+    return conf
 
 
 def parse_nnodes(text: str | None) -> tuple[int, int]:
@@ -167,6 +179,7 @@ def resolve(req: LaunchRequest, env: Environ, cuda_count: int) -> LaunchSpec:
         max_restarts=req.max_restarts,
         timeout_s=req.timeout_s,
         log_dir=req.log_dir,
+        rdzv_conf=parse_rdzv_conf(req.rdzv_conf),
         extra_env=_worker_env(env, nproc, gpus, single_node=max_nodes == 1),
     )
 

@@ -45,6 +45,8 @@ class LaunchSpec:
     """Seconds between SIGTERM and SIGKILL when stopping workers."""
     log_dir: str | None = None
     """Where workers' logs go (a temporary folder when ``None``)."""
+    rdzv_conf: dict[str, str] = field(default_factory=dict)
+    """Extra rendezvous settings, as torchrun's ``--rdzv-conf`` (e.g. last_call_timeout)."""
     extra_env: dict[str, str] = field(default_factory=dict)
     """Variables set for the workers (e.g. ``OMP_NUM_THREADS``)."""
 

@@ -39,7 +39,25 @@ def run(argv: list[str]) -> None:
     runpy.run_path(script, run_name="__main__")
 
 
+def _die_with_parent() -> None:
+    """Linux: get SIGKILL when the launcher dies, even by SIGKILL, so no worker is orphaned."""
+    if not sys.platform.startswith("linux"):
+        return
+    import ctypes
+    import signal
+
+    parent = os.getppid()
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        return
+    if os.getppid() != parent:  # the launcher died before we asked
+        os._exit(1)
+
+
 def main() -> None:
+    _die_with_parent()
     try:
         run(sys.argv[1:])
     except (SystemExit, KeyboardInterrupt):

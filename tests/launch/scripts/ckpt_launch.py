@@ -13,8 +13,15 @@ directory, out, total, every, kill_at, sleep_s = sys.argv[1:7]
 with open(os.path.join(out, f"pid{os.environ['RANK']}"), "w") as fh:
     fh.write(str(os.getpid()))
 with Parallel(strategy="ddp", timeout_s=30) as par:
-    losses, params = train(par, directory, int(total), int(every), kill_at=int(kill_at),
-                           sleep_s=float(sleep_s), started=os.path.join(out, "started"))
+    losses, params = train(
+        par,
+        directory,
+        int(total),
+        int(every),
+        kill_at=int(kill_at),
+        sleep_s=float(sleep_s),
+        started=os.path.join(out, "started"),
+    )
     if par.is_main:
         attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
         with open(os.path.join(out, f"losses-{attempt}.json"), "w") as fh:
