@@ -62,6 +62,13 @@ def user_set_threads(env: Environ) -> bool:
     return bool(env.get("OMP_NUM_THREADS"))
 
 
+def agent_store_attempt(env: Environ) -> int | None:
+    """The restart count when torch elastic's agent hosts the store, else ``None``."""
+    if env.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() != "true":
+        return None
+    return get_int(env, "TORCHELASTIC_RESTART_COUNT") or 0
+
+
 def visible_devices(env: Environ) -> list[str] | None:
     """``CUDA_VISIBLE_DEVICES`` split into entries, ``None`` when unset."""
     raw = env.get("CUDA_VISIBLE_DEVICES")

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from manygpu.runtime import env as envmod
 from manygpu.runtime.cluster import ClusterInfo
 
 
@@ -75,6 +76,21 @@ def init_distributed(
             store=dist.HashStore(),
             rank=0,
             world_size=1,
+            timeout=timeout,
+            device_id=device_id,
+        )
+    elif (attempt := envmod.agent_store_attempt(envmod.current())) is not None:
+        # The agent's store outlives a restart, and the ranks of a restarted
+        # attempt would read the previous attempt's gloo/NCCL addresses from it
+        # (connection refused): give every attempt its own key space.
+        store = dist.TCPStore(
+            cluster.master_addr, cluster.master_port, is_master=False, timeout=timeout
+        )
+        dist.init_process_group(
+            backend,
+            store=dist.PrefixStore(f"manygpu/attempt_{attempt}", store),
+            rank=cluster.rank,
+            world_size=cluster.world_size,
             timeout=timeout,
             device_id=device_id,
         )
