@@ -9,8 +9,11 @@ preemption) saves at the next step boundary and exits cleanly.
 
 from __future__ import annotations
 
+import logging
+import os
 import signal
 import subprocess
+import sys
 import threading
 import warnings
 from dataclasses import dataclass, field
@@ -29,6 +32,15 @@ from manygpu.runtime import env as envmod
 if TYPE_CHECKING:
     from manygpu.core.data import PreparedLoader
     from manygpu.core.parallel import Parallel
+
+
+def _exit_now(code: int) -> None:
+    """Exit at once after flushing: a preempted job must not risk the C++ teardown
+    of backend threads (seen to abort with SIGABRT) turning a clean stop into a crash."""
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 @dataclass
@@ -97,6 +109,10 @@ class Checkpointer:
         self._preempted = False
         if handle_signals and threading.current_thread() is threading.main_thread():
             signal.signal(signal.SIGTERM, self._on_sigterm)
+            # Restart interrupted system calls: a gloo/NCCL thread blocked in recv
+            # must not see EINTR (it would abort the process) just because a
+            # preemption notice arrived.
+            signal.siginterrupt(signal.SIGTERM, False)
 
     # -- saving -----------------------------------------------------------------
     def save(self, state: TrainState) -> Path:
@@ -197,7 +213,7 @@ class Checkpointer:
             if self.requeue and self.par.is_main:
                 self._slurm_requeue()
             self.par.close()
-            raise SystemExit(0)
+            _exit_now(0)
         if self.every and state.step % self.every == 0:
             self.save(state)
 
