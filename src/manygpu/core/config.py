@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from manygpu.errors import UsageError
-from manygpu.strategies import DDPOptions, get_strategy
+from manygpu.strategies import DDPOptions, FSDPOptions, get_strategy
 
 Precision = Literal["fp32", "bf16", "fp16"]
 PRECISIONS: tuple[str, ...] = ("fp32", "bf16", "fp16")
@@ -38,6 +38,8 @@ class ParallelConfig:
     """Force a device (``"cpu"``); default ``cuda:LOCAL_RANK`` or CPU."""
     ddp: DDPOptions = field(default_factory=DDPOptions)
     """Knobs of ``"ddp"``."""
+    fsdp: FSDPOptions = field(default_factory=FSDPOptions)
+    """Knobs of ``"fsdp"`` / ``"zero2"``."""
     debug: bool | None = None
     """Check before each collective of :meth:`Parallel.reduce` / ``gather`` /
     ``barrier`` that every rank calls the same one (shape, dtype); ``None``

@@ -87,7 +87,9 @@ class Parallel:
             timeout_s=self.timeout_s,
             force=strategy_cls.needs_process_group,
         )
-        self.strategy: Strategy = strategy_cls(self._ctx, StrategyOptions(ddp=self.config.ddp))
+        self.strategy: Strategy = strategy_cls(
+            self._ctx, StrategyOptions(ddp=self.config.ddp, fsdp=self.config.fsdp)
+        )
         self.precision = PrecisionPlugin(self.config.precision, device)
         self._accumulator = Accumulator(self.config.grad_accum_steps)
         self._models: list[nn.Module] = []

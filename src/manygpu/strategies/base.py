@@ -16,7 +16,7 @@ from torch import nn
 
 from manygpu.runtime.cluster import ClusterInfo
 from manygpu.runtime.process_group import DistContext
-from manygpu.strategies.options import DDPOptions
+from manygpu.strategies.options import DDPOptions, FSDPOptions
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -24,7 +24,9 @@ class StrategyOptions:
     """All strategy knobs; each strategy reads the part it owns."""
 
     ddp: DDPOptions = field(default_factory=DDPOptions)
-    """Used by ``"ddp"``."""
+    """Used by ``"ddp"`` and ``"zero1"``."""
+    fsdp: FSDPOptions = field(default_factory=FSDPOptions)
+    """Used by ``"fsdp"`` and ``"zero2"``."""
 
 
 class Strategy(ABC):

@@ -34,3 +34,27 @@ class DDPOptions:
             raise UsageError(
                 f"unknown grad_compression {self.grad_compression!r}; choose none, fp16 or bf16"
             )
+
+
+ShardDtype = Literal["fp32", "bf16", "fp16"] | None
+
+
+@dataclass(frozen=True, kw_only=True)
+class FSDPOptions:
+    """Knobs of ``"fsdp"`` / ``"zero2"`` (FSDP2 ``fully_shard``)."""
+
+    param_dtype: ShardDtype = None
+    """Compute dtype of the gathered parameters (mixed precision); ``None`` keeps them."""
+    reduce_dtype: ShardDtype = None
+    """Dtype of the gradient reduce-scatter; ``None`` = the parameters' dtype."""
+    cpu_offload: bool = False
+    """Keep sharded parameters, gradients and optimizer state in CPU memory."""
+    shard_children: bool = True
+    """Shard every direct child module with parameters as its own unit (overlap
+    and lower peak memory); ``False`` makes the whole model one unit."""
+
+    def __post_init__(self) -> None:
+        for name in ("param_dtype", "reduce_dtype"):
+            value = getattr(self, name)
+            if value not in (None, "fp32", "bf16", "fp16"):
+                raise UsageError(f"unknown {name} {value!r}; choose fp32, bf16 or fp16")
