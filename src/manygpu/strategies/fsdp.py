@@ -66,7 +66,7 @@ class FSDPStrategy(Strategy):
     def setup_optimizer(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
         # fully_shard replaces every parameter by a sharded one: an optimizer built
         # before holds the old tensors and would silently train nothing.
-        known = getattr(self, "_sharded_params", set())
+        known: set[int] = getattr(self, "_sharded_params", set())
         for group in optimizer.param_groups:
             if any(id(p) not in known for p in group["params"]):
                 raise UsageError(
