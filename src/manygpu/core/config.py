@@ -40,6 +40,8 @@ class ParallelConfig:
     """Knobs of ``"ddp"``."""
     fsdp: FSDPOptions = field(default_factory=FSDPOptions)
     """Knobs of ``"fsdp"`` / ``"zero2"``."""
+    model_stages: int | None = None
+    """``"model"``: devices to split the layers over (default: all GPUs, or 2)."""
     debug: bool | None = None
     """Check before each collective of :meth:`Parallel.reduce` / ``gather`` /
     ``barrier`` that every rank calls the same one (shape, dtype); ``None``

@@ -88,7 +88,10 @@ class Parallel:
             force=strategy_cls.needs_process_group,
         )
         self.strategy: Strategy = strategy_cls(
-            self._ctx, StrategyOptions(ddp=self.config.ddp, fsdp=self.config.fsdp)
+            self._ctx,
+            StrategyOptions(
+                ddp=self.config.ddp, fsdp=self.config.fsdp, model_stages=self.config.model_stages
+            ),
         )
         self.precision = PrecisionPlugin(self.config.precision, device)
         self._accumulator = Accumulator(self.config.grad_accum_steps)

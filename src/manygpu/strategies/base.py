@@ -27,6 +27,8 @@ class StrategyOptions:
     """Used by ``"ddp"`` and ``"zero1"``."""
     fsdp: FSDPOptions = field(default_factory=FSDPOptions)
     """Used by ``"fsdp"`` and ``"zero2"``."""
+    model_stages: int | None = None
+    """Used by ``"model"``: how many devices to split over (default: all GPUs, or 2)."""
 
 
 class Strategy(ABC):

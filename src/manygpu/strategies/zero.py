@@ -7,7 +7,6 @@ Each rank keeps the optimizer state (Adam's two moments: 2x the model) for
 from __future__ import annotations
 
 import torch
-from torch.distributed.optim import ZeroRedundancyOptimizer
 
 from manygpu.errors import UsageError
 from manygpu.strategies.ddp import DDPStrategy
@@ -26,6 +25,9 @@ class Zero1Strategy(DDPStrategy):
             )
         if optimizer.state:
             raise UsageError("strategy 'zero1' needs a fresh optimizer: prepare it before training")
+        # Imported here: torch.distributed.optim pulls in TorchScript at import time.
+        from torch.distributed.optim import ZeroRedundancyOptimizer
+
         group = optimizer.param_groups[0]
         settings = {k: v for k, v in group.items() if k != "params"}
         return ZeroRedundancyOptimizer(group["params"], optimizer_class=type(optimizer), **settings)

@@ -1,0 +1,78 @@
+"""``"model"``: layers over several devices in one process (CPU stages here)."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+from reference import make_data
+from torch import nn
+
+from manygpu import Parallel, UsageError
+from manygpu.runtime.cluster import ClusterInfo
+from manygpu.strategies.model import balanced_cuts
+
+
+def _model() -> nn.Sequential:
+    torch.manual_seed(3)
+    return nn.Sequential(
+        nn.Linear(8, 32), nn.Tanh(), nn.Linear(32, 32), nn.Tanh(), nn.Linear(32, 4)
+    )
+
+
+def _train(model: nn.Module, opt: torch.optim.Optimizer, backward: object) -> None:
+    x, y = make_data(24)
+    for i in range(3):
+        loss = nn.functional.mse_loss(model(x[i * 8 : (i + 1) * 8]), y[i * 8 : (i + 1) * 8])
+        backward(loss)  # type: ignore[operator]
+        opt.step()
+        opt.zero_grad()
+
+
+def test_model_parallel_matches_one_device() -> None:
+    ref = _model()
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    _train(ref, ref_opt, lambda loss: loss.backward())
+    with Parallel(strategy="model", model_stages=3) as par:
+        model = _model()
+        model, opt = par.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1))
+        assert len(model.stage_starts) == 3 and model.stage_starts[0] == 0
+        _train(model, opt, par.backward)
+    for a, b in zip(ref.parameters(), model.parameters(), strict=True):
+        assert torch.equal(a, b.cpu())
+
+
+def test_model_parallel_errors() -> None:
+    with Parallel(strategy="model") as par, pytest.raises(UsageError, match=r"nn\.Sequential"):
+        par.prepare(nn.Linear(2, 2))
+    with (
+        Parallel(strategy="model", model_stages=9) as par,
+        pytest.raises(UsageError, match="cannot split 5 layers over 9 devices"),
+    ):
+        par.prepare(_model())
+    two = ClusterInfo(
+        source="env",
+        rank=0,
+        world_size=2,
+        local_rank=0,
+        local_world_size=2,
+        node_rank=0,
+        master_addr="127.0.0.1",
+        master_port=1,
+    )
+    with pytest.raises(UsageError, match="launch one process"):
+        Parallel(strategy="model", cluster=two)
+
+
+@given(sizes=st.lists(st.integers(1, 1000), min_size=1, max_size=30), parts=st.integers(1, 8))
+def test_balanced_cuts_are_valid(sizes: list[int], parts: int) -> None:
+    if parts > len(sizes):
+        with pytest.raises(UsageError):
+            balanced_cuts(sizes, parts)
+        return
+    starts = balanced_cuts(sizes, parts)
+    assert len(starts) == parts and starts[0] == 0
+    assert all(a < b for a, b in itertools.pairwise(starts)) and starts[-1] < len(sizes)
