@@ -19,6 +19,7 @@ import torch.distributed as dist
 
 from manygpu import comm
 from manygpu.comm.algorithms import ALGORITHMS
+from manygpu.comm.common import scratch_device
 from manygpu.errors import UsageError
 
 OPS = ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "reduce", "all_to_all")
@@ -102,10 +103,11 @@ Runner = Callable[[], tuple[torch.Tensor, torch.Tensor]]
 def _case(op: str, algorithm: str, count: int, dtype: torch.dtype, timeout_s: float) -> Runner:
     """A closure that runs ``op`` once and returns (result, expected)."""
     n, r = dist.get_world_size(), dist.get_rank()
+    dev = scratch_device()  # NCCL needs CUDA tensors, gloo CPU ones
     total = float(n * (n + 1) // 2)
     if op == "all_reduce":
         fn = ALGORITHMS.get(algorithm)
-        buf = torch.empty(count, dtype=dtype)
+        buf = torch.empty(count, dtype=dtype, device=dev)
 
         def run_all_reduce() -> tuple[torch.Tensor, torch.Tensor]:
             buf.fill_(r + 1)
@@ -115,17 +117,17 @@ def _case(op: str, algorithm: str, count: int, dtype: torch.dtype, timeout_s: fl
         return run_all_reduce
     part = count // n
     if op == "all_gather":
-        local = torch.full((part,), float(r + 1), dtype=dtype)
-        expected = torch.arange(1, n + 1, dtype=dtype).repeat_interleave(part)
+        local = torch.full((part,), float(r + 1), dtype=dtype, device=dev)
+        expected = torch.arange(1, n + 1, dtype=dtype, device=dev).repeat_interleave(part)
         return lambda: (comm.all_gather(local, timeout_s=timeout_s), expected)
     if op == "reduce_scatter":
-        full = torch.full((part * n,), float(r + 1), dtype=dtype)
+        full = torch.full((part * n,), float(r + 1), dtype=dtype, device=dev)
         return lambda: (
             comm.reduce_scatter(full, timeout_s=timeout_s),
-            torch.full((part,), total, dtype=dtype),
+            torch.full((part,), total, dtype=dtype, device=dev),
         )
     if op == "broadcast":
-        buf = torch.empty(count, dtype=dtype)
+        buf = torch.empty(count, dtype=dtype, device=dev)
 
         def run_broadcast() -> tuple[torch.Tensor, torch.Tensor]:
             buf.fill_(7 if r == 0 else 0)
@@ -133,7 +135,7 @@ def _case(op: str, algorithm: str, count: int, dtype: torch.dtype, timeout_s: fl
 
         return run_broadcast
     if op == "reduce":
-        buf = torch.empty(count, dtype=dtype)
+        buf = torch.empty(count, dtype=dtype, device=dev)
 
         def run_reduce() -> tuple[torch.Tensor, torch.Tensor]:
             buf.fill_(r + 1)
@@ -142,8 +144,8 @@ def _case(op: str, algorithm: str, count: int, dtype: torch.dtype, timeout_s: fl
 
         return run_reduce
     # all_to_all: chunk j of rank r holds r*n + j; rank r receives i*n + r from rank i.
-    send = torch.arange(n, dtype=dtype).repeat_interleave(part) + r * n
-    expected = (torch.arange(n, dtype=dtype) * n + r).repeat_interleave(part)
+    send = torch.arange(n, dtype=dtype, device=dev).repeat_interleave(part) + r * n
+    expected = (torch.arange(n, dtype=dtype, device=dev) * n + r).repeat_interleave(part)
     return lambda: (comm.all_to_all(send, timeout_s=timeout_s), expected)
 
 
@@ -157,11 +159,14 @@ def _measure(run: Runner, iters: int, warmup: int, timeout_s: float) -> tuple[fl
         comm.barrier(timeout_s=timeout_s)
         start = time.perf_counter()
         out, expected = run()
+        if out.is_cuda:  # NCCL returns once the work is queued; time its completion
+            torch.cuda.synchronize()
         times[i] = time.perf_counter() - start
         wrong = max(wrong, int((out != expected).sum()))
-    comm.all_reduce(times, "max", timeout_s=timeout_s)
-    stats = comm.all_reduce(torch.tensor([wrong]), "max", timeout_s=timeout_s)
-    return statistics.median(times.tolist()), int(stats.item())
+    dev = scratch_device()
+    times = comm.all_reduce(times.to(dev), "max", timeout_s=timeout_s)
+    stats = comm.all_reduce(torch.tensor([wrong], device=dev), "max", timeout_s=timeout_s)
+    return statistics.median(times.cpu().tolist()), int(stats.item())
 
 
 def sweep(cfg: SweepConfig, progress: Callable[[CommRow], None] | None = None) -> list[CommRow]:

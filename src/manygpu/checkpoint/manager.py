@@ -203,7 +203,7 @@ class Checkpointer:
     # -- the loop hook ----------------------------------------------------------
     def after_step(self, state: TrainState) -> None:
         """Call after each optimizer step: periodic saves, and save-and-exit on SIGTERM."""
-        flag = torch.tensor([1 if self._preempted else 0])
+        flag = torch.tensor([1 if self._preempted else 0], device=self.par.device)
         if self.par.world_size > 1:  # ranks may see the signal at different steps
             comm.all_reduce(flag, "max", timeout_s=self.par.timeout_s)
         if flag.item():

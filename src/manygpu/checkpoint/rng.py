@@ -25,8 +25,9 @@ def capture() -> dict[str, Any]:
         },
         "torch": torch.get_rng_state(),
     }
-    if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state_all()
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        # Only this process's GPU: the visible set may differ on resume (srun vs launch).
+        state["cuda"] = torch.cuda.get_rng_state()
     return state
 
 
@@ -46,4 +47,4 @@ def restore(state: dict[str, Any]) -> None:
     )
     torch.set_rng_state(state["torch"])
     if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
+        torch.cuda.set_rng_state(state["cuda"])

@@ -87,9 +87,17 @@ def add_launch_options(p: argparse.ArgumentParser) -> None:
         "--timeout",
         type=positive_float,
         dest="timeout_s",
-        help="seconds before a stuck rendezvous or collective fails (default 180)",
+        help="seconds before a stuck collective (default 180) or rendezvous (default 900) fails",
     )
     p.add_argument("--log-dir", "--log_dir", dest="log_dir", help="keep workers' logs here")
+    p.add_argument(
+        "--term-timeout",
+        type=positive_int,
+        default=120,
+        dest="term_timeout_s",
+        help="seconds stopped workers get between SIGTERM and SIGKILL, e.g. to "
+        "save a checkpoint on preemption (default 120)",
+    )
 
 
 def run(ns: argparse.Namespace) -> int:
@@ -114,6 +122,7 @@ def launch_job(ns: argparse.Namespace, entry: str, is_module: bool, args: tuple[
         rdzv_conf=ns.rdzv_conf,
         local_addr=ns.local_addr,
         max_restarts=ns.max_restarts,
+        term_timeout_s=ns.term_timeout_s,
         timeout_s=ns.timeout_s,
         log_dir=ns.log_dir,
     )

@@ -30,6 +30,7 @@ from manygpu.runtime.cluster import ClusterInfo, detect_cluster
 from manygpu.runtime.device import choose_backend, choose_device, set_cpu_threads
 from manygpu.runtime.process_group import init_distributed, teardown
 from manygpu.strategies import Strategy, StrategyOptions, get_strategy
+from manygpu.warn import warn_user
 
 T = TypeVar("T")
 
@@ -213,10 +214,20 @@ class Parallel:
         self, parameters: Iterable[torch.Tensor] | nn.Module, max_norm: float
     ) -> torch.Tensor:
         """Clip the true (unscaled) gradient norm; call only when :attr:`sync_gradients`."""
+        params = list(parameters.parameters() if isinstance(parameters, nn.Module) else parameters)
+        if not self.sync_gradients:
+            # Mid-accumulation the gradients are partial (and scaled): clipping or
+            # unscaling them now would corrupt the sum still being accumulated.
+            warn_user(
+                "clip_grad_norm_ called on a micro-step that does not step the optimizer; "
+                "call it only when par.sync_gradients is True (skipped)"
+            )
+            return torch.zeros((), device=self.device)
+        owned = {id(p) for p in params}
         for opt in self._optimizers:
-            self.precision.unscale(opt.optimizer)
-        params = parameters.parameters() if isinstance(parameters, nn.Module) else parameters
-        return torch.nn.utils.clip_grad_norm_(list(params), max_norm)
+            if any(id(p) in owned for g in opt.param_groups for p in g["params"]):
+                self.precision.unscale(opt.optimizer)
+        return torch.nn.utils.clip_grad_norm_(params, max_norm)
 
     @contextlib.contextmanager
     def autocast(self) -> Iterator[None]:
@@ -230,13 +241,16 @@ class Parallel:
 
         ``op`` is ``"mean"``, ``"sum"``, ``"max"`` or ``"min"``; the input is left alone.
         """
-        return comm.all_reduce(
-            tensor.detach().clone(), op, timeout_s=self.timeout_s, debug=self.config.debug
-        )
+        # NCCL takes CUDA tensors only: a CPU scalar (a metric) travels via our device.
+        work = tensor.detach().to(self.device, copy=True)
+        out = comm.all_reduce(work, op, timeout_s=self.timeout_s, debug=self.config.debug)
+        return out.to(tensor.device)
 
     def gather(self, tensor: torch.Tensor) -> torch.Tensor:
         """Every rank's ``tensor`` concatenated along dim 0, in rank order."""
-        return comm.all_gather(tensor.detach(), timeout_s=self.timeout_s, debug=self.config.debug)
+        work = tensor.detach().to(self.device)
+        out = comm.all_gather(work, timeout_s=self.timeout_s, debug=self.config.debug)
+        return out.to(tensor.device)
 
     def barrier(self) -> None:
         """Wait for every rank (bounded by the timeout; names missing ranks on gloo)."""

@@ -22,6 +22,7 @@ class PrecisionPlugin:
         # fp16's narrow exponent underflows small gradients; bf16 has fp32's
         # range and needs no scaling.
         self.scaler = torch.amp.GradScaler(device.type) if precision == "fp16" else None
+        self._update_pending = False
 
     @contextlib.contextmanager
     def autocast(self) -> Iterator[None]:
@@ -49,7 +50,14 @@ class PrecisionPlugin:
         module.forward = autocast_forward
 
     def scale(self, loss: torch.Tensor) -> torch.Tensor:
-        return self.scaler.scale(loss) if self.scaler is not None else loss
+        if self.scaler is None:
+            return loss
+        if self._update_pending:
+            # Once per cycle, after every optimizer stepped (GANs have several):
+            # update() resets all optimizers' unscale state.
+            self.scaler.update()
+            self._update_pending = False
+        return self.scaler.scale(loss)
 
     def unscale(self, optimizer: torch.optim.Optimizer) -> None:
         """Bring gradients back to true scale (before clipping)."""
@@ -62,4 +70,4 @@ class PrecisionPlugin:
             optimizer.step()
             return
         self.scaler.step(optimizer)
-        self.scaler.update()
+        self._update_pending = True

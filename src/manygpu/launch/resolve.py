@@ -41,6 +41,7 @@ class LaunchRequest:
     local_addr: str | None = None
     rdzv_conf: str | None = None
     max_restarts: int = 0
+    term_timeout_s: int = 120
     timeout_s: float | None = None
     log_dir: str | None = None
 
@@ -177,6 +178,7 @@ def resolve(req: LaunchRequest, env: Environ, cuda_count: int) -> LaunchSpec:
         rdzv_id=req.rdzv_id or _default_run_id(env, multi_node=max_nodes > 1),
         local_addr=req.local_addr or ("127.0.0.1" if max_nodes == 1 else None),
         max_restarts=req.max_restarts,
+        shutdown_grace_s=req.term_timeout_s,
         timeout_s=req.timeout_s,
         log_dir=req.log_dir,
         rdzv_conf=parse_rdzv_conf(req.rdzv_conf),

@@ -41,8 +41,9 @@ class LaunchSpec:
     """Restart the workers this many times after a failure."""
     timeout_s: float | None = None
     """Rendezvous and collective timeout; exported to workers as ``MANYGPU_TIMEOUT``."""
-    shutdown_grace_s: int = 10
-    """Seconds between SIGTERM and SIGKILL when stopping workers."""
+    shutdown_grace_s: int = 120
+    """Seconds between SIGTERM and SIGKILL when stopping workers: the time a
+    preempted job has to save (keep it below Slurm's KillWait / --signal lead)."""
     log_dir: str | None = None
     """Where workers' logs go (a temporary folder when ``None``)."""
     rdzv_conf: dict[str, str] = field(default_factory=dict)

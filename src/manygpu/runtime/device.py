@@ -27,9 +27,16 @@ def choose_device(local_rank: int, requested: str | None = None) -> torch.device
         device = torch.device(requested)
         if device.type == "cuda" and not torch.cuda.is_available():
             raise UsageError(f"device {requested!r} asked for but CUDA is not available here")
-        return device
+        if device.type != "cuda" or device.index is not None:
+            return device
     if torch.cuda.is_available():
-        return torch.device("cuda", local_rank % torch.cuda.device_count())
+        count = torch.cuda.device_count()
+        if local_rank >= count:
+            raise UsageError(
+                f"local rank {local_rank} has no GPU: this node runs more processes than its "
+                f"{count} visible GPU(s); use --nproc-per-node {count} or fewer"
+            )
+        return torch.device("cuda", local_rank)
     return torch.device("cpu")
 
 
