@@ -110,20 +110,28 @@ def _dcp_state(parts: Parts) -> dict[str, Any]:
     return state
 
 
-def write_dcp(directory: Path, parts: Parts) -> None:
-    """Every rank writes its shards into ``directory/shards`` (collective)."""
+def write_dcp(directory: Path, parts: Parts, group: Any = None) -> None:
+    """Every rank writes its shards into ``directory/shards`` (collective over ``group``)."""
     dcp.save(
-        _dcp_state(parts), checkpoint_id=str(directory / SHARDS), no_dist=not dist.is_initialized()
+        _dcp_state(parts),
+        checkpoint_id=str(directory / SHARDS),
+        process_group=group,
+        no_dist=not dist.is_initialized(),
     )
     if not dist.is_initialized() or dist.get_rank() == 0:
         torch.save(to_cpu_copy(parts.extras()), directory / EXTRAS)
 
 
-def read_dcp(directory: Path, parts: Parts) -> None:
+def read_dcp(directory: Path, parts: Parts, group: Any = None) -> None:
     """Load DCP shards into ``parts``, resharding to this world size (collective)."""
     state = _dcp_state(parts)
     try:
-        dcp.load(state, checkpoint_id=str(directory / SHARDS), no_dist=not dist.is_initialized())
+        dcp.load(
+            state,
+            checkpoint_id=str(directory / SHARDS),
+            process_group=group,
+            no_dist=not dist.is_initialized(),
+        )
     except Exception as exc:
         raise CheckpointError(f"checkpoint {directory} cannot be loaded: {exc}") from None
     optimizers = [parts.optimizer] if parts.optimizer is not None else []

@@ -17,11 +17,12 @@ import sys
 import threading
 import warnings
 from dataclasses import dataclass, field
-from datetime import datetime, timezone
+from datetime import datetime, timedelta, timezone
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
+import torch.distributed as dist
 
 from manygpu import comm
 from manygpu.checkpoint import formats, layout, rng
@@ -69,6 +70,10 @@ class Checkpointer:
         handle_signals: on SIGTERM, save at the next :meth:`after_step` and exit 0.
         requeue: under Slurm, also ``scontrol requeue`` the job before exiting.
         format: ``"full"`` or ``"dcp"``; default: what the strategy needs.
+        checkpoint_timeout_s: how long ranks wait for each other inside a save
+            or resume (disk work of large models takes minutes).
+
+    Every rank must construct it (it creates a process group).
     """
 
     def __init__(
@@ -86,6 +91,7 @@ class Checkpointer:
         handle_signals: bool = True,
         requeue: bool = False,
         format: str | None = None,
+        checkpoint_timeout_s: float = 1800.0,
     ) -> None:
         self.par = par
         self.root = Path(directory)
@@ -104,6 +110,15 @@ class Checkpointer:
             raise UsageError(f"unknown checkpoint format {self.format!r}; choose full or dcp")
         self.async_save = async_save and self.format == "full"
         self.requeue = requeue
+        # Checkpoint coordination waits on the main rank's disk work (writing,
+        # fsync, hashing), which can outlast the training timeout: a gloo group
+        # of its own with a long timeout (also usable when training uses NCCL).
+        self.timeout_s = checkpoint_timeout_s
+        self._group = (
+            dist.new_group(backend="gloo", timeout=timedelta(seconds=checkpoint_timeout_s))
+            if par.world_size > 1
+            else None
+        )
         self._pending: threading.Thread | None = None
         self._error: BaseException | None = None
         self._preempted = False
@@ -122,17 +137,24 @@ class Checkpointer:
         if self.par.is_main:
             layout.remove_stale(self.root)
             tmp.mkdir(parents=True, exist_ok=True)
-        self.par.barrier()
-        torch.save(rng.capture(), tmp / f"rng-rank{self.par.rank}.pt")
+        self._barrier()
         meta = self._meta(state)
-        if self.format == "dcp":
-            formats.write_dcp(tmp, self.parts)
-        files = (
-            formats.full_snapshot(self.parts, copy=self.async_save)
-            if self.format == "full" and self.par.is_main
-            else {}
-        )
-        self.par.barrier()  # every rank's files are in tmp before the commit
+        files: dict[str, Any] = {}
+        try:
+            if not tmp.is_dir():
+                raise CheckpointError(
+                    f"{tmp} is not visible on rank {self.par.rank}: the checkpoint directory "
+                    "must be on a filesystem shared by every node"
+                )
+            torch.save(rng.capture(), tmp / f"rng-rank{self.par.rank}.pt")
+            if self.format == "dcp":
+                formats.write_dcp(tmp, self.parts, group=self._group)
+            if self.format == "full" and self.par.is_main:
+                files = formats.full_snapshot(self.parts, copy=self.async_save)
+            failure = None
+        except Exception as exc:  # every rank must hear of it, or the others hang
+            failure = f"rank {self.par.rank}: {exc}"
+        self._raise_if_any(failure)  # also the barrier: every rank's files are in tmp
         if self.par.is_main:
             if self.async_save:
                 self._pending = threading.Thread(
@@ -148,6 +170,33 @@ class Checkpointer:
             self._raise_everywhere()  # nobody reads the directory before it is committed
         return final
 
+    def _barrier(self) -> None:
+        if self._group is not None:
+            try:
+                dist.monitored_barrier(group=self._group, timeout=timedelta(seconds=self.timeout_s))
+            except RuntimeError as exc:
+                raise CheckpointError(
+                    f"rank {self.par.rank}: checkpoint barrier failed: {str(exc).splitlines()[0]}"
+                ) from exc
+
+    def _broadcast(self, value: Any) -> Any:
+        """The main rank's ``value`` on every rank (over the checkpoint group)."""
+        if self._group is None:
+            return value
+        box = [value]
+        dist.broadcast_object_list(box, src=0, group=self._group)
+        return box[0]
+
+    def _raise_if_any(self, failure: str | None) -> None:
+        """Raise on every rank if any rank failed (names the ranks and why)."""
+        failures = [failure]
+        if self._group is not None:
+            failures = [None] * self.par.world_size
+            dist.all_gather_object(failures, failure, group=self._group)
+        found = [f for f in failures if f]
+        if found:
+            raise CheckpointError("saving the checkpoint failed: " + "; ".join(found))
+
     def _raise_everywhere(self) -> None:
         """Finish a pending save; if the main rank's commit failed, every rank raises."""
         message = None
@@ -157,7 +206,7 @@ class Checkpointer:
             except CheckpointError as exc:
                 message = str(exc)
         if self.par.world_size > 1:
-            message = comm.broadcast_object(message, src=0)
+            message = self._broadcast(message)
         if message is not None:
             raise CheckpointError(message)
 
@@ -229,7 +278,7 @@ class Checkpointer:
         verdict = ("none", "")
         if self.par.is_main:
             verdict = self._choose(which)
-        verdict = comm.broadcast_object(verdict, src=0)  # the main rank's files decide
+        verdict = self._broadcast(verdict)  # the main rank's files decide
         kind, value = verdict
         if kind == "error":
             raise CheckpointError(value)
@@ -237,15 +286,17 @@ class Checkpointer:
             return TrainState()
         path = Path(value)
         meta = layout.read_meta(path)
-        reader = formats.read_dcp if meta["format"] == "dcp" else formats.read_full
-        reader(path, self.parts)
+        if meta["format"] == "dcp":
+            formats.read_dcp(path, self.parts, group=self._group)
+        else:
+            formats.read_full(path, self.parts)
         self._restore_rng(path, meta)
         state = TrainState(
             step=int(meta["step"]), epoch=int(meta["epoch"]), extra=dict(meta.get("extra") or {})
         )
         if self.loader is not None and meta.get("loader"):
             state.epoch = self._restore_loader(meta["loader"])
-        self.par.barrier()
+        self._barrier()
         return state
 
     def _choose(self, which: str | int | Path) -> tuple[str, str]:
