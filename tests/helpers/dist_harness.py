@@ -47,15 +47,17 @@ def _entry(
     os.environ.update(env)
     import torch.distributed as dist
 
+    ok, result = True, None
     try:
-        # Plain pickle: torch's queue reducer would share tensors through file
-        # descriptors that die with this process.
-        out.put((rank, True, pickle.dumps(fn(*args))))
+        result = fn(*args)
     except BaseException:
-        out.put((rank, False, traceback.format_exc()))
+        ok, result = False, traceback.format_exc()
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
+    # Plain pickle, after the group is gone: torch's queue reducer would share
+    # tensors through file descriptors that die with this process.
+    out.put((rank, ok, pickle.dumps(result) if ok else result))
 
 
 def run_ranks(

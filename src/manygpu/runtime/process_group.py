@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import datetime as dt
+import time
 from dataclasses import dataclass
 
 import torch
@@ -116,6 +117,14 @@ def _bracket(host: str) -> str:
 
 
 def teardown(ctx: DistContext) -> None:
-    """Destroy the default group if we created it (safe to call twice)."""
+    """Destroy the default group if we created it (safe to call twice).
+
+    Gloo's worker threads release a finished collective's tensors a moment after
+    ``wait()`` returns, and need the GIL to do it. If the group is destroyed later
+    from a deallocation that holds the GIL (DDP's reducer going away), its
+    destructor joins those threads while they wait for the GIL: a deadlock seen
+    at exit. A short sleep (which releases the GIL) lets them finish first.
+    """
     if ctx.owns_group and dist.is_initialized():
+        time.sleep(0.05)
         dist.destroy_process_group()
