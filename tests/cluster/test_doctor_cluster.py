@@ -6,26 +6,15 @@ Needs root and iproute2; skips with the reason elsewhere.
 from __future__ import annotations
 
 import json
-import os
 import sys
-from pathlib import Path
 
 import pytest
+from jobs import subprocess_env
 
 from manygpu.emulate import EmulatedCluster, LinkShape, netns_available
 
 OK, WHY = netns_available()
 pytestmark = pytest.mark.skipif(not OK, reason=f"emulated cluster unavailable: {WHY}")
-
-ROOT = Path(__file__).resolve().parents[2]
-
-
-def _env() -> dict[str, str]:
-    env = dict(os.environ)
-    env["PYTHONPATH"] = str(ROOT / "src")
-    env["GLOO_SOCKET_IFNAME"] = "eth0"  # the namespace's own interface, never loopback
-    env["OMP_NUM_THREADS"] = "1"
-    return env
 
 
 def test_doctor_all_ranks_across_two_hosts() -> None:
@@ -55,7 +44,7 @@ def test_doctor_all_ranks_across_two_hosts() -> None:
             ]
             for i in range(2)
         ]
-        results = cluster.run_all(argv, timeout=150, env=_env())
+        results = cluster.run_all(argv, timeout=150, env=subprocess_env(namespace=True))
         addresses = list(cluster.addresses)
     for node, res in enumerate(results):
         assert res.returncode in (0, 1), f"node {node}:\n{res.stderr[-3000:]}"

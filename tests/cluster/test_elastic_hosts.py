@@ -17,6 +17,7 @@ import time
 from pathlib import Path
 
 import pytest
+from jobs import subprocess_env
 
 from manygpu.emulate import EmulatedCluster, LinkShape, netns_available
 
@@ -25,12 +26,6 @@ pytestmark = pytest.mark.skipif(not OK, reason=f"emulated cluster unavailable: {
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "tests" / "launch" / "scripts" / "ckpt_launch.py"
-
-
-def _env() -> dict[str, str]:
-    env = dict(os.environ, GLOO_SOCKET_IFNAME="eth0", OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
-    env["PYTHONPATH"] = os.pathsep.join([str(ROOT / "src"), str(ROOT / "tests" / "helpers")])
-    return env
 
 
 def _steps(ckpt: Path) -> list[int]:
@@ -81,7 +76,12 @@ def test_job_survives_losing_a_host(tmp_path: Path) -> None:
             log = open(tmp_path / f"log{i}", "w")  # noqa: SIM115  (a pipe could fill and stall)
             procs.append(
                 cluster.popen(
-                    i, cmd, stdout=log, stderr=subprocess.STDOUT, env=_env(), start_new_session=True
+                    i,
+                    cmd,
+                    stdout=log,
+                    stderr=subprocess.STDOUT,
+                    env=subprocess_env(namespace=True),
+                    start_new_session=True,
                 )
             )
         try:

@@ -5,13 +5,13 @@ Needs root and iproute2; skips with the reason elsewhere.
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
+from jobs import subprocess_env
 from reference import reference_train
 
 from manygpu.emulate import EmulatedCluster, LinkShape, netns_available
@@ -19,16 +19,7 @@ from manygpu.emulate import EmulatedCluster, LinkShape, netns_available
 OK, WHY = netns_available()
 pytestmark = pytest.mark.skipif(not OK, reason=f"emulated cluster unavailable: {WHY}")
 
-ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = Path(__file__).parent / "scripts" / "ddp_equivalence.py"
-
-
-def _env() -> dict[str, str]:
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join([str(ROOT / "src"), str(ROOT / "tests" / "helpers")])
-    env["GLOO_SOCKET_IFNAME"] = "eth0"  # the namespace's own interface, never loopback
-    env["OMP_NUM_THREADS"] = "1"
-    return env
 
 
 def test_hosts_reach_each_other_and_are_torn_down() -> None:
@@ -75,7 +66,7 @@ def test_two_hosts_two_processes_match_single_process(tmp_path: Path) -> None:
             ]
             for i in range(2)
         ]
-        results = cluster.run_all(argv, timeout=150, env=_env())
+        results = cluster.run_all(argv, timeout=150, env=subprocess_env(namespace=True))
     for node, res in enumerate(results):
         assert res.returncode == 0, f"node {node}:\n{res.stderr[-3000:]}"
     ref = reference_train(steps, batch)
@@ -108,7 +99,10 @@ def test_torn_down_on_sigterm() -> None:
         "    time.sleep(60)\n"
     )
     proc = subprocess.Popen(
-        [sys.executable, "-c", code], stdout=subprocess.PIPE, text=True, env=_env()
+        [sys.executable, "-c", code],
+        stdout=subprocess.PIPE,
+        text=True,
+        env=subprocess_env(namespace=True),
     )
     assert proc.stdout is not None
     names = proc.stdout.readline().split()
@@ -133,7 +127,7 @@ def test_module_cli_runs_a_command_per_host() -> None:
         ],
         capture_output=True,
         text=True,
-        env=_env(),
+        env=subprocess_env(namespace=True),
         timeout=60,
     )
     assert res.returncode == 0, res.stderr

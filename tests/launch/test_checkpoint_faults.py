@@ -11,15 +11,9 @@ import time
 from pathlib import Path
 
 import torch
+from jobs import subprocess_env
 
-ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = Path(__file__).parent / "scripts" / "ckpt_launch.py"
-
-
-def _env() -> dict[str, str]:
-    env = dict(os.environ, PYTHONUNBUFFERED="1")
-    env["PYTHONPATH"] = os.pathsep.join([str(ROOT / "src"), str(ROOT / "tests" / "helpers")])
-    return env
 
 
 def _launch(
@@ -50,7 +44,7 @@ def _launch(
         str(sleep_s),
     ]
     return subprocess.Popen(
-        cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_env()
+        cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=subprocess_env()
     )
 
 
@@ -89,7 +83,7 @@ def test_sigterm_saves_and_exits_cleanly(tmp_path: Path) -> None:
         [sys.executable, "-m", "manygpu", "checkpoint", "inspect", str(ckpt), "--json"],
         capture_output=True,
         text=True,
-        env=_env(),
+        env=subprocess_env(),
     )
     assert info.returncode == 0, info.stderr
     meta = json.loads(info.stdout)

@@ -222,9 +222,19 @@ def test_bench_comm_every_op_correct(tmp_path: Path) -> None:
 
 def test_no_orphans_when_the_launcher_is_killed(tmp_path: Path) -> None:
     proc = subprocess.Popen(
-        [sys.executable, "-m", "manygpu", "launch", "--nproc-per-node", "2",
-         str(SCRIPTS / "fails.py"), "0", str(tmp_path)],
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        [
+            sys.executable,
+            "-m",
+            "manygpu",
+            "launch",
+            "--nproc-per-node",
+            "2",
+            str(SCRIPTS / "fails.py"),
+            "0",
+            str(tmp_path),
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
     )
     deadline = time.monotonic() + 60
     while len(list(tmp_path.glob("pid*"))) < 2:

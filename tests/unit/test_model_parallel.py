@@ -8,11 +8,11 @@ import pytest
 import torch
 from hypothesis import given
 from hypothesis import strategies as st
+from jobs import two_rank_cluster
 from reference import make_data
 from torch import nn
 
 from manygpu import Parallel, UsageError
-from manygpu.runtime.cluster import ClusterInfo
 from manygpu.strategies.model import balanced_cuts
 
 
@@ -53,16 +53,7 @@ def test_model_parallel_errors() -> None:
         pytest.raises(UsageError, match="cannot split 5 layers over 9 devices"),
     ):
         par.prepare(_model())
-    two = ClusterInfo(
-        source="env",
-        rank=0,
-        world_size=2,
-        local_rank=0,
-        local_world_size=2,
-        node_rank=0,
-        master_addr="127.0.0.1",
-        master_port=1,
-    )
+    two = two_rank_cluster()
     with pytest.raises(UsageError, match="launch one process"):
         Parallel(strategy="model", cluster=two)
 

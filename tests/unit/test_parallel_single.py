@@ -7,6 +7,7 @@ import warnings
 import pytest
 import torch
 import torch.distributed as dist
+from jobs import two_rank_cluster
 from reference import flat_params, make_data, make_model, reference_train
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
@@ -15,7 +16,6 @@ from manygpu import Parallel
 from manygpu.core.data import PreparedLoader
 from manygpu.core.optimizer import PreparedOptimizer
 from manygpu.errors import UsageError
-from manygpu.runtime.cluster import ClusterInfo
 
 TOL = 1e-6
 STEPS = 3
@@ -189,16 +189,7 @@ def test_lr_scheduler_accepts_prepared_optimizer() -> None:
 
 @pytest.mark.parametrize("strategy", ["single", "dp"])
 def test_single_process_strategy_rejects_world_of_two(strategy: str) -> None:
-    fake = ClusterInfo(
-        source="env",
-        rank=0,
-        world_size=2,
-        local_rank=0,
-        local_world_size=2,
-        node_rank=0,
-        master_addr="127.0.0.1",
-        master_port=29500,
-    )
+    fake = two_rank_cluster()
     with pytest.raises(UsageError, match="use strategy='ddp'"):
         Parallel(strategy=strategy, device="cpu", cluster=fake)
     assert not dist.is_initialized()

@@ -18,8 +18,8 @@ import signal
 import subprocess
 import threading
 import uuid
-from collections.abc import Iterator, Sequence
-from contextlib import contextmanager, suppress
+from collections.abc import Sequence
+from contextlib import suppress
 from dataclasses import dataclass
 from types import FrameType
 
@@ -215,10 +215,3 @@ class EmulatedCluster:
                     os.killpg(proc.pid, signal.SIGKILL)
                     proc.wait()
         return results
-
-
-@contextmanager
-def emulated_cluster(hosts: int, shape: LinkShape | None = None) -> Iterator[EmulatedCluster]:
-    """Function form of :class:`EmulatedCluster`."""
-    with EmulatedCluster(hosts, shape) as cluster:
-        yield cluster

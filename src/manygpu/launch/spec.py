@@ -79,8 +79,3 @@ class LaunchSpec:
                 f"but --nproc-per-node is {self.nproc_per_node}; "
                 "give one or the other"
             )
-
-    @property
-    def world_size_max(self) -> int:
-        """Processes in the whole job at most."""
-        return self.max_nodes * self.nproc_per_node
