@@ -18,6 +18,7 @@ from torch import nn
 from torch.utils.data import DataLoader
 
 from manygpu import comm
+from manygpu.comm.common import first_line
 from manygpu.core.accumulation import Accumulator
 from manygpu.core.config import ParallelConfig
 from manygpu.core.console import MainConsole
@@ -305,5 +306,5 @@ class Parallel:
     def _raise_if_peer_failure(self, exc: RuntimeError, operation: str) -> None:
         text = str(exc).lower()
         if self.world_size > 1 and any(hint in text for hint in _PEER_FAILURE_HINTS):
-            first = str(exc).strip().splitlines()[0][:200]
-            raise CollectiveTimeoutError(self.rank, operation, self.timeout_s, first) from exc
+            detail = first_line(exc)
+            raise CollectiveTimeoutError(self.rank, operation, self.timeout_s, detail) from exc
