@@ -7,12 +7,13 @@ from typing import Any
 
 from manygpu.bench.comm import ALGOS, OPS, SweepConfig
 from manygpu.bench.comm_worker import parse_size
+from manygpu.cli import bench_train
 from manygpu.cli.launch import add_launch_options, launch_job
 from manygpu.cli.parser import OneLineParser, positive_int
 
 
 def add_parser(sub: Any) -> None:
-    p = sub.add_parser("bench", help="benchmarks (comm)")
+    p = sub.add_parser("bench", help="benchmarks (comm, train)")
     kinds = p.add_subparsers(
         dest="bench", metavar="KIND", parser_class=OneLineParser, required=True
     )
@@ -37,6 +38,7 @@ def add_parser(sub: Any) -> None:
     c.add_argument("--plot", default="", help="also write a busbw-vs-size PNG here")
     c.add_argument("--label", default="", help="a name for this run in the table and JSON")
     c.set_defaults(run=run_comm)
+    bench_train.add_kind(kinds)
 
 
 def run_comm(ns: argparse.Namespace) -> int:

@@ -1,0 +1,151 @@
+"""``manygpu bench train``: throughput and scaling over 1, 2, ... N workers."""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from manygpu.bench import models, report, train_report
+from manygpu.bench.train import RunStats, TrainBenchConfig
+from manygpu.cli.launch import add_launch_options, launch_job
+from manygpu.cli.parser import positive_float, positive_int
+from manygpu.errors import UsageError
+from manygpu.runtime.device import cpu_count
+
+DESCRIPTION = """Train a model for a few steps on 1, 2, ... N workers (one job per count,
+under the launcher) and report samples/s, speed-up, scaling efficiency and each
+step split into compute, exposed communication and data-loading wait; on GPUs
+also MFU. Writes JSON, a markdown table and a PNG plot. Models: built-in
+demo-cnn, resnet, gpt, or module:function returning a manygpu.bench.models.Workload.
+Worker counts are per node; with --nnodes M every node runs this same command."""
+
+
+def add_kind(kinds: Any) -> None:
+    t = kinds.add_parser(
+        "train",
+        help="training throughput and scaling efficiency",
+        description=DESCRIPTION,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    add_launch_options(t)
+    t.add_argument("--model", default="resnet", help="demo-cnn, resnet, gpt or module:function")
+    t.add_argument(
+        "--workers", default="", help="comma list, e.g. 1,2,4 (default: 1,2,4..GPUs, or 1,2 on CPU)"
+    )
+    t.add_argument("--batch", type=positive_int, default=32, help="samples per worker per step")
+    t.add_argument("--steps", type=positive_int, default=20, help="timed steps per job")
+    t.add_argument("--warmup", type=positive_int, default=5)
+    t.add_argument("--block", type=positive_int, default=5, help="steps per timing block")
+    t.add_argument("--precision", default="fp32", help="fp32, bf16 or fp16")
+    t.add_argument("--strategy", default="", help="strategy with >1 worker (default ddp)")
+    t.add_argument(
+        "--threads",
+        type=positive_int,
+        default=0,
+        help="CPU threads per worker, the same at every count (default: CPUs / max workers)",
+    )
+    t.add_argument("--peak-tflops", type=positive_float, help="peak TFLOP/s per worker for MFU")
+    t.add_argument("--json", default="bench/results/train.json")
+    t.add_argument("--markdown", default="", help="default: the JSON path with .md")
+    t.add_argument("--plot", default="", help="default: the JSON path with .png")
+    t.set_defaults(run=run_train)
+
+
+def parse_workers(text: str, gpus: int) -> list[int]:
+    """``"1,2,4"`` -> [1, 2, 4]; empty: powers of two up to the GPUs (and all of them), or 1,2."""
+    if not text.strip():
+        if gpus <= 1:
+            return [1, 2] if gpus == 0 else [1]
+        counts = [1 << i for i in range(gpus.bit_length()) if 1 << i <= gpus]
+        return counts if counts[-1] == gpus else [*counts, gpus]
+    try:
+        counts = [int(part) for part in text.split(",") if part.strip()]
+    except ValueError:
+        raise UsageError(
+            f"--workers {text!r} is not a comma list of integers, e.g. 1,2,4"
+        ) from None
+    if not counts or any(c < 1 for c in counts):
+        raise UsageError(f"--workers {text!r}: every count must be >= 1")
+    if len(set(counts)) != len(counts):
+        raise UsageError(f"--workers {text!r} repeats a count")
+    if gpus and max(counts) > gpus:
+        raise UsageError(f"--workers {text!r}: this node has only {gpus} GPU(s)")
+    return sorted(counts)
+
+
+def _validate(ns: argparse.Namespace) -> tuple[list[int], int]:
+    """Fail in a second, before any job starts: counts, config, the model's factory."""
+    if ns.nproc_per_node is not None:
+        raise UsageError(
+            "bench train sets the workers per job itself; use --workers, not --nproc-per-node"
+        )
+    gpus = torch.cuda.device_count() if ns.gpus is None else len(ns.gpus.split(","))
+    counts = parse_workers(ns.workers, gpus)
+    TrainBenchConfig(
+        model=ns.model,
+        batch=ns.batch,
+        steps=ns.steps,
+        warmup=ns.warmup,
+        block=ns.block,
+        precision=ns.precision,
+        strategy=ns.strategy or None,
+        peak_tflops=ns.peak_tflops,
+    )
+    if ns.strategy:
+        from manygpu.strategies import get_strategy
+
+        get_strategy(ns.strategy)
+    models.resolve(ns.model)
+    threads = ns.threads or (max(1, cpu_count() // max(counts)) if gpus == 0 else 0)
+    return counts, threads
+
+
+def _worker_args(ns: argparse.Namespace, threads: int, out: Path) -> tuple[str, ...]:
+    args = ["--model", ns.model, "--batch", str(ns.batch), "--steps", str(ns.steps)]
+    args += ["--warmup", str(ns.warmup), "--block", str(ns.block), "--precision", ns.precision]
+    args += ["--strategy", ns.strategy, "--threads", str(threads), "--out", str(out)]
+    if ns.peak_tflops:
+        args += ["--peak-tflops", str(ns.peak_tflops)]
+    return tuple(args)
+
+
+def run_train(ns: argparse.Namespace) -> int:
+    counts, threads = _validate(ns)
+    runs: list[RunStats] = []
+    with tempfile.TemporaryDirectory(prefix="manygpu-bench-train-") as tmp:
+        for count in counts:
+            print(f"bench train: {ns.model} on {count} worker(s) per node", flush=True)
+            job = copy.copy(ns)
+            job.nproc_per_node = count
+            out = Path(tmp) / f"run-{count}.json"
+            rc = launch_job(job, "manygpu.bench.train_worker", True, _worker_args(ns, threads, out))
+            if rc != 0:
+                return rc
+            if out.exists():  # only node 0 holds rank 0's file
+                runs.append(RunStats(**json.loads(out.read_text())))
+    if not runs:
+        return 0
+    rows = train_report.scaling(runs)
+    train_report.print_table(rows)
+    write_views(ns, rows)
+    return 0
+
+
+def write_views(ns: argparse.Namespace, rows: list[train_report.ScalingRow]) -> None:
+    """JSON, markdown and PNG next to each other unless paths were given."""
+    json_path = Path(ns.json)
+    md_path = Path(ns.markdown) if ns.markdown else json_path.with_suffix(".md")
+    png_path = Path(ns.plot) if ns.plot else json_path.with_suffix(".png")
+    command = " ".join(["manygpu", *sys.argv[1:]])
+    report.write_json(json_path, train_report.payload(rows, command, report.machine_info()))
+    md_path.parent.mkdir(parents=True, exist_ok=True)
+    md_path.write_text(train_report.markdown(rows))
+    train_report.plot(rows, png_path)
+    print(f"wrote {json_path}, {md_path} and {png_path}")
