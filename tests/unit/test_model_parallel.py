@@ -13,7 +13,7 @@ from reference import make_data
 from torch import nn
 
 from manygpu import Parallel, UsageError
-from manygpu.strategies.model import balanced_cuts
+from manygpu.strategies.splitting import balanced_cuts
 
 
 def _model() -> nn.Sequential:
@@ -50,7 +50,7 @@ def test_model_parallel_errors() -> None:
         par.prepare(nn.Linear(2, 2))
     with (
         Parallel(strategy="model", model_stages=9) as par,
-        pytest.raises(UsageError, match="cannot split 5 layers over 9 devices"),
+        pytest.raises(UsageError, match="cannot split 5 layers into 9 stages"),
     ):
         par.prepare(_model())
     two = two_rank_cluster()

@@ -2,11 +2,20 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Literal
 
 from manygpu.errors import UsageError
-from manygpu.strategies import DDPOptions, FSDPOptions, get_strategy
+from manygpu.strategies import (
+    DDPOptions,
+    FSDPOptions,
+    MeshSpec,
+    PipelineOptions,
+    TensorOptions,
+    get_strategy,
+    strategy_for_mesh,
+)
 
 Precision = Literal["fp32", "bf16", "fp16"]
 PRECISIONS: tuple[str, ...] = ("fp32", "bf16", "fp16")
@@ -17,8 +26,9 @@ class ParallelConfig:
     """How to run: which strategy, which precision, how to accumulate."""
 
     strategy: str | None = None
-    """Registry name; ``None`` picks ``"ddp"`` when launched with several
-    processes and ``"single"`` otherwise."""
+    """Registry name, or ``"hybrid"`` (the strategy that composes the mesh's
+    dimensions); ``None`` picks ``"hybrid"`` when a mesh is given, else
+    ``"ddp"`` when launched with several processes and ``"single"`` otherwise."""
     precision: Precision = "fp32"
     """``"bf16"`` autocasts to bfloat16; ``"fp16"`` also scales the loss."""
     grad_accum_steps: int = 1
@@ -42,13 +52,27 @@ class ParallelConfig:
     """Knobs of ``"fsdp"`` / ``"zero2"``."""
     model_stages: int | None = None
     """``"model"``: devices to split the layers over (default: all GPUs, or 2)."""
+    pipeline: PipelineOptions = field(default_factory=PipelineOptions)
+    """Knobs of ``"pipeline"`` (loss_fn, microbatches, schedule, split points)."""
+    tensor: TensorOptions = field(default_factory=TensorOptions)
+    """Knobs of ``"tensor"`` (the plan)."""
+    mesh: MeshSpec | Mapping[str, int] | None = None
+    """Sizes per named dimension (``pp``, ``dp``, ``fsdp``, ``tp``), e.g.
+    ``{"dp": 2, "tp": -1}``; ``-1`` is inferred from the world size."""
     debug: bool | None = None
     """Check before each collective of :meth:`Parallel.reduce` / ``gather`` /
     ``barrier`` that every rank calls the same one (shape, dtype); ``None``
     reads ``MANYGPU_DEBUG``."""
 
     def __post_init__(self) -> None:
-        if self.strategy is not None:
+        if self.mesh is not None:
+            object.__setattr__(self, "mesh", MeshSpec.parse(self.mesh))
+        if self.strategy == "hybrid" and self.mesh is None:
+            raise UsageError(
+                "strategy 'hybrid' composes the dimensions of a mesh: give one, "
+                "e.g. mesh={'dp': 2, 'tp': -1}"
+            )
+        if self.strategy not in (None, "hybrid"):
             get_strategy(self.strategy)  # raises with the list of names
         if self.precision not in PRECISIONS:
             raise UsageError(
@@ -63,6 +87,8 @@ class ParallelConfig:
 
     def resolved_strategy(self, world_size: int) -> str:
         """The strategy name actually used for a job of ``world_size``."""
-        if self.strategy is not None:
+        if self.strategy not in (None, "hybrid"):
             return self.strategy
+        if isinstance(self.mesh, MeshSpec):
+            return strategy_for_mesh(self.mesh)
         return "ddp" if world_size > 1 else "single"

@@ -30,7 +30,7 @@ from manygpu.runtime import env as envmod
 from manygpu.runtime.cluster import ClusterInfo, detect_cluster
 from manygpu.runtime.device import choose_backend, choose_device, set_cpu_threads
 from manygpu.runtime.process_group import init_distributed, teardown
-from manygpu.strategies import Strategy, StrategyOptions, get_strategy
+from manygpu.strategies import MeshSpec, Strategy, StrategyOptions, get_strategy
 from manygpu.warn import warn_user
 
 T = TypeVar("T")
@@ -75,7 +75,8 @@ class Parallel:
         self.cluster = cluster if cluster is not None else detect_cluster(environ)
         self.strategy_name = self.config.resolved_strategy(self.cluster.world_size)
         strategy_cls = get_strategy(self.strategy_name)
-        strategy_cls.validate_world(self.cluster)
+        options = self._strategy_options()
+        strategy_cls.validate_world(self.cluster, options)
         self.timeout_s = self.config.timeout_s or envmod.timeout_s(environ)
         device = choose_device(self.cluster.local_rank, self.config.device)
         if device.type == "cuda":
@@ -91,9 +92,7 @@ class Parallel:
         )
         self.strategy: Strategy = strategy_cls(
             self._ctx,
-            StrategyOptions(
-                ddp=self.config.ddp, fsdp=self.config.fsdp, model_stages=self.config.model_stages
-            ),
+            options,
         )
         self.precision = PrecisionPlugin(self.config.precision, device)
         self._accumulator = Accumulator(self.config.grad_accum_steps)
@@ -179,22 +178,23 @@ class Parallel:
         advanced per ``iter()``, padded so every rank runs the same number of
         steps); evaluation loaders (``train=False``) see each sample exactly once.
         """
-        shard = self.strategy.shards_data
+        shard_index, shard_count = self.strategy.data_shard()
         rebuilt = rebuild_loader(
             loader,
-            rank=self.rank if shard else 0,
-            world=self.world_size if shard else 1,
+            rank=shard_index,
+            world=shard_count,
             train=train,
             seed=self.config.seed or 0,
             split_batches=self.config.split_batches,
             pin_memory=self.device.type == "cuda",
         )
         hook = self._end_accumulation_cycle if train else None
-        # A generator of ours (the user gave none) is re-seeded per epoch.
+        # A generator of ours (the user gave none) is re-seeded per epoch; ranks
+        # reading the same shard (tensor/pipeline peers) get the same one.
         seed = (
             None
             if loader.generator is not None
-            else ((self.config.seed or 0) * 1_000_003 + self.rank * 10_007)
+            else ((self.config.seed or 0) * 1_000_003 + shard_index * 10_007)
         )
         return PreparedLoader(rebuilt, self.device, on_last_batch=hook, generator_seed=seed)
 
@@ -204,7 +204,7 @@ class Parallel:
         if self.config.grad_accum_steps > 1:
             loss = loss / self.config.grad_accum_steps
         try:
-            self.precision.scale(loss).backward()
+            self.strategy.backward(self.precision.scale(loss))
         except RuntimeError as exc:
             self._raise_if_peer_failure(exc, "gradient all-reduce in backward")
             raise
@@ -271,8 +271,13 @@ class Parallel:
         return self.console.progress(items, description)
 
     def seed_everything(self, seed: int) -> None:
-        """Seed python, numpy and torch with ``seed + rank`` (different noise per rank)."""
-        value = seed + self.rank
+        """Seed python, numpy and torch with ``seed`` + this rank's data-shard index.
+
+        Ranks reading different data draw different noise; ranks that share a
+        shard (tensor-parallel peers) draw the same dropout masks, which their
+        replicated activations need.
+        """
+        value = seed + self.strategy.data_shard()[0]
         random.seed(value)
         np.random.seed(value % 2**32)
         torch.manual_seed(value)
@@ -295,6 +300,19 @@ class Parallel:
         )
 
     # -- internals -------------------------------------------------------------
+    def _strategy_options(self) -> StrategyOptions:
+        cfg = self.config
+        return StrategyOptions(
+            ddp=cfg.ddp,
+            fsdp=cfg.fsdp,
+            model_stages=cfg.model_stages,
+            pipeline=cfg.pipeline,
+            tensor=cfg.tensor,
+            mesh=cfg.mesh if isinstance(cfg.mesh, MeshSpec) else None,
+            precision=cfg.precision,
+            grad_accum_steps=cfg.grad_accum_steps,
+        )
+
     def _set_grad_sync(self, enabled: bool) -> None:
         for model in self._models:
             self.strategy.set_grad_sync(model, enabled)

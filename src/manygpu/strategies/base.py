@@ -14,9 +14,11 @@ from typing import ClassVar
 import torch
 from torch import nn
 
+from manygpu.errors import UsageError
 from manygpu.runtime.cluster import ClusterInfo
 from manygpu.runtime.process_group import DistContext
-from manygpu.strategies.options import DDPOptions, FSDPOptions
+from manygpu.strategies.mesh import MeshSpec, check_dims
+from manygpu.strategies.options import DDPOptions, FSDPOptions, PipelineOptions, TensorOptions
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -29,6 +31,16 @@ class StrategyOptions:
     """Used by ``"fsdp"`` and ``"zero2"``."""
     model_stages: int | None = None
     """Used by ``"model"``: how many devices to split over (default: all GPUs, or 2)."""
+    pipeline: PipelineOptions = field(default_factory=PipelineOptions)
+    """Used by ``"pipeline"``."""
+    tensor: TensorOptions = field(default_factory=TensorOptions)
+    """Used by ``"tensor"``."""
+    mesh: MeshSpec | None = None
+    """Sizes per named dimension for strategies that compose (``None``: their default)."""
+    precision: str = "fp32"
+    """The job's precision, for strategies that must refuse one."""
+    grad_accum_steps: int = 1
+    """The job's accumulation, for strategies that must refuse it."""
 
 
 class Strategy(ABC):
@@ -50,8 +62,27 @@ class Strategy(ABC):
         self.options = options
 
     @classmethod
-    def validate_world(cls, cluster: ClusterInfo) -> None:
-        """Raise :class:`~manygpu.errors.UsageError` if this job shape cannot work."""
+    def validate_world(cls, cluster: ClusterInfo, options: StrategyOptions) -> None:
+        """Raise :class:`~manygpu.errors.UsageError` if this job shape cannot work.
+
+        Called before any process group exists, so a bad shape fails at once
+        on every rank instead of hanging in a rendezvous.
+        """
+        if options.mesh is not None:
+            raise UsageError(
+                f"strategy {cls.name!r} takes no mesh; meshes are for fsdp, tensor, pipeline "
+                "and hybrid"
+            )
+
+    def data_shard(self) -> tuple[int, int]:
+        """``(index, count)``: which of how many data shards this rank reads."""
+        if self.shards_data:
+            return self.ctx.rank, self.ctx.world_size
+        return 0, 1
+
+    def backward(self, loss: torch.Tensor) -> None:
+        """Backpropagate ``loss`` (already scaled); pipelines did it in their forward."""
+        loss.backward()
 
     @abstractmethod
     def setup_module(self, module: nn.Module) -> nn.Module:
@@ -73,3 +104,30 @@ class Strategy(ABC):
 
     def teardown(self) -> None:
         """Release what the strategy holds (hooks, groups)."""
+
+
+class MeshStrategy(Strategy):
+    """A strategy that composes over named mesh dimensions (see :mod:`.mesh`)."""
+
+    mesh_dims: ClassVar[tuple[str, ...]] = ("dp", "fsdp")
+    """The dimensions it can use; others must be 1."""
+    default_mesh: ClassVar[dict[str, int]] = {"fsdp": -1}
+    """The mesh used when the user gives none."""
+
+    def __init__(self, ctx: DistContext, options: StrategyOptions) -> None:
+        super().__init__(ctx, options)
+        self.spec = self.resolve_mesh(ctx.world_size, options)
+
+    @classmethod
+    def resolve_mesh(cls, world_size: int, options: StrategyOptions) -> MeshSpec:
+        """The user's mesh (or the default) with ``-1`` filled in, checked."""
+        spec = options.mesh if options.mesh is not None else MeshSpec(**cls.default_mesh)
+        check_dims(cls.name, spec, cls.mesh_dims)
+        return spec.resolve(world_size)
+
+    @classmethod
+    def validate_world(cls, cluster: ClusterInfo, options: StrategyOptions) -> None:
+        cls.resolve_mesh(cluster.world_size, options)
+
+    def data_shard(self) -> tuple[int, int]:
+        return self.spec.data_rank(self.ctx.rank), self.spec.data_size

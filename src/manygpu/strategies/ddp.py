@@ -10,7 +10,9 @@ from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel
 
 from manygpu.errors import UsageError
-from manygpu.strategies.base import Strategy
+from manygpu.runtime.cluster import ClusterInfo
+from manygpu.strategies.base import Strategy, StrategyOptions
+from manygpu.strategies.mesh import check_dims
 from manygpu.strategies.registry import register
 
 _HOOKS = {
@@ -32,6 +34,13 @@ class DDPStrategy(Strategy):
 
     needs_process_group = True
     shards_data = True
+
+    @classmethod
+    def validate_world(cls, cluster: ClusterInfo, options: StrategyOptions) -> None:
+        # A mesh of data-parallel replicas only (what strategy="hybrid" maps here).
+        if options.mesh is not None:
+            check_dims(cls.name, options.mesh, ("dp",))
+            options.mesh.resolve(cluster.world_size)
 
     def setup_module(self, module: nn.Module) -> nn.Module:
         opts = self.options.ddp

@@ -12,7 +12,7 @@ from torch import nn
 
 from manygpu.errors import UsageError
 from manygpu.runtime.cluster import ClusterInfo
-from manygpu.strategies.base import Strategy
+from manygpu.strategies.base import Strategy, StrategyOptions
 from manygpu.strategies.registry import register
 from manygpu.warn import warn_user
 
@@ -24,7 +24,8 @@ class DataParallelStrategy(Strategy):
     multi_process = False
 
     @classmethod
-    def validate_world(cls, cluster: ClusterInfo) -> None:
+    def validate_world(cls, cluster: ClusterInfo, options: StrategyOptions) -> None:
+        super().validate_world(cluster, options)
         if cluster.world_size > 1:
             raise UsageError(
                 "strategy 'dp' (nn.DataParallel) runs in one process that drives every GPU, "

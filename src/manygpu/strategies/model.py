@@ -18,24 +18,9 @@ from torch import nn
 from manygpu.core.data import move_to_device
 from manygpu.errors import UsageError
 from manygpu.runtime.cluster import ClusterInfo
-from manygpu.strategies.base import Strategy
+from manygpu.strategies.base import Strategy, StrategyOptions
 from manygpu.strategies.registry import register
-
-
-def balanced_cuts(sizes: list[int], parts: int) -> list[int]:
-    """Stage start indices splitting ``sizes`` into ``parts`` contiguous runs of similar sum."""
-    if parts > len(sizes):
-        raise UsageError(
-            f"cannot split {len(sizes)} layers over {parts} devices; use fewer devices"
-        )
-    total, starts, acc = sum(sizes), [0], 0
-    for i, size in enumerate(sizes[:-1]):
-        acc += size
-        remaining_layers = len(sizes) - (i + 1)
-        need = parts - len(starts)
-        if need and (acc >= total * len(starts) / parts or remaining_layers == need):
-            starts.append(i + 1)
-    return starts
+from manygpu.strategies.splitting import balanced_cuts, param_sizes
 
 
 def _stage_devices(count: int) -> list[torch.device]:
@@ -51,7 +36,8 @@ class ModelParallelStrategy(Strategy):
     multi_process = False
 
     @classmethod
-    def validate_world(cls, cluster: ClusterInfo) -> None:
+    def validate_world(cls, cluster: ClusterInfo, options: StrategyOptions) -> None:
+        super().validate_world(cluster, options)
         if cluster.world_size > 1:
             raise UsageError(
                 "strategy 'model' splits one process's model over its devices; launch one "
@@ -67,8 +53,7 @@ class ModelParallelStrategy(Strategy):
         stages = self.options.model_stages or max(
             2, torch.cuda.device_count() if torch.cuda.is_available() else 2
         )
-        sizes = [sum(p.numel() for p in layer.parameters()) or 1 for layer in module]
-        starts = balanced_cuts(sizes, stages)
+        starts = balanced_cuts(param_sizes(module), stages)
         devices = _stage_devices(len(starts))
         bounds = [*starts, len(module)]
         for stage, device in enumerate(devices):

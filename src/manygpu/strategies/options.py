@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
 from manygpu.errors import UsageError
 
@@ -58,3 +59,52 @@ class FSDPOptions:
             value = getattr(self, name)
             if value not in (None, "fp32", "bf16", "fp16"):
                 raise UsageError(f"unknown {name} {value!r}; choose fp32, bf16 or fp16")
+
+
+PipelineSchedule = Literal["gpipe", "1f1b"]
+Balance = Literal["params", "time"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class PipelineOptions:
+    """Knobs of ``"pipeline"`` (``torch.distributed.pipelining``)."""
+
+    loss_fn: Callable[[Any, Any], Any] | None = None
+    """``loss_fn(output, target)`` run on the last stage per micro-batch
+    (mean-reduced losses give the same gradients as one big batch). Required
+    for training: ``loss = model(x, target=y)`` runs forward and backward."""
+    microbatches: int = 4
+    """Micro-batches per batch; the batch size must be a multiple of it."""
+    schedule: PipelineSchedule = "1f1b"
+    """``"gpipe"`` (all forwards, then all backwards) or ``"1f1b"`` (interleaved:
+    activation memory bounded by the stage count, not the micro-batch count)."""
+    split_points: tuple[int, ...] | None = None
+    """Indices into the ``nn.Sequential`` where stages 1.. begin (``None``: automatic)."""
+    balance: Balance = "params"
+    """Automatic split by parameter count, or by measured time per layer
+    (``"time"`` needs ``example_input``)."""
+    example_input: Any = None
+    """A batch-shaped input, used to time layers for ``balance="time"``."""
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.microbatches, int) or self.microbatches < 1:
+            raise UsageError(f"microbatches must be an integer >= 1, got {self.microbatches!r}")
+        if self.schedule not in ("gpipe", "1f1b"):
+            raise UsageError(f"unknown pipeline schedule {self.schedule!r}; choose gpipe or 1f1b")
+        if self.balance not in ("params", "time"):
+            raise UsageError(f"unknown balance {self.balance!r}; choose params or time")
+        if self.balance == "time" and self.example_input is None and self.split_points is None:
+            raise UsageError("balance='time' times each layer: give example_input (one batch)")
+
+
+TensorStyle = Literal["colwise", "rowwise"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class TensorOptions:
+    """Knobs of ``"tensor"`` (DTensor ``parallelize_module``)."""
+
+    plan: Mapping[str, Any] | None = None
+    """Module path -> ``"colwise"``, ``"rowwise"`` or a torch ``ParallelStyle``.
+    ``None`` finds a plan for common patterns (q/k/v/out projections, fc1/fc2,
+    w1/w2/w3, Linear-act-Linear in a Sequential)."""

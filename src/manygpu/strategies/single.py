@@ -6,7 +6,7 @@ from torch import nn
 
 from manygpu.errors import UsageError
 from manygpu.runtime.cluster import ClusterInfo
-from manygpu.strategies.base import Strategy
+from manygpu.strategies.base import Strategy, StrategyOptions
 from manygpu.strategies.registry import register
 
 
@@ -17,7 +17,8 @@ class SingleDevice(Strategy):
     multi_process = False
 
     @classmethod
-    def validate_world(cls, cluster: ClusterInfo) -> None:
+    def validate_world(cls, cluster: ClusterInfo, options: StrategyOptions) -> None:
+        super().validate_world(cluster, options)
         if cluster.world_size > 1:
             raise UsageError(
                 f"strategy 'single' runs one process but this job has {cluster.world_size}; "

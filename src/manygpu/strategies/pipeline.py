@@ -1,0 +1,223 @@
+"""``"pipeline"``: one stage of an ``nn.Sequential`` per rank, micro-batches streamed.
+
+Built on ``torch.distributed.pipelining``: a :class:`PipelineStage` per rank
+and a GPipe or 1F1B schedule. A schedule runs forward *and* backward for all
+micro-batches in one call, so the prepared model does too::
+
+    loss = model(x, target=y)   # every rank: the mean loss, from the last stage
+    par.backward(loss)          # nothing left to do (kept so loops look the same)
+    opt.step()
+
+Gradients equal those of one big batch when ``loss_fn`` is mean-reduced and
+the batch divides evenly into micro-batches (the schedule scales by 1/M).
+With ``dp``/``fsdp`` mesh dimensions each stage is also data-parallel over
+its replicas (FSDP2 over the data dimensions). Each stage keeps the layer
+names of the original model ("3.weight"), so checkpoints of different stages
+never collide and load into the unsplit model.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from typing import Any, ClassVar
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+
+from manygpu import comm
+from manygpu.comm.common import describe, wait
+from manygpu.errors import UsageError
+from manygpu.strategies.base import MeshStrategy, StrategyOptions
+from manygpu.strategies.fsdp import (
+    check_optimizer_after_prepare,
+    remember_sharded,
+    set_fsdp_grad_sync,
+)
+from manygpu.strategies.mesh import data_dims, fsdp_kwargs, shard_data_dims
+from manygpu.strategies.registry import register
+from manygpu.strategies.splitting import (
+    balanced_cuts,
+    layer_times,
+    param_sizes,
+    starts_from_split_points,
+)
+
+_SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}
+
+
+@register("pipeline")
+class PipelineStrategy(MeshStrategy):
+    """Pipeline parallelism over the ``pp`` mesh dimension (optionally x dp / fsdp)."""
+
+    needs_process_group = True
+    shards_data = True
+    checkpoint_format = "dcp"
+    mesh_dims = ("pp", "dp", "fsdp")
+    default_mesh: ClassVar[dict[str, int]] = {"pp": -1}
+
+    @classmethod
+    def validate_world(cls, cluster: Any, options: StrategyOptions) -> None:
+        super().validate_world(cluster, options)
+        if options.precision == "fp16":
+            raise UsageError(
+                "strategy 'pipeline' does not scale fp16 losses across stages; "
+                "use precision='bf16' or 'fp32'"
+            )
+        if options.grad_accum_steps != 1:
+            raise UsageError(
+                "strategy 'pipeline' accumulates over micro-batches already: set "
+                "grad_accum_steps=1 and raise PipelineOptions(microbatches=...) instead"
+            )
+
+    def setup_module(self, module: nn.Module) -> nn.Module:
+        if not isinstance(module, nn.Sequential):
+            raise UsageError(
+                "strategy 'pipeline' splits an nn.Sequential into stages; wrap your layers "
+                f"in one, not a {type(module).__name__}"
+            )
+        opts = self.options.pipeline
+        if opts.loss_fn is None:
+            raise UsageError(
+                "strategy 'pipeline' computes the loss on the last stage: give "
+                "PipelineOptions(loss_fn=...), e.g. torch.nn.functional.cross_entropy"
+            )
+        device = self.ctx.device
+        names = ("pp", *data_dims(self.spec))
+        mesh = self.spec.build(device.type, names)
+        index, stages = self.spec.coords(self.ctx.rank)["pp"], self.spec.pp
+        bounds = [*self._stage_starts(module, stages), len(module)]
+        part = nn.Sequential(
+            OrderedDict((str(i), module[i]) for i in range(bounds[index], bounds[index + 1]))
+        ).to(device)
+        if len(names) > 1:
+            kwargs = fsdp_kwargs(self.options.fsdp, reshard_after_forward=False)
+            shard_data_dims(part, mesh[names[1:]], kwargs, children=False)
+        pp_group = mesh["pp"].get_group()
+        stage = PipelineStage(part, index, stages, device, group=pp_group)
+        schedule = _SCHEDULES[opts.schedule](stage, opts.microbatches, loss_fn=opts.loss_fn)
+        last_rank = dist.get_global_rank(pp_group, stages - 1)
+        wrapped = PipelinedModel(part, schedule, index, stages, last_rank, pp_group)
+        wrapped.timeout_s = self.ctx.timeout_s
+        wrapped.microbatches = opts.microbatches
+        remember_sharded(self, wrapped)
+        return wrapped
+
+    def _stage_starts(self, module: nn.Sequential, stages: int) -> list[int]:
+        """Where each stage begins: the user's split points, or balanced ones."""
+        opts = self.options.pipeline
+        if opts.split_points is not None:
+            return starts_from_split_points(opts.split_points, len(module), stages)
+        if opts.balance == "params":
+            return balanced_cuts(param_sizes(module), stages)
+        times = torch.tensor(layer_times(module, opts.example_input, self.ctx.device))
+        # Every rank timed every layer; cut on the mean so all ranks agree on the cuts.
+        times = comm.all_reduce(times.to(self.ctx.device), "mean", timeout_s=self.ctx.timeout_s)
+        return balanced_cuts(times.cpu().tolist(), stages)
+
+    def setup_optimizer(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+        return check_optimizer_after_prepare(self, optimizer)
+
+    def set_grad_sync(self, module: nn.Module, enabled: bool) -> None:
+        if isinstance(module, PipelinedModel):
+            set_fsdp_grad_sync(module.stage, enabled)
+
+    def unwrap(self, module: nn.Module) -> nn.Module:
+        return module.stage if isinstance(module, PipelinedModel) else module
+
+    def backward(self, loss: torch.Tensor) -> None:
+        if not getattr(loss, "_manygpu_pipeline_done", False):
+            raise UsageError(
+                "with strategy 'pipeline' the model runs forward and backward together: "
+                "loss = model(x, target=y); then par.backward(loss)"
+            )
+
+
+class PipelinedModel(nn.Module):
+    """This rank's stage plus the schedule that drives all stages together.
+
+    ``model(x, target=y)`` in training mode runs the schedule's forward and
+    backward and returns the mean micro-batch loss on every rank. In eval mode
+    (or under ``torch.no_grad()``) it runs forwards only and returns the loss
+    if a target is given, else the last stage's output, on every rank.
+    """
+
+    timeout_s: float = 180.0
+    microbatches: int = 1
+
+    def __init__(
+        self,
+        stage: nn.Sequential,
+        schedule: Any,
+        index: int,
+        stages: int,
+        last_rank: int,
+        group: dist.ProcessGroup,
+    ) -> None:
+        super().__init__()
+        self.stage = stage
+        self._schedule, self._index, self._stages = schedule, index, stages
+        self._last_rank, self._group = last_rank, group
+
+    @property
+    def is_first(self) -> bool:
+        """Whether this rank feeds the pipeline's inputs."""
+        return self._index == 0
+
+    @property
+    def is_last(self) -> bool:
+        """Whether this rank computes outputs and losses."""
+        return self._index == self._stages - 1
+
+    def forward(self, *args: Any, target: torch.Tensor | None = None) -> torch.Tensor:
+        self._check_batch(args)
+        inputs = args if self.is_first else ()
+        label = target if self.is_last else None
+        losses: list[torch.Tensor] = []
+        if self.training and torch.is_grad_enabled():
+            if target is None:
+                raise UsageError(
+                    "a pipeline trains on model(x, target=y); call model.eval() for outputs only"
+                )
+            self._schedule.step(*inputs, target=label, losses=losses)
+            loss = self._share_loss(losses)
+            loss._manygpu_pipeline_done = True  # type: ignore[attr-defined]
+            return loss
+        with torch.no_grad():
+            output = self._schedule.eval(*inputs, target=label, losses=losses)
+        if target is not None:
+            return self._share_loss(losses)
+        return self._share_output(output)
+
+    def _check_batch(self, args: tuple[Any, ...]) -> None:
+        if self.is_first and args and isinstance(args[0], torch.Tensor):
+            rows = args[0].shape[0]
+            if rows % self.microbatches:
+                raise UsageError(
+                    f"batch of {rows} does not split into {self.microbatches} equal "
+                    "micro-batches; make the batch size a multiple of microbatches "
+                    "(drop_last=True on the loader keeps the last batch whole)"
+                )
+
+    def _share_loss(self, losses: list[torch.Tensor]) -> torch.Tensor:
+        """The mean micro-batch loss, computed on the last stage, on every rank."""
+        device = next(iter(self.stage.parameters()), torch.empty(0)).device
+        value = torch.zeros((), dtype=torch.float32, device=device)
+        if self.is_last:
+            value = torch.stack([loss.detach().float() for loss in losses]).mean().to(device)
+        return self._broadcast(value)
+
+    def _share_output(self, output: Any) -> torch.Tensor:
+        """The last stage's output on every rank (shape and dtype sent first)."""
+        meta: list[Any] = [(tuple(output.shape), output.dtype) if self.is_last else None]
+        dist.broadcast_object_list(meta, src=self._last_rank, group=self._group)
+        shape, dtype = meta[0]
+        device = next(iter(self.stage.parameters()), torch.empty(0)).device
+        buf = output.to(device) if self.is_last else torch.empty(shape, dtype=dtype, device=device)
+        return self._broadcast(buf)
+
+    def _broadcast(self, tensor: torch.Tensor) -> torch.Tensor:
+        work = dist.broadcast(tensor, src=self._last_rank, group=self._group, async_op=True)
+        wait(work, describe("pipeline broadcast from last stage", tensor), self.timeout_s)
+        return tensor

@@ -1,0 +1,161 @@
+"""``"tensor"``: each Linear's weight split over the ``tp`` ranks (Megatron-style).
+
+DTensor's ``parallelize_module`` does the work: a *column-parallel* Linear
+keeps a slice of the output features, the *row-parallel* one after it a slice
+of the input features and all-reduces its output, so a colwise/rowwise pair
+(MLP up/down, attention q/k/v then out) costs one all-reduce forward and one
+backward. Every tp rank reads the same batch; with ``dp``/``fsdp`` mesh
+dimensions the TP-sharded model is also data-parallel (FSDP2 on top: 2-D).
+
+Attention must compute its head count from the tensor (``view(b, t, -1, d)``),
+since each rank holds ``heads / tp`` of them, and ``heads`` must divide by tp.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+from collections.abc import Mapping
+from typing import Any, ClassVar
+
+import torch
+from torch import nn
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    ParallelStyle,
+    RowwiseParallel,
+    parallelize_module,
+)
+
+from manygpu.errors import UsageError
+from manygpu.strategies.base import MeshStrategy
+from manygpu.strategies.fsdp import (
+    check_optimizer_after_prepare,
+    remember_sharded,
+    set_fsdp_grad_sync,
+)
+from manygpu.strategies.mesh import data_dims, fsdp_kwargs, shard_data_dims
+from manygpu.strategies.registry import register
+
+# Leaf names of common layers (Llama, GPT-2/NeoX, BERT-style, torch's MLPs).
+# Fused q/k/v projections (c_attn, qkv) are left out on purpose: a colwise
+# split of [q; k; v] would give each rank a mix of q, k and v rows.
+_COLWISE = {"q_proj", "k_proj", "v_proj", "wq", "wk", "wv", "query", "key", "value",
+            "fc1", "w1", "w3", "up_proj", "gate_proj", "c_fc", "fc_in"}  # fmt: skip
+_ROWWISE = {"o_proj", "out_proj", "wo", "c_proj", "fc2", "w2", "down_proj", "fc_out"}
+_STYLES = {"colwise": ColwiseParallel, "rowwise": RowwiseParallel}
+
+
+@register("tensor")
+class TensorParallelStrategy(MeshStrategy):
+    """Tensor parallelism over ``tp`` (optionally x dp / fsdp)."""
+
+    needs_process_group = True
+    shards_data = True
+    checkpoint_format = "dcp"
+    mesh_dims = ("dp", "fsdp", "tp")
+    default_mesh: ClassVar[dict[str, int]] = {"tp": -1}
+
+    def setup_module(self, module: nn.Module) -> nn.Module:
+        module = module.to(self.ctx.device)
+        names = (*data_dims(self.spec), "tp")
+        mesh = self.spec.build(self.ctx.device.type, names)
+        given = self.options.tensor.plan
+        plan = resolve_plan(module, given) if given is not None else default_plan(module)
+        check_divisible(module, plan, self.spec.tp)
+        parallelize_module(module, mesh["tp"], plan)
+        if len(names) > 1:
+            kwargs = fsdp_kwargs(self.options.fsdp, reshard_after_forward=True)
+            shard_data_dims(module, mesh[names[:-1]], kwargs, children=False)
+        remember_sharded(self, module)
+        return module
+
+    def setup_optimizer(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+        return check_optimizer_after_prepare(self, optimizer)
+
+    def set_grad_sync(self, module: nn.Module, enabled: bool) -> None:
+        set_fsdp_grad_sync(module, enabled)
+
+
+def default_plan(module: nn.Module) -> dict[str, ParallelStyle]:
+    """A colwise/rowwise plan from layer names, or Linear-act-Linear in a Sequential."""
+    plan: dict[str, ParallelStyle] = {}
+    for name, child in module.named_modules():
+        leaf = name.rsplit(".", 1)[-1]
+        if isinstance(child, nn.Linear) and leaf in _COLWISE:
+            plan[name] = ColwiseParallel()
+        elif isinstance(child, nn.Linear) and leaf in _ROWWISE:
+            plan[name] = RowwiseParallel()
+    for name, child in module.named_modules():
+        if isinstance(child, nn.Sequential):
+            prefix = f"{name}." if name else ""
+            for first, second in _linear_pairs(child):
+                if f"{prefix}{first}" not in plan and f"{prefix}{second}" not in plan:
+                    plan[f"{prefix}{first}"] = ColwiseParallel()
+                    plan[f"{prefix}{second}"] = RowwiseParallel()
+    if not plan:
+        raise UsageError(
+            "strategy 'tensor' found no layers to split (no q/k/v/out, fc1/fc2, w1/w2/w3 "
+            "Linears, nor Linear-activation-Linear in an nn.Sequential); give "
+            "TensorOptions(plan={'path.to.linear': 'colwise', ...})"
+        )
+    return plan
+
+
+def _linear_pairs(seq: nn.Sequential) -> list[tuple[str, str]]:
+    """(colwise, rowwise) child names: two Linears with only parameter-free layers between."""
+    pairs, open_linear = [], None
+    for name, layer in seq.named_children():
+        if isinstance(layer, nn.Linear):
+            if open_linear is None:
+                open_linear = name
+            else:
+                pairs.append((open_linear, name))
+                open_linear = None
+        elif any(True for _ in layer.parameters()):
+            open_linear = None  # a layer with weights between: not a pair
+    return pairs
+
+
+def resolve_plan(module: nn.Module, plan: Mapping[str, Any]) -> dict[str, ParallelStyle]:
+    """The user's plan with styles made objects; a missing module is named clearly."""
+    names = [n for n, _ in module.named_modules() if n]
+    out: dict[str, ParallelStyle] = {}
+    for path, style in plan.items():
+        if not any(fnmatch.fnmatchcase(n, path) for n in names):
+            linears = [n for n, m in module.named_modules() if isinstance(m, nn.Linear)]
+            raise UsageError(
+                f"tensor plan names {path!r}, which the model does not have; its Linear "
+                f"layers are: {', '.join(linears[:12]) or 'none'}"
+            )
+        out[path] = _style(path, style)
+    return out
+
+
+def _style(path: str, style: Any) -> ParallelStyle:
+    if isinstance(style, ParallelStyle):
+        return style
+    if style in _STYLES:
+        return _STYLES[style]()
+    raise UsageError(
+        f"tensor plan entry {path!r}: unknown style {style!r}; use 'colwise', 'rowwise' "
+        "or a torch ParallelStyle"
+    )
+
+
+def check_divisible(module: nn.Module, plan: Mapping[str, ParallelStyle], tp: int) -> None:
+    """Each split dimension must divide by tp, or heads and features split unevenly."""
+    for name, child in module.named_modules():
+        if not isinstance(child, nn.Linear):
+            continue
+        style = next((s for p, s in plan.items() if fnmatch.fnmatchcase(name, p)), None)
+        if isinstance(style, ColwiseParallel):
+            dim, size = "out_features", child.out_features
+        elif isinstance(style, RowwiseParallel):
+            dim, size = "in_features", child.in_features
+        else:
+            continue
+        if size % tp:
+            raise UsageError(
+                f"cannot split {name!r} over tp={tp}: its {dim} ({size}) is not a "
+                "multiple of tp; change tp or the layer size"
+            )
