@@ -49,7 +49,7 @@ def config_from(ns: argparse.Namespace) -> TrainBenchConfig:
 def main(argv: list[str] | None = None) -> int:
     ns = parse_args(argv)
     cfg = config_from(ns)
-    with Parallel(strategy=cfg.strategy, precision=cfg.precision, timeout_s=600) as par:  # type: ignore[arg-type]
+    with Parallel(strategy=cfg.strategy, precision=cfg.precision, timeout_s=600) as par:
         if ns.threads and par.device.type == "cpu":
             # The same threads per worker at every worker count: per-worker scaling.
             torch.set_num_threads(ns.threads)

@@ -1,0 +1,144 @@
+"""``manygpu plan``: memory and speed of every strategy for a model on a cluster, and a pick."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from dataclasses import asdict, replace
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+from rich.table import Table
+
+from manygpu.cli.parser import positive_float, positive_int
+from manygpu.errors import UsageError
+from manygpu.plan import hardware
+from manygpu.plan.desc import ModelDesc, transformer
+from manygpu.plan.recommend import Plan, recommend
+
+DESCRIPTION = """Estimate per-device memory (parameters, gradients, optimizer state,
+activations) and step time / scaling efficiency (alpha-beta ring all-reduce with
+DDP's bucketed overlap) of ddp, zero1, zero2, fsdp, pipeline and tensor parallelism,
+and recommend one. The model is a built-in or module:function workload (measured
+on this CPU), or numbers: --params (and --layers/--hidden/--seq for a transformer).
+The cluster is a preset (p100-roce25, v100, a100, h100) resized by --nodes and
+--gpus-per-node, with any field overridden, or 'this' (measured here)."""
+
+
+def add_parser(sub: Any) -> None:
+    p = sub.add_parser("plan", help="predict memory and speed-up; recommend a strategy",
+                       description=DESCRIPTION,
+                       formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
+    p.add_argument("--model", default="", help="demo-cnn, resnet, gpt or module:function")
+    p.add_argument("--params", type=float, default=0, help="parameter count, e.g. 7e9")
+    p.add_argument("--layers", type=positive_int, default=0)
+    p.add_argument("--hidden", type=positive_int, default=0)
+    p.add_argument("--seq", type=positive_int, default=0, help="sequence length (tokens)")
+    p.add_argument("--heads", type=positive_int, default=0)
+    p.add_argument("--flops-per-sample", type=float, default=0, help="forward+backward FLOPs")
+    p.add_argument("--cluster", default="h100", help="preset name or 'this'")
+    p.add_argument("--nodes", type=positive_int, default=1)
+    p.add_argument("--gpus-per-node", type=positive_int, help="devices (or CPU processes) per node")
+    p.add_argument("--gpu-memory-gb", type=positive_float)
+    p.add_argument("--peak-tflops", type=positive_float)
+    p.add_argument("--intra-gbs", type=positive_float, help="ring bandwidth inside a node, GB/s")
+    p.add_argument("--intra-latency-us", type=positive_float)
+    p.add_argument("--inter-gbs", type=positive_float, help="network bandwidth per node, GB/s")
+    p.add_argument("--inter-latency-us", type=positive_float)
+    p.add_argument("--batch", type=positive_int, default=32, help="samples per replica per step")
+    p.add_argument("--precision", default="fp32", help="fp32 or bf16/fp16 (mixed, ZeRO accounting)")
+    p.add_argument("--optimizer", default="adam", help="adam, adamw, sgd-momentum, sgd")
+    p.add_argument(
+        "--mfu", type=positive_float, default=0.4, help="assumed MFU for FLOP-based times"
+    )
+    p.add_argument("--json", default="", help="also write the plan here")
+    p.set_defaults(run=run)
+
+
+def build_cluster(ns: argparse.Namespace) -> hardware.Cluster:
+    if ns.cluster == "this":
+        from manygpu.plan.probe import this_machine
+
+        cluster = this_machine(ns.gpus_per_node or 2)
+    else:
+        cluster = hardware.preset(ns.cluster, nodes=ns.nodes, gpus_per_node=ns.gpus_per_node)
+    overrides = {
+        "memory_gb": ns.gpu_memory_gb,
+        "peak_tflops": ns.peak_tflops,
+        "intra_bw_gbs": ns.intra_gbs,
+        "intra_latency_us": ns.intra_latency_us,
+        "inter_bw_gbs": ns.inter_gbs,
+        "inter_latency_us": ns.inter_latency_us,
+    }
+    return replace(cluster, **{k: v for k, v in overrides.items() if v is not None})
+
+
+def build_desc(ns: argparse.Namespace, measure_step: bool) -> ModelDesc:
+    if bool(ns.model) == bool(ns.params):
+        raise UsageError("give either --model or --params")
+    if ns.params:
+        if ns.layers and ns.hidden and ns.seq:
+            return transformer("transformer", parameters=int(ns.params), layers=ns.layers,
+                               hidden=ns.hidden, seq_len=ns.seq, heads=ns.heads)  # fmt: skip
+        return ModelDesc(name="model", parameters=int(ns.params),
+                         flops_per_sample=ns.flops_per_sample)  # fmt: skip
+    from manygpu.bench import models
+    from manygpu.plan.desc import describe
+
+    w = models.build(ns.model)
+    return describe(w.name, w.model, w.make_batch, w.loss,
+                    time_batch=ns.batch if measure_step else 0)  # fmt: skip
+
+
+def table(plan: Plan) -> Table:
+    out = Table(title=f"manygpu plan: {plan.world_size} device(s)")
+    for name in ("strategy", "ways", "params GB", "grads GB", "optim GB", "acts GB",
+                 "total GB", "fits", "step ms", "exposed comm ms", "efficiency"):  # fmt: skip
+        out.add_column(name, justify="left" if name == "strategy" else "right")
+    for c in plan.candidates:
+        m = c.memory
+        step = c.step
+        out.add_row(
+            c.strategy, str(c.ways), *(f"{v / 1e9:,.3f}" for v in (m.params, m.grads, m.optimizer,
+            m.activations, m.total)), "yes" if c.fits else "no",
+            f"{step.step_s * 1e3:,.1f}" if step else "n/a",
+            f"{step.exposed_s * 1e3:,.1f}" if step else "n/a",
+            f"{step.efficiency:.1%}" if step else "n/a",
+        )  # fmt: skip
+    return out
+
+
+def run(ns: argparse.Namespace) -> int:
+    cluster = build_cluster(ns)
+    desc = build_desc(ns, measure_step=ns.cluster == "this")
+    plan = recommend(desc, cluster, batch=ns.batch, precision=ns.precision,
+                     optimizer=ns.optimizer, mfu=ns.mfu)  # fmt: skip
+    console = Console(soft_wrap=True, width=160)
+    console.print(
+        f"model {desc.name}: {desc.parameters / 1e6:,.2f}M parameters; cluster: {cluster.name}"
+    )
+    console.print(table(plan))
+    console.print(
+        f"recommended: [bold]{plan.strategy}[/] (dp {plan.data_parallel}, pp "
+        f"{plan.pipeline_parallel}, tp {plan.tensor_parallel}); {plan.reason}; predicted "
+        f"{plan.samples_per_s:,.1f} samples/s, scaling efficiency {plan.efficiency:.1%}"
+    )
+    if ns.json:
+        path = Path(ns.json)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        data = {"model": asdict(desc), "cluster": asdict(cluster), "plan": _plan_dict(plan)}
+        path.write_text(json.dumps(data, indent=2, default=str))
+    return 0
+
+
+def _plan_dict(plan: Plan) -> dict[str, Any]:
+    out = {k: v for k, v in asdict(plan).items() if k != "candidates"}
+    out["candidates"] = [
+        {"strategy": c.strategy, "ways": c.ways, "fits": c.fits,
+         "memory_bytes": c.memory.total,
+         "step_s": c.step.step_s if c.step else None,
+         "efficiency": c.step.efficiency if c.step else None}
+        for c in plan.candidates
+    ]  # fmt: skip
+    return out

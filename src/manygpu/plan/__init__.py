@@ -1,0 +1,1 @@
+"""The planner: per-device memory and step time of each strategy, and a recommendation."""

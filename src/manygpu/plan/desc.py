@@ -1,0 +1,159 @@
+"""What the planner needs to know about a model: counts, not code.
+
+A :class:`ModelDesc` comes from numbers (a parameter count and shape, e.g. a
+7B transformer) or from a real ``nn.Module``, measured: parameters counted,
+FLOPs per sample from ``FlopCounterMode``, activation bytes per sample from
+the tensors autograd saves for backward (what a step actually keeps).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from manygpu.errors import UsageError
+
+
+@dataclass(frozen=True, kw_only=True)
+class ModelDesc:
+    """A model for planning. Give ``step_compute_s`` when measured, else FLOPs."""
+
+    name: str
+    parameters: int
+    flops_per_sample: float = 0.0
+    """Forward + backward FLOPs per sample (0: unknown)."""
+    step_compute_s: float | None = None
+    """Measured forward + backward + optimizer seconds of one step on one device
+    at ``compute_batch`` samples; beats a FLOP estimate when known."""
+    compute_batch: int = 0
+    """The batch ``step_compute_s`` was measured at."""
+    activation_bytes_per_sample: float = 0.0
+    """Saved-for-backward bytes per sample in fp32."""
+    largest_layer_parameters: int = 0
+    """Biggest module's own parameters (FSDP gathers one unit at a time)."""
+    layers: int = 0
+    hidden: int = 0
+    seq_len: int = 0
+    """Transformer shape, for tensor-parallel communication (0: unknown)."""
+
+    def __post_init__(self) -> None:
+        if self.parameters < 1:
+            raise UsageError(f"a model needs >= 1 parameter, got {self.parameters}")
+        if self.flops_per_sample < 0 or self.activation_bytes_per_sample < 0:
+            raise UsageError("FLOPs and activation bytes per sample must be >= 0")
+        if self.step_compute_s is not None and (self.step_compute_s <= 0 or self.compute_batch < 1):
+            raise UsageError("a measured step time needs step_compute_s > 0 and compute_batch >= 1")
+
+    def compute_s(self, batch: int, peak_tflops: float, mfu: float) -> float:
+        """Seconds of forward + backward + optimizer for ``batch`` samples on one device."""
+        if self.step_compute_s is not None:
+            return self.step_compute_s * batch / self.compute_batch
+        if self.flops_per_sample <= 0:
+            raise UsageError(
+                f"model {self.name!r}: give FLOPs per sample or a measured step time "
+                "to estimate speed"
+            )
+        return self.flops_per_sample * batch / (peak_tflops * 1e12 * mfu)
+
+
+def transformer(
+    name: str, *, parameters: int, layers: int, hidden: int, seq_len: int, heads: int = 0
+) -> ModelDesc:
+    """A decoder-only transformer from its shape.
+
+    FLOPs: 6 x parameters per token (Kaplan et al. 2020), times the sequence.
+    Activations: 34 x seq x hidden bytes per layer at 16 bits without
+    recomputation, plus 5 x heads x seq^2 for attention scores when ``heads``
+    is given (Korthikanti et al. 2022); doubled for fp32.
+    """
+    per_layer = 34 * seq_len * hidden + 5 * heads * seq_len * seq_len
+    return ModelDesc(
+        name=name,
+        parameters=parameters,
+        flops_per_sample=6.0 * parameters * seq_len,
+        activation_bytes_per_sample=2.0 * per_layer * layers,
+        largest_layer_parameters=12 * hidden * hidden,
+        layers=layers,
+        hidden=hidden,
+        seq_len=seq_len,
+    )
+
+
+def saved_activation_bytes(
+    model: nn.Module, x: torch.Tensor, loss: Callable[..., torch.Tensor], y: torch.Tensor
+) -> int:
+    """Bytes of distinct tensors autograd saves for backward during one forward."""
+    seen: dict[tuple[int, int], int] = {}
+    params = {p.data_ptr() for p in model.parameters()}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        if t.data_ptr() not in params:  # weights are counted as parameters, not activations
+            key = (t.untyped_storage().data_ptr(), t.untyped_storage().nbytes())
+            seen[key] = t.untyped_storage().nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = loss(model(x), y)
+    out.backward()
+    return sum(seen.values())
+
+
+def describe(
+    name: str,
+    model: nn.Module,
+    make_batch: Callable[[int, torch.Generator], tuple[torch.Tensor, torch.Tensor]],
+    loss: Callable[..., torch.Tensor],
+    *,
+    sample_batch: int = 4,
+    time_batch: int = 0,
+) -> ModelDesc:
+    """Measure a real model on the CPU; ``time_batch > 0`` also times a step (1 thread)."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    gen = torch.Generator().manual_seed(0)
+    x, y = make_batch(sample_batch, gen)
+    counter = FlopCounterMode(display=False)
+    with counter:
+        loss(model(x), y).backward()
+    acts = saved_activation_bytes(model, x, loss, y)
+    own = [sum(p.numel() for p in m.parameters(recurse=False)) for m in model.modules()]
+    step_s = measure_step_s(model, make_batch, loss, time_batch) if time_batch else None
+    return ModelDesc(
+        name=name,
+        parameters=sum(p.numel() for p in model.parameters()),
+        flops_per_sample=counter.get_total_flops() / sample_batch,
+        step_compute_s=step_s,
+        compute_batch=time_batch,
+        activation_bytes_per_sample=acts / sample_batch,
+        largest_layer_parameters=max(own, default=0),
+    )
+
+
+def measure_step_s(
+    model: nn.Module,
+    make_batch: Callable[[int, torch.Generator], tuple[torch.Tensor, torch.Tensor]],
+    loss: Callable[..., torch.Tensor],
+    batch: int,
+    steps: int = 6,
+) -> float:
+    """Median seconds of an Adam training step on one CPU thread (after 2 warm-up steps)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        opt = torch.optim.Adam(model.parameters(), lr=1e-4)
+        x, y = make_batch(batch, torch.Generator().manual_seed(1))
+        times = []
+        for i in range(steps + 2):
+            start = time.perf_counter()
+            loss(model(x), y).backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            if i >= 2:
+                times.append(time.perf_counter() - start)
+    finally:
+        torch.set_num_threads(threads)
+    return sorted(times)[len(times) // 2]

@@ -1,0 +1,110 @@
+"""Per-device memory of each strategy: parameters, gradients, optimizer state, activations.
+
+Bytes per parameter follow the ZeRO paper (Rajbhandari et al. 2020, section 3.1):
+
+* fp32 with Adam: 4 (weights) + 4 (gradients) + 8 (Adam's m and v) = 16;
+* mixed precision (``bf16``/``fp16`` weights and gradients, fp32 master copy in
+  the optimizer): 2 + 2 + (4 + 8) = 16, but only the 4 bytes of weights and
+  gradients stay whole under ZeRO-1;
+* ZeRO-1 shards the optimizer state over N, ZeRO-2 also the gradients,
+  ZeRO-3 / FSDP also the weights (plus one gathered unit at a time);
+* pipeline (P stages) and tensor (T ways) parallelism split everything by P or T.
+
+Activations are what autograd saves for backward; mixed precision halves them.
+Allocator fragmentation and workspace are not modelled (keep ~10% headroom).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from manygpu.errors import UsageError
+from manygpu.plan.desc import ModelDesc
+
+OPTIMIZER_STATE_BYTES = {"adam": 8, "adamw": 8, "sgd-momentum": 4, "sgd": 0}
+"""fp32 state bytes per parameter (Adam: m and v; SGD: the momentum buffer)."""
+PRECISIONS = ("fp32", "bf16", "fp16")
+STRATEGIES = ("single", "ddp", "zero1", "zero2", "fsdp", "pipeline", "tensor", "model")
+
+
+@dataclass(frozen=True)
+class BytesPerParam:
+    weights: float
+    grads: float
+    optimizer: float
+
+    @property
+    def total(self) -> float:
+        return self.weights + self.grads + self.optimizer
+
+
+def bytes_per_param(precision: str, optimizer: str) -> BytesPerParam:
+    """Weights, gradients and optimizer state (master weights included) per parameter."""
+    if precision not in PRECISIONS:
+        raise UsageError(f"unknown precision {precision!r}; choose {', '.join(PRECISIONS)}")
+    if optimizer not in OPTIMIZER_STATE_BYTES:
+        raise UsageError(
+            f"unknown optimizer {optimizer!r}; choose {', '.join(OPTIMIZER_STATE_BYTES)}"
+        )
+    state = OPTIMIZER_STATE_BYTES[optimizer]
+    if precision == "fp32":
+        return BytesPerParam(4, 4, state)
+    return BytesPerParam(2, 2, 4 + state)  # fp32 master weights live with the optimizer
+
+
+@dataclass(frozen=True, kw_only=True)
+class MemoryEstimate:
+    """Bytes on one device."""
+
+    strategy: str
+    params: float
+    grads: float
+    optimizer: float
+    activations: float
+
+    @property
+    def total(self) -> float:
+        return self.params + self.grads + self.optimizer + self.activations
+
+    def fits(self, memory_gb: float, headroom: float = 0.9) -> bool:
+        return self.total <= memory_gb * 1e9 * headroom
+
+
+def estimate(
+    desc: ModelDesc,
+    strategy: str,
+    *,
+    world: int,
+    batch: int,
+    precision: str = "fp32",
+    optimizer: str = "adam",
+    stages: int = 1,
+    microbatches: int = 1,
+) -> MemoryEstimate:
+    """Bytes per device of ``strategy`` on ``world`` devices.
+
+    ``stages``: pipeline / tensor / model ways; ``microbatches``: the pipeline's.
+    """
+    if strategy not in STRATEGIES:
+        raise UsageError(f"unknown strategy {strategy!r}; choose {', '.join(STRATEGIES)}")
+    if world < 1 or stages < 1 or batch < 1:
+        raise UsageError("world size, stages and batch must be >= 1")
+    b = bytes_per_param(precision, optimizer)
+    p = float(desc.parameters)
+    act = desc.activation_bytes_per_sample * batch * (1.0 if precision == "fp32" else 0.5)
+    w, g, o = p * b.weights, p * b.grads, p * b.optimizer
+    if strategy == "zero1":
+        o /= world
+    elif strategy == "zero2":
+        g, o = g / world, o / world
+    elif strategy == "fsdp":
+        gathered = 2 * desc.largest_layer_parameters * b.weights  # this unit + the prefetched one
+        w, g, o = w / world + gathered, g / world, o / world
+    elif strategy in ("pipeline", "model"):
+        w, g, o = w / stages, g / stages, o / stages
+        # 1F1B keeps at most `stages` micro-batches in flight, each of 1/stages of the layers.
+        in_flight = min(stages, microbatches) / max(microbatches, 1)
+        act = act / stages * in_flight if strategy == "pipeline" else act / stages
+    elif strategy == "tensor":
+        w, g, o, act = w / stages, g / stages, o / stages, act / stages
+    return MemoryEstimate(strategy=strategy, params=w, grads=g, optimizer=o, activations=act)

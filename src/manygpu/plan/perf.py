@@ -1,0 +1,193 @@
+"""Step time and scaling efficiency from an alpha-beta model of ring collectives.
+
+Ring all-reduce of S bytes over N ranks on a link of latency alpha and
+bandwidth B (Patarasuk & Yuan 2009; Thakur et al. 2005):
+
+    T(S) = 2 (N - 1) alpha + 2 (N - 1) / N * S / B
+
+and all-gather / reduce-scatter take half of that. Gradients are reduced in
+k buckets (DDP: 25 MB; Horovod's tensor fusion: 64 MB) as backward produces
+them, so communication hides behind the backward still to run. With backward
+time b, bucket time t and T = k t in all, the first bucket is ready after b / k
+and the last only when backward ends, so
+
+    exposed = max(0, T - t - b (k - 1) / k) + t
+
+(the last bucket is always exposed). Forward is 1/3 and backward 2/3 of the
+compute (backward computes two products per forward one). Where communication
+cannot run beside compute (CPU processes: gloo's threads need the same cores),
+all of it is exposed. One formula for every case; only the inputs change.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from manygpu.errors import UsageError
+from manygpu.plan.desc import ModelDesc
+from manygpu.plan.hardware import Cluster
+from manygpu.plan.memory import bytes_per_param
+
+BACKWARD_FRACTION = 2.0 / 3.0
+
+
+def ring_allreduce_s(nbytes: float, ranks: int, bw_gbs: float, latency_us: float) -> float:
+    if ranks <= 1 or nbytes <= 0:
+        return 0.0
+    steps = 2 * (ranks - 1)
+    return steps * latency_us * 1e-6 + steps / ranks * nbytes / (bw_gbs * 1e9)
+
+
+def ring_gather_s(nbytes: float, ranks: int, bw_gbs: float, latency_us: float) -> float:
+    """All-gather (or reduce-scatter) whose full result is ``nbytes``."""
+    return ring_allreduce_s(nbytes, ranks, bw_gbs, latency_us) / 2
+
+
+def exposed_s(chunk_s: float, chunks: int, window_s: float, overlap: bool) -> float:
+    """Communication left on the critical path (the formula in the module docstring)."""
+    total = chunk_s * chunks
+    if not overlap or chunks == 0:
+        return total
+    hideable = window_s * (chunks - 1) / chunks
+    return max(0.0, total - chunk_s - hideable) + chunk_s
+
+
+@dataclass(frozen=True, kw_only=True)
+class StepEstimate:
+    """One strategy's predicted step on a cluster."""
+
+    strategy: str
+    world: int
+    replica_devices: int
+    """Devices holding one model replica (pipeline / tensor ways; 1 otherwise)."""
+    batch: int
+    """Samples per replica per step."""
+    compute_s: float
+    """The replica's compute time per step (bubbles included for pipelines)."""
+    comm_s: float
+    """All communication per step, hidden or not."""
+    exposed_s: float
+    ideal_s: float
+    """One device's compute for the batch / replica devices: perfect scaling."""
+
+    @property
+    def step_s(self) -> float:
+        return self.compute_s + self.exposed_s
+
+    @property
+    def efficiency(self) -> float:
+        """Throughput / (world x one device's throughput)."""
+        return self.ideal_s / self.step_s
+
+    @property
+    def samples_per_s(self) -> float:
+        return self.world // self.replica_devices * self.batch / self.step_s
+
+
+def _buckets(nbytes: float, bucket_mb: float) -> tuple[int, float]:
+    k = max(1, math.ceil(nbytes / (bucket_mb * 1e6)))
+    return k, nbytes / k
+
+
+def estimate(
+    desc: ModelDesc,
+    cluster: Cluster,
+    strategy: str,
+    *,
+    batch: int,
+    precision: str = "fp32",
+    world: int | None = None,
+    stages: int = 1,
+    microbatches: int = 0,
+    mfu: float = 0.4,
+    bucket_mb: float = 25.0,
+    grad_bytes: float | None = None,
+) -> StepEstimate:
+    """Predict a step of ``strategy`` on ``world`` devices (default: the whole cluster).
+
+    ``grad_bytes`` per parameter on the wire defaults to the precision's
+    (4 in fp32; 2 when gradients are 16-bit); torch's autocast keeps fp32
+    gradients, so pass 4 for it. ``stages``: pipeline or tensor ways.
+    """
+    n = cluster.world_size if world is None else world
+    if n < 1 or batch < 1 or stages < 1 or n % stages:
+        raise UsageError(f"need world >= 1 divisible by stages >= 1, got {n} and {stages}")
+    one = desc.compute_s(batch, cluster.peak_tflops, mfu)
+    gb = bytes_per_param("fp32" if precision == "fp32" else "bf16", "sgd")
+    grad = desc.parameters * (gb.grads if grad_bytes is None else grad_bytes)
+    weights = desc.parameters * gb.weights
+    if strategy in ("single", "model"):
+        return StepEstimate(
+            strategy=strategy, world=n, replica_devices=n, batch=batch, compute_s=one,
+            comm_s=0.0, exposed_s=0.0, ideal_s=one / n,
+        )  # fmt: skip
+    if strategy in ("pipeline", "tensor"):
+        return _model_parallel(desc, cluster, strategy, one, n, stages, batch, microbatches,
+                               grad / stages, bucket_mb, precision)  # fmt: skip
+    bw, lat = cluster.ring_link(n)
+    fwd, bwd = one * (1 - BACKWARD_FRACTION), one * BACKWARD_FRACTION
+    k, chunk = _buckets(grad, bucket_mb)
+    ar = ring_allreduce_s(chunk, n, bw, lat)
+    if strategy in ("ddp", "dp"):
+        comm, exposed = k * ar, exposed_s(ar, k, bwd, cluster.overlap)
+    elif strategy == "zero1":  # DDP's all-reduce, then the updated shards are gathered
+        gather = ring_gather_s(weights, n, bw, lat)
+        comm, exposed = k * ar + gather, exposed_s(ar, k, bwd, cluster.overlap) + gather
+    elif strategy in ("zero2", "fsdp"):
+        rs = ring_gather_s(chunk, n, bw, lat)
+        ag = ring_gather_s(weights / k, n, bw, lat)
+        if strategy == "zero2":  # gather before forward, reduce-scatter in backward
+            comm = k * (rs + ag)
+            exposed = exposed_s(ag, k, fwd, cluster.overlap) + exposed_s(
+                rs, k, bwd, cluster.overlap
+            )
+        else:  # fsdp gathers again for backward
+            comm = k * (rs + 2 * ag)
+            exposed = exposed_s(ag, k, fwd, cluster.overlap) + exposed_s(
+                rs + ag, k, bwd, cluster.overlap
+            )
+    else:
+        raise UsageError(f"no step model for strategy {strategy!r}")
+    return StepEstimate(
+        strategy=strategy, world=n, replica_devices=1, batch=batch, compute_s=one,
+        comm_s=comm, exposed_s=exposed, ideal_s=one,
+    )  # fmt: skip
+
+
+def _model_parallel(
+    desc: ModelDesc,
+    cluster: Cluster,
+    strategy: str,
+    one: float,
+    n: int,
+    ways: int,
+    batch: int,
+    microbatches: int,
+    stage_grad: float,
+    bucket_mb: float,
+    precision: str,
+) -> StepEstimate:
+    """Pipeline (1F1B bubble) or tensor (Megatron's 4 all-reduces per layer), then DP."""
+    dp = n // ways
+    if strategy == "pipeline":
+        m = microbatches or 4 * ways
+        compute = one / ways * (m + ways - 1) / m  # the bubble: (P - 1) idle slots of M + P - 1
+        inner = 0.0  # point-to-point activations between stages: small, not modelled
+    else:
+        if not (desc.layers and desc.hidden and desc.seq_len):
+            raise UsageError(
+                "tensor parallelism needs the model's layers, hidden size and sequence"
+            )
+        act = batch * desc.seq_len * desc.hidden * (4 if precision == "fp32" else 2)
+        bw, lat = cluster.ring_link(ways)
+        inner = 4 * desc.layers * ring_allreduce_s(act, ways, bw, lat)
+        compute = one / ways
+    bw, lat = cluster.ring_link(n)
+    k, chunk = _buckets(stage_grad, bucket_mb)
+    ar = ring_allreduce_s(chunk, dp, bw, lat)
+    exposed = inner + exposed_s(ar, k, compute * BACKWARD_FRACTION, cluster.overlap)
+    return StepEstimate(
+        strategy=strategy, world=n, replica_devices=ways, batch=batch, compute_s=compute,
+        comm_s=inner + k * ar, exposed_s=exposed, ideal_s=one / ways,
+    )  # fmt: skip

@@ -1,0 +1,154 @@
+"""Pick a strategy: the fastest predicted one whose memory fits, simplest on a near-tie.
+
+``recommend`` is what ``strategy="auto"`` calls. It returns a plain strategy
+name among single / ddp / zero1 / zero2 / fsdp / model / pipeline / tensor and
+the sizes (data-parallel, pipeline or tensor ways) with every candidate's
+numbers, so the choice can be shown and checked.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from torch import nn
+
+from manygpu.errors import UsageError
+from manygpu.plan import memory, perf
+from manygpu.plan.desc import ModelDesc
+from manygpu.plan.hardware import Cluster
+
+SIMPLEST_FIRST = ("single", "ddp", "zero1", "zero2", "fsdp", "model", "tensor", "pipeline")
+"""Tie-break order: fewer moving parts first."""
+NEAR_TIE = 0.02
+"""Candidates within 2% of the best throughput count as equally fast."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class Candidate:
+    """One strategy's predicted memory and speed."""
+
+    strategy: str
+    ways: int
+    """Pipeline / tensor / model ways (1 for data parallelism)."""
+    memory: memory.MemoryEstimate
+    step: perf.StepEstimate | None
+    """``None`` when the step cannot be modelled (e.g. tensor without a shape)."""
+    fits: bool
+
+
+@dataclass(frozen=True, kw_only=True)
+class Plan:
+    """The recommendation; ``strategy`` is a registry name for :class:`~manygpu.Parallel`."""
+
+    strategy: str
+    world_size: int
+    data_parallel: int
+    pipeline_parallel: int
+    tensor_parallel: int
+    memory_per_device_gb: float
+    step_s: float
+    efficiency: float
+    samples_per_s: float
+    reason: str
+    candidates: tuple[Candidate, ...]
+
+
+def _candidates(
+    desc: ModelDesc,
+    cluster: Cluster,
+    world: int,
+    batch: int,
+    precision: str,
+    optimizer: str,
+    mfu: float,
+) -> list[Candidate]:
+    if world == 1:
+        options = [("single", 1)]
+        options += [("model", w) for w in range(2, cluster.gpus_per_node + 1)]
+    else:
+        options = [(s, 1) for s in ("ddp", "zero1", "zero2", "fsdp")]
+        splits = [w for w in (2, 4, 8, 16, 32, 64) if w <= world and world % w == 0]
+        options += [("tensor", w) for w in splits if w <= cluster.gpus_per_node]
+        options += [("pipeline", w) for w in splits]
+    out = []
+    for strategy, ways in options:
+        mem = memory.estimate(desc, strategy, world=world, batch=batch, precision=precision,
+                              optimizer=optimizer, stages=ways, microbatches=4 * ways)  # fmt: skip
+        try:
+            step = perf.estimate(desc, cluster, strategy, batch=batch, precision=precision,
+                                 world=world if strategy != "model" else ways, stages=ways,
+                                 mfu=mfu)  # fmt: skip
+        except UsageError:
+            step = None
+        out.append(Candidate(strategy=strategy, ways=ways, memory=mem, step=step,
+                             fits=mem.fits(cluster.memory_gb)))  # fmt: skip
+    return out
+
+
+def recommend(
+    model: nn.Module | ModelDesc,
+    cluster: Cluster,
+    *,
+    batch: int = 32,
+    precision: str = "fp32",
+    optimizer: str = "adam",
+    world_size: int | None = None,
+    mfu: float = 0.4,
+) -> Plan:
+    """The strategy and sizes to run ``model`` with ``batch`` samples per replica.
+
+    A bare ``nn.Module`` is described by its parameters only (no FLOPs or
+    activations are run), which is enough to choose by memory; pass a
+    :class:`ModelDesc` (e.g. from :func:`manygpu.plan.desc.describe`) for speed.
+    """
+    desc = model if isinstance(model, ModelDesc) else _bare(model)
+    world = cluster.world_size if world_size is None else world_size
+    if world < 1:
+        raise UsageError(f"world size must be >= 1, got {world}")
+    cands = _candidates(desc, cluster, world, batch, precision, optimizer, mfu)
+    fitting = [c for c in cands if c.fits]
+    if not fitting:
+        best = min(cands, key=lambda c: c.memory.total)
+        raise UsageError(
+            f"{desc.name} ({desc.parameters / 1e6:,.1f}M parameters) fits no strategy on "
+            f"{world} device(s) of {cluster.memory_gb:g} GB: the smallest, {best.strategy}"
+            f"{f' x{best.ways}' if best.ways > 1 else ''}, needs "
+            f"{best.memory.total / 1e9:,.1f} GB per device; lower the batch or add devices"
+        )
+    chosen = _choose(fitting)
+    step = chosen.step
+    dp = world // chosen.ways if chosen.strategy != "model" else 1
+    why = "fits in memory" if chosen.strategy in ("single", "ddp") else "the fastest that fits"
+    return Plan(
+        strategy=chosen.strategy,
+        world_size=world,
+        data_parallel=dp,
+        pipeline_parallel=chosen.ways if chosen.strategy == "pipeline" else 1,
+        tensor_parallel=chosen.ways if chosen.strategy == "tensor" else 1,
+        memory_per_device_gb=chosen.memory.total / 1e9,
+        step_s=step.step_s if step else float("nan"),
+        efficiency=step.efficiency if step else float("nan"),
+        samples_per_s=step.samples_per_s if step else float("nan"),
+        reason=f"{chosen.strategy}: {why} ({chosen.memory.total / 1e9:,.2f} GB per device "
+        f"of {cluster.memory_gb:,.1f})",
+        candidates=tuple(cands),
+    )
+
+
+def _choose(fitting: list[Candidate]) -> Candidate:
+    timed = [c for c in fitting if c.step is not None]
+    if not timed:  # nothing could be timed (no FLOPs known): choose by simplicity
+        return min(fitting, key=lambda c: (SIMPLEST_FIRST.index(c.strategy), c.ways))
+    best = max(c.step.samples_per_s for c in timed if c.step)
+    near = [c for c in timed if c.step and c.step.samples_per_s >= best * (1 - NEAR_TIE)]
+    return min(near, key=lambda c: (SIMPLEST_FIRST.index(c.strategy), c.ways))
+
+
+def _bare(model: nn.Module) -> ModelDesc:
+    """Parameters and the largest module only: enough to choose by memory."""
+    own = [sum(p.numel() for p in m.parameters(recurse=False)) for m in model.modules()]
+    return ModelDesc(
+        name=type(model).__name__,
+        parameters=sum(p.numel() for p in model.parameters()),
+        largest_layer_parameters=max(own, default=0),
+    )
