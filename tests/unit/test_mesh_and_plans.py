@@ -66,6 +66,9 @@ def test_hybrid_needs_a_mesh() -> None:
         ParallelConfig(strategy="hybrid")
 
 
+_LOSS = PipelineOptions(loss_fn=sum)
+
+
 @pytest.mark.parametrize(
     "fields, match",
     [
@@ -73,8 +76,13 @@ def test_hybrid_needs_a_mesh() -> None:
         ({"strategy": "fsdp", "mesh": {"tp": 2}}, "'fsdp' cannot use mesh dimension.*tp=2"),
         ({"strategy": "ddp", "mesh": {"fsdp": 2}}, "'ddp' cannot use mesh dimension.*fsdp=2"),
         ({"strategy": "single", "mesh": {"dp": 1}}, "'single' takes no mesh"),
-        ({"mesh": {"pp": 2, "tp": 1}, "precision": "fp16"}, "does not scale fp16"),
-        ({"strategy": "pipeline", "grad_accum_steps": 2}, "raise PipelineOptions"),
+        ({"mesh": {"pp": 2}, "precision": "fp16", "pipeline": _LOSS}, "does not scale fp16"),
+        ({"strategy": "pipeline", "grad_accum_steps": 2, "pipeline": _LOSS}, "raise Pipeline"),
+        ({"strategy": "pipeline"}, r"give PipelineOptions\(loss_fn=...\)"),
+        (
+            {"strategy": "pipeline", "pipeline": PipelineOptions(loss_fn=sum, split_points=(1, 2))},
+            r"gives 3 stages but the pipeline has 2 \(mesh pp=2\)",
+        ),
     ],
 )
 def test_bad_job_shapes_fail_before_any_group(fields: dict[str, object], match: str) -> None:

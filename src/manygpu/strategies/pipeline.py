@@ -65,6 +65,18 @@ class PipelineStrategy(MeshStrategy):
                 "strategy 'pipeline' does not scale fp16 losses across stages; "
                 "use precision='bf16' or 'fp32'"
             )
+        if options.pipeline.loss_fn is None:
+            raise UsageError(
+                "strategy 'pipeline' computes the loss on the last stage: give "
+                "PipelineOptions(loss_fn=...), e.g. torch.nn.functional.cross_entropy"
+            )
+        points = options.pipeline.split_points
+        stages = cls.resolve_mesh(cluster.world_size, options).pp
+        if points is not None and len(points) != stages - 1:
+            raise UsageError(
+                f"split_points {list(points)} gives {len(points) + 1} stages but the "
+                f"pipeline has {stages} (mesh pp={stages}); give {stages - 1} split point(s)"
+            )
         if options.grad_accum_steps != 1:
             raise UsageError(
                 "strategy 'pipeline' accumulates over micro-batches already: set "
@@ -78,11 +90,6 @@ class PipelineStrategy(MeshStrategy):
                 f"in one, not a {type(module).__name__}"
             )
         opts = self.options.pipeline
-        if opts.loss_fn is None:
-            raise UsageError(
-                "strategy 'pipeline' computes the loss on the last stage: give "
-                "PipelineOptions(loss_fn=...), e.g. torch.nn.functional.cross_entropy"
-            )
         device = self.ctx.device
         names = ("pp", *data_dims(self.spec))
         mesh = self.spec.build(device.type, names)
@@ -96,11 +103,10 @@ class PipelineStrategy(MeshStrategy):
             shard_data_dims(part, mesh[names[1:]], kwargs, children=False)
         pp_group = mesh["pp"].get_group()
         stage = PipelineStage(part, index, stages, device, group=pp_group)
-        schedule = _SCHEDULES[opts.schedule](stage, opts.microbatches, loss_fn=opts.loss_fn)
         last_rank = dist.get_global_rank(pp_group, stages - 1)
-        wrapped = PipelinedModel(part, schedule, index, stages, last_rank, pp_group)
+        wrapped = PipelinedModel(part, index, stages, last_rank, pp_group)
+        wrapped.attach(_SCHEDULES[opts.schedule], stage, opts.microbatches, opts.loss_fn)
         wrapped.timeout_s = self.ctx.timeout_s
-        wrapped.microbatches = opts.microbatches
         remember_sharded(self, wrapped)
         return wrapped
 
@@ -147,18 +153,28 @@ class PipelinedModel(nn.Module):
     microbatches: int = 1
 
     def __init__(
-        self,
-        stage: nn.Sequential,
-        schedule: Any,
-        index: int,
-        stages: int,
-        last_rank: int,
-        group: dist.ProcessGroup,
+        self, stage: nn.Sequential, index: int, stages: int, last_rank: int, group: Any
     ) -> None:
         super().__init__()
         self.stage = stage
-        self._schedule, self._index, self._stages = schedule, index, stages
+        self._index, self._stages = index, stages
         self._last_rank, self._group = last_rank, group
+        self._outputs_only = False
+        self._schedule: Any = None
+        self._loss_fn: Any = None
+
+    def attach(self, schedule_cls: Any, stage: PipelineStage, microbatches: int, loss: Any) -> None:
+        """Drive ``stage`` with a schedule whose loss we can switch off for plain outputs."""
+        self._loss_fn = loss
+        self.microbatches = microbatches
+        self._schedule = schedule_cls(stage, microbatches, loss_fn=self._loss)
+
+    def _loss(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        # One schedule serves training and evaluation (torch re-initialises its
+        # buffers when it switches); for outputs only, the target is a dummy.
+        if self._outputs_only:
+            return output.detach().sum() * 0
+        return self._loss_fn(output, target)
 
     @property
     def is_first(self) -> bool:
@@ -184,14 +200,21 @@ class PipelinedModel(nn.Module):
             loss = self._share_loss(losses)
             loss._manygpu_pipeline_done = True  # type: ignore[attr-defined]
             return loss
-        with torch.no_grad():
-            output = self._schedule.eval(*inputs, target=label, losses=losses)
+        self._outputs_only = target is None
+        if self._outputs_only and self.is_last:
+            label = torch.zeros(args[0].shape[0] if args else self.microbatches)
+        try:
+            with torch.no_grad():
+                output = self._schedule.eval(*inputs, target=label, losses=losses)
+        finally:
+            self._outputs_only = False
         if target is not None:
             return self._share_loss(losses)
         return self._share_output(output)
 
     def _check_batch(self, args: tuple[Any, ...]) -> None:
-        if self.is_first and args and isinstance(args[0], torch.Tensor):
+        # Every rank is given the batch, so every rank refuses it alike (no hang).
+        if args and isinstance(args[0], torch.Tensor):
             rows = args[0].shape[0]
             if rows % self.microbatches:
                 raise UsageError(
