@@ -95,7 +95,7 @@ def test_split_points_are_validated() -> None:
     assert starts_from_split_points([2, 5], layers=7, parts=3) == [0, 2, 5]
     with pytest.raises(UsageError, match="gives 2 stages but the pipeline has 3"):
         starts_from_split_points([2], layers=7, parts=3)
-    with pytest.raises(UsageError, match="strictly increasing within 1..6"):
+    with pytest.raises(UsageError, match=r"strictly increasing within 1\.\.6"):
         starts_from_split_points([5, 2], layers=7, parts=3)
     with pytest.raises(UsageError, match="cannot split 3 layers into 4 stages"):
         balanced_cuts([1.0, 1.0, 1.0], 4)
