@@ -83,6 +83,7 @@ def estimate(
 ) -> MemoryEstimate:
     """Bytes per device of ``strategy`` on ``world`` devices.
 
+    ``batch`` is per device (a pipeline / tensor replica trains ``stages x batch``);
     ``stages``: pipeline / tensor / model ways; ``microbatches``: the pipeline's.
     """
     if strategy not in STRATEGIES:
@@ -100,11 +101,13 @@ def estimate(
     elif strategy == "fsdp":
         gathered = 2 * desc.largest_layer_parameters * b.weights  # this unit + the prefetched one
         w, g, o = w / world + gathered, g / world, o / world
-    elif strategy in ("pipeline", "model"):
+    elif strategy == "model":  # one process's batch, its layers spread over the devices
+        w, g, o, act = w / stages, g / stages, o / stages, act / stages
+    elif strategy == "pipeline":  # a replica of `stages` devices trains stages x batch
         w, g, o = w / stages, g / stages, o / stages
         # 1F1B keeps at most `stages` micro-batches in flight, each of 1/stages of the layers.
         in_flight = min(stages, microbatches) / max(microbatches, 1)
-        act = act / stages * in_flight if strategy == "pipeline" else act / stages
-    elif strategy == "tensor":
-        w, g, o, act = w / stages, g / stages, o / stages, act / stages
+        act = act * in_flight
+    elif strategy == "tensor":  # stages x batch samples, activations split over the ways
+        w, g, o = w / stages, g / stages, o / stages
     return MemoryEstimate(strategy=strategy, params=w, grads=g, optimizer=o, activations=act)

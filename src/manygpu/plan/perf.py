@@ -62,7 +62,7 @@ class StepEstimate:
     replica_devices: int
     """Devices holding one model replica (pipeline / tensor ways; 1 otherwise)."""
     batch: int
-    """Samples per replica per step."""
+    """Samples per model replica per step (devices per replica x the per-device batch)."""
     compute_s: float
     """The replica's compute time per step (bubbles included for pipelines)."""
     comm_s: float
@@ -106,6 +106,9 @@ def estimate(
 ) -> StepEstimate:
     """Predict a step of ``strategy`` on ``world`` devices (default: the whole cluster).
 
+    ``batch`` is samples per device per step, so every strategy trains the same
+    global batch (world x batch) and their throughputs compare fairly.
+
     ``grad_bytes`` per parameter on the wire defaults to the precision's
     (4 in fp32; 2 when gradients are 16-bit); torch's autocast keeps fp32
     gradients, so pass 4 for it. ``stages``: pipeline or tensor ways.
@@ -113,7 +116,9 @@ def estimate(
     n = cluster.world_size if world is None else world
     if n < 1 or batch < 1 or stages < 1 or n % stages:
         raise UsageError(f"need world >= 1 divisible by stages >= 1, got {n} and {stages}")
-    one = desc.compute_s(batch, cluster.peak_tflops, mfu)
+    # `batch` is per device: a pipeline / tensor replica of `stages` devices takes stages x batch.
+    replica = batch * stages if strategy in ("pipeline", "tensor") else batch
+    one = desc.compute_s(replica, cluster.peak_tflops, mfu)
     gb = bytes_per_param("fp32" if precision == "fp32" else "bf16", "sgd")
     grad = desc.parameters * (gb.grads if grad_bytes is None else grad_bytes)
     weights = desc.parameters * gb.weights
@@ -123,7 +128,7 @@ def estimate(
             comm_s=0.0, exposed_s=0.0, ideal_s=one / n,
         )  # fmt: skip
     if strategy in ("pipeline", "tensor"):
-        return _model_parallel(desc, cluster, strategy, one, n, stages, batch, microbatches,
+        return _model_parallel(desc, cluster, strategy, one, n, stages, replica, microbatches,
                                grad / stages, bucket_mb, precision)  # fmt: skip
     bw, lat = cluster.ring_link(n)
     fwd, bwd = one * (1 - BACKWARD_FRACTION), one * BACKWARD_FRACTION
@@ -171,7 +176,7 @@ def _model_parallel(
     """Pipeline (1F1B bubble) or tensor (Megatron's 4 all-reduces per layer), then DP."""
     dp = n // ways
     if strategy == "pipeline":
-        m = microbatches or 4 * ways
+        m = microbatches or min(4 * ways, batch)  # micro-batches of at least one sample
         compute = one / ways * (m + ways - 1) / m  # the bubble: (P - 1) idle slots of M + P - 1
         inner = 0.0  # point-to-point activations between stages: small, not modelled
     else:

@@ -73,7 +73,8 @@ def _candidates(
     out = []
     for strategy, ways in options:
         mem = memory.estimate(desc, strategy, world=world, batch=batch, precision=precision,
-                              optimizer=optimizer, stages=ways, microbatches=4 * ways)  # fmt: skip
+                              optimizer=optimizer, stages=ways,
+                              microbatches=min(4 * ways, ways * batch))  # fmt: skip
         try:
             step = perf.estimate(desc, cluster, strategy, batch=batch, precision=precision,
                                  world=world if strategy != "model" else ways, stages=ways,
@@ -95,7 +96,7 @@ def recommend(
     world_size: int | None = None,
     mfu: float = 0.4,
 ) -> Plan:
-    """The strategy and sizes to run ``model`` with ``batch`` samples per replica.
+    """The strategy and sizes to run ``model`` with ``batch`` samples per device per step.
 
     A bare ``nn.Module`` is described by its parameters only (no FLOPs or
     activations are run), which is enough to choose by memory; pass a

@@ -1,0 +1,95 @@
+"""The planner's memory model: bytes per parameter, sharding, a real model's bytes."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from manygpu.errors import UsageError
+from manygpu.plan import memory
+from manygpu.plan.desc import ModelDesc, describe, transformer
+
+P = 1_000_000
+
+
+def _desc(**kw: object) -> ModelDesc:
+    return ModelDesc(name="m", parameters=P, **kw)  # type: ignore[arg-type]
+
+
+def test_adam_fp32_ddp_is_16_bytes_per_parameter() -> None:
+    est = memory.estimate(_desc(), "ddp", world=8, batch=1)
+    assert (est.params, est.grads, est.optimizer) == (4 * P, 4 * P, 8 * P)
+    assert est.total == 16 * P
+
+
+def test_zero_stages_shard_over_n() -> None:
+    n = 8
+    z1 = memory.estimate(_desc(), "zero1", world=n, batch=1)
+    z2 = memory.estimate(_desc(), "zero2", world=n, batch=1)
+    z3 = memory.estimate(_desc(), "fsdp", world=n, batch=1)
+    assert z1.total == pytest.approx(4 * P + 4 * P + 8 * P / n)
+    assert z2.total == pytest.approx(4 * P + (4 + 8) * P / n)
+    assert z3.total == pytest.approx(16 * P / n)  # no layer size given: nothing gathered
+    gathered = memory.estimate(_desc(largest_layer_parameters=1000), "fsdp", world=n, batch=1)
+    assert gathered.total == pytest.approx(16 * P / n + 2 * 1000 * 4)
+
+
+def test_mixed_precision_keeps_fp32_master_weights_with_the_optimizer() -> None:
+    b = memory.bytes_per_param("bf16", "adam")
+    assert (b.weights, b.grads, b.optimizer, b.total) == (2, 2, 12, 16)
+    z1 = memory.estimate(_desc(activation_bytes_per_sample=100.0), "zero1", world=4,
+                         batch=2, precision="bf16")  # fmt: skip
+    assert z1.params + z1.grads == 4 * P and z1.optimizer == 12 * P / 4
+    assert z1.activations == 100.0  # 2 samples x 100 B at fp32, halved for bf16
+    assert memory.bytes_per_param("fp32", "sgd").total == 8
+
+
+def test_pipeline_and_tensor_split_states() -> None:
+    d = _desc(activation_bytes_per_sample=1000.0)
+    pp = memory.estimate(d, "pipeline", world=8, batch=2, stages=4, microbatches=16)
+    tp = memory.estimate(d, "tensor", world=8, batch=2, stages=2)
+    # Per-device batch 2: a 4-stage replica trains 8 samples, 4 of 16 micro-batches in flight,
+    # each stage holding a quarter of the layers -> 8 x 1000 x 4/16 / 4 ... = 2 x 1000 / 4.
+    assert pp.total == pytest.approx(16 * P / 4 + 2 * 1000 / 4)
+    assert tp.total == pytest.approx(16 * P / 2 + 2 * 1000)
+
+
+def test_bad_names() -> None:
+    with pytest.raises(UsageError, match="unknown strategy"):
+        memory.estimate(_desc(), "zero9", world=2, batch=1)
+    with pytest.raises(UsageError, match="unknown optimizer"):
+        memory.bytes_per_param("fp32", "lion")
+    with pytest.raises(UsageError, match="parameter"):
+        ModelDesc(name="m", parameters=0)
+
+
+def test_estimate_matches_a_real_model_and_adam_state() -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 128), nn.ReLU(), nn.Linear(128, 10))
+
+    def batch(n: int, g: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+        return torch.randn(n, 64, generator=g), torch.randint(0, 10, (n,), generator=g)
+
+    desc = describe("mlp", model, batch, nn.functional.cross_entropy)
+    est = memory.estimate(desc, "ddp", world=2, batch=4)
+    weights = sum(p.numel() * p.element_size() for p in model.parameters())
+    assert est.params == weights and est.grads == weights
+    opt = torch.optim.Adam(model.parameters())
+    model(torch.randn(4, 64)).sum().backward()
+    opt.step()
+    state = sum(v.numel() * v.element_size() for s in opt.state.values() for v in s.values()
+                if v.dim() > 0)  # fmt: skip
+    assert est.optimizer == state
+    assert desc.largest_layer_parameters == 128 * 64 + 128
+    # Saved for backward per sample: the input (64), the hidden pre/post ReLU (128 each,
+    # shared storage where autograd keeps one), the logits' input (128) -- in floats.
+    assert 64 * 4 <= desc.activation_bytes_per_sample <= (64 + 3 * 128 + 10) * 4
+    # Forward and weight gradients: 2 x 2 x (64x128 + 128x10); input gradient of layer 2 only.
+    assert desc.flops_per_sample == 2 * 2 * (64 * 128 + 128 * 10) + 2 * 128 * 10
+
+
+def test_transformer_description() -> None:
+    d = transformer("7b", parameters=7_000_000_000, layers=32, hidden=4096, seq_len=2048)
+    assert d.flops_per_sample == 6 * 7e9 * 2048
+    assert d.activation_bytes_per_sample == 2 * 34 * 2048 * 4096 * 32
