@@ -1,0 +1,142 @@
+"""``"tensor"`` (an MLP and a transformer block), dp x tp, and HSDP match one process.
+
+Tolerance: max |difference| < 1e-5 in fp32 for every parameter after k SGD
+steps with momentum (tensor parallel splits the matmuls' sums, so only
+rounding differs), and the per-step losses agree to 1e-5. Not Adam: the key
+bias's true gradient is zero (softmax ignores a constant shift), and Adam
+would blow its rounding noise up to full-size steps.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from dist_harness import run_ranks
+from torch import nn
+
+from manygpu import Parallel
+from manygpu.strategies import TensorOptions
+
+TOL = 1e-5
+STEPS, BATCH, SEQ, DIM, HEADS = 3, 4, 5, 16, 4
+
+
+class Block(nn.Module):
+    """Pre-norm transformer block; heads come from the tensor (each tp rank has 1/tp)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm1, self.norm2 = nn.LayerNorm(DIM), nn.LayerNorm(DIM)
+        self.q_proj, self.k_proj, self.v_proj = (nn.Linear(DIM, DIM) for _ in range(3))
+        self.out_proj = nn.Linear(DIM, DIM)
+        self.mlp = nn.Sequential(nn.Linear(DIM, 4 * DIM), nn.GELU(), nn.Linear(4 * DIM, DIM))
+        self.head = nn.Linear(DIM, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, _ = x.shape
+        h = self.norm1(x)
+        q, k, v = (
+            proj(h).view(b, t, -1, DIM // HEADS).transpose(1, 2)
+            for proj in (self.q_proj, self.k_proj, self.v_proj)
+        )
+        att = nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+        x = x + self.out_proj(att.transpose(1, 2).reshape(b, t, -1))
+        x = x + self.mlp(self.norm2(x))
+        return self.head(x)
+
+
+def make(kind: str) -> nn.Module:
+    torch.manual_seed(99)
+    if kind == "block":
+        return Block()
+    return nn.Sequential(nn.Linear(DIM, 32), nn.Tanh(), nn.Linear(32, 3))
+
+
+def data(kind: str, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(5)
+    shape = (n, SEQ, DIM) if kind == "block" else (n, DIM)
+    target = (n, SEQ, 3) if kind == "block" else (n, 3)
+    return torch.randn(shape, generator=gen), torch.randn(target, generator=gen)
+
+
+def reference(kind: str, shards: int) -> dict[str, object]:
+    model = make(kind)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    x, y = data(kind, STEPS * BATCH * shards)
+    glob, losses = BATCH * shards, []
+    for step in range(STEPS):
+        s = slice(step * glob, (step + 1) * glob)
+        loss = nn.functional.mse_loss(model(x[s]), y[s])
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return {"losses": losses, "params": {k: v.detach() for k, v in model.state_dict().items()}}
+
+
+def _train(kind: str, strategy: str, mesh: dict[str, int], plan: object) -> dict[str, object]:
+    par = Parallel(strategy=strategy, mesh=mesh, tensor=TensorOptions(plan=plan))  # type: ignore[arg-type]
+    try:
+        model = par.prepare(make(kind))
+        opt = par.prepare(torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9))
+        shard, shards = par.strategy.data_shard()
+        x, y = data(kind, STEPS * BATCH * shards)
+        losses = []
+        for step in range(STEPS):
+            start = (step * shards + shard) * BATCH
+            loss = nn.functional.mse_loss(model(x[start : start + BATCH]), y[start : start + BATCH])
+            par.backward(loss)
+            opt.step()
+            opt.zero_grad()
+            losses.append(par.reduce(loss).item())
+        local = {k: _local(p) for k, p in par.unwrap(model).named_parameters()}
+        full = {k: _full(v) for k, v in par.unwrap(model).state_dict().items()}
+        return {"losses": losses, "params": full, "local": local}
+    finally:
+        par.close()
+
+
+def _full(t: torch.Tensor) -> torch.Tensor:
+    return (t.full_tensor() if hasattr(t, "full_tensor") else t).detach().clone()
+
+
+def _local(t: torch.Tensor) -> int:
+    return (t.to_local() if hasattr(t, "to_local") else t).numel()
+
+
+def _check(results: list[dict[str, object]], ref: dict[str, object]) -> None:
+    for out in results:
+        assert out["losses"] == pytest.approx(ref["losses"], abs=TOL)
+        assert out["params"].keys() == ref["params"].keys()
+        for key, value in ref["params"].items():
+            assert (out["params"][key] - value).abs().max().item() < TOL, key
+
+
+@pytest.mark.parametrize("kind, world", [("mlp", 2), ("block", 2), ("block", 4)])
+def test_tensor_parallel_matches_one_process(kind: str, world: int) -> None:
+    results = run_ranks(_train, world, kind, "tensor", {"tp": -1}, None, timeout=150)
+    _check(results, reference(kind, 1))
+    # Split layers hold 1/tp of their weights on each rank; the head is replicated.
+    weight = "mlp.0.weight" if kind == "block" else "0.weight"
+    numel = (4 * DIM if kind == "block" else 32) * DIM
+    assert results[0]["local"][weight] == numel // world
+    assert results[0]["local"]["head.weight" if kind == "block" else "2.bias"] == 3 * (
+        DIM if kind == "block" else 1
+    )
+
+
+def test_user_plan_on_the_mlp() -> None:
+    plan = {"0": "colwise", "2": "rowwise"}
+    _check(run_ranks(_train, 2, "mlp", "tensor", {"tp": 2}, plan, timeout=120), reference("mlp", 1))
+
+
+def test_dp2_x_tp2_matches_the_global_batch() -> None:
+    results = run_ranks(_train, 4, "block", "hybrid", {"dp": 2, "tp": 2}, None, timeout=150)
+    _check(results, reference("block", 2))
+
+
+def test_hsdp_replicates_across_and_shards_within() -> None:
+    results = run_ranks(_train, 4, "mlp", "fsdp", {"dp": 2, "fsdp": -1}, None, timeout=150)
+    _check(results, reference("mlp", 4))  # all 4 ranks read different data
+    # Sharded over fsdp=2 only: each rank holds half of a weight, not a quarter.
+    assert results[0]["local"]["0.weight"] == 32 * DIM // 2
