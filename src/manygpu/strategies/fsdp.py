@@ -46,7 +46,9 @@ class FSDPStrategy(MeshStrategy):
             module = module.to(self.ctx.device)
         names = data_dims(self.spec) or ("fsdp",)
         mesh = self.spec.build(self.ctx.device.type, names)
-        kwargs = fsdp_kwargs(opts, reshard_after_forward=self.reshard_after_forward)
+        kwargs = fsdp_kwargs(
+            opts, self.ctx.device, reshard_after_forward=self.reshard_after_forward
+        )
         shard_data_dims(module, mesh, kwargs, children=opts.shard_children)
         remember_sharded(self, module)
         return module

@@ -164,14 +164,21 @@ def data_dims(spec: MeshSpec) -> tuple[str, ...]:
     return ("fsdp",) if spec.fsdp > 1 else ()
 
 
-def fsdp_kwargs(opts: FSDPOptions, *, reshard_after_forward: bool) -> dict[str, Any]:
-    """``fully_shard`` keyword arguments from our options."""
+def fsdp_kwargs(
+    opts: FSDPOptions, device: torch.device, *, reshard_after_forward: bool
+) -> dict[str, Any]:
+    """``fully_shard`` keyword arguments from our options.
+
+    CPU offload pins host memory only with a GPU (pinning needs one); on a CPU
+    job the offload path still runs, which keeps it testable here.
+    """
+    offload = CPUOffloadPolicy(pin_memory=device.type == "cuda")
     dtypes = {None: None, "fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
     return {
         "mp_policy": MixedPrecisionPolicy(
             param_dtype=dtypes[opts.param_dtype], reduce_dtype=dtypes[opts.reduce_dtype]
         ),
-        "offload_policy": CPUOffloadPolicy() if opts.cpu_offload else OffloadPolicy(),
+        "offload_policy": offload if opts.cpu_offload else OffloadPolicy(),
         "reshard_after_forward": reshard_after_forward,
     }
 

@@ -99,7 +99,7 @@ class PipelineStrategy(MeshStrategy):
             OrderedDict((str(i), module[i]) for i in range(bounds[index], bounds[index + 1]))
         ).to(device)
         if len(names) > 1:
-            kwargs = fsdp_kwargs(self.options.fsdp, reshard_after_forward=False)
+            kwargs = fsdp_kwargs(self.options.fsdp, self.ctx.device, reshard_after_forward=False)
             shard_data_dims(part, mesh[names[1:]], kwargs, children=False)
         pp_group = mesh["pp"].get_group()
         stage = PipelineStage(part, index, stages, device, group=pp_group)

@@ -64,7 +64,7 @@ class TensorParallelStrategy(MeshStrategy):
         check_divisible(module, plan, self.spec.tp)
         parallelize_module(module, mesh["tp"], plan)
         if len(names) > 1:
-            kwargs = fsdp_kwargs(self.options.fsdp, reshard_after_forward=True)
+            kwargs = fsdp_kwargs(self.options.fsdp, self.ctx.device, reshard_after_forward=True)
             shard_data_dims(module, mesh[names[:-1]], kwargs, children=False)
         remember_sharded(self, module)
         return module
