@@ -24,8 +24,10 @@ from manygpu.strategies.splitting import balanced_cuts, param_sizes
 
 
 def _stage_devices(count: int) -> list[torch.device]:
-    if torch.cuda.is_available() and torch.cuda.device_count() > 1:
-        return [torch.device("cuda", i) for i in range(torch.cuda.device_count())][:count]
+    """One GPU per stage, round-robin when stages outnumber GPUs (one GPU: all on it)."""
+    if torch.cuda.is_available():
+        gpus = torch.cuda.device_count()
+        return [torch.device("cuda", i % gpus) for i in range(count)]
     return [torch.device("cpu")] * count
 
 
