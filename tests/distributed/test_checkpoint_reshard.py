@@ -56,3 +56,21 @@ def test_four_ranks_to_two_and_one(tmp_path: Path, fmt: str) -> None:
     # 6 steps x 4 ranks x 4 samples = 96 samples = 2 epochs of 48: next epoch, first batch.
     assert reference["position"] == {"epoch": 2, "batches": 0}
     assert alone["position"] == {"epoch": 2, "batches": 0}
+
+
+def _save_zero1(directory: str) -> torch.Tensor:
+    par = Parallel(strategy="zero1")
+    try:
+        return train(par, directory, 6, every=6, fmt="full")[1]
+    finally:
+        par.close()
+
+
+def test_zero1_checkpoint_holds_the_whole_optimizer(tmp_path: Path) -> None:
+    # ZeRO-1 shards Adam's state: rank 0 gathers it before a full checkpoint.
+    directory = str(tmp_path / "ck")
+    trained = run_ranks(_save_zero1, 2, directory, timeout=120)[0]
+    alone = _load(directory, "full")
+    assert alone["step"] == 6
+    assert torch.equal(alone["params"], trained)
+    assert alone["exp_avg"].shape == (16, 8) and alone["exp_avg"].abs().sum() > 0

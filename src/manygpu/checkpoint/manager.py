@@ -149,6 +149,8 @@ class Checkpointer:
             torch.save(rng.capture(), tmp / f"rng-rank{self.par.rank}.pt")
             if self.format == "dcp":
                 formats.write_dcp(tmp, self.parts, group=self._group)
+            if self.format == "full" and self.parts.optimizer is not None:
+                self.par.strategy.consolidate_optimizer(self.parts.optimizer)
             if self.format == "full" and self.par.is_main:
                 files = formats.full_snapshot(self.parts, copy=self.async_save)
             failure = None

@@ -98,6 +98,12 @@ class Strategy(ABC):
         Used for gradient accumulation; strategies without sync ignore it.
         """
 
+    def consolidate_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
+        """Make ``optimizer.state_dict()`` whole on the main rank (every rank calls it).
+
+        Only strategies that shard optimizer state outside DCP need to do anything.
+        """
+
     def unwrap(self, module: nn.Module) -> nn.Module:
         """The user's own module inside whatever wrapper we added."""
         return module

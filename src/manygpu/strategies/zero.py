@@ -31,3 +31,10 @@ class Zero1Strategy(DDPStrategy):
         group = optimizer.param_groups[0]
         settings = {k: v for k, v in group.items() if k != "params"}
         return ZeroRedundancyOptimizer(group["params"], optimizer_class=type(optimizer), **settings)
+
+    def consolidate_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
+        # Each rank holds 1/N of the state; a "full" checkpoint needs all of it
+        # on rank 0, where ZeroRedundancyOptimizer.state_dict() then works.
+        consolidate = getattr(optimizer, "consolidate_state_dict", None)
+        if consolidate is not None:
+            consolidate(to=0)
