@@ -111,7 +111,8 @@ def table(plan: Plan) -> Table:
 
 def run(ns: argparse.Namespace) -> int:
     cluster = build_cluster(ns)
-    desc = build_desc(ns, measure_step=ns.cluster == "this")
+    # On this CPU machine a real step is the best compute estimate; GPUs use FLOPs / (peak x MFU).
+    desc = build_desc(ns, measure_step=ns.cluster == "this" and cluster.overlap is False)
     plan = recommend(desc, cluster, batch=ns.batch, precision=ns.precision,
                      optimizer=ns.optimizer, mfu=ns.mfu)  # fmt: skip
     console = Console(soft_wrap=True, width=160)
