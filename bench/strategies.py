@@ -34,7 +34,7 @@ DATA_COPIES = {"pipeline": 1, "tensor": 1}  # ranks reading the same batch: one 
 SINGLE = ("single", "model")
 
 
-def _local_bytes(t) -> int:  # noqa: ANN001
+def _local_bytes(t) -> int:
     t = t.to_local() if hasattr(t, "to_local") else t
     return t.numel() * t.element_size()
 
@@ -44,7 +44,6 @@ def worker(strategy: str, steps: int, out: str) -> None:
     from torch import nn
 
     from manygpu import Parallel
-
     from manygpu.strategies import PipelineOptions
 
     loss_fn = nn.functional.mse_loss
@@ -69,7 +68,7 @@ def worker(strategy: str, steps: int, out: str) -> None:
         if i >= 5:
             times.append(time.perf_counter() - start)
     inner = getattr(opt, "optimizer", opt)
-    inner = getattr(inner, "optim", inner)  # ZeroRedundancyOptimizer keeps its shard's optimizer here
+    inner = getattr(inner, "optim", inner)  # ZeroRedundancyOptimizer: its shard's one
     state = sum(_local_bytes(p) * 2 for p in model.parameters())  # params + grads
     state += sum(_local_bytes(v) for s in inner.state.values() for v in s.values()
                  if hasattr(v, "numel") and v.dim() > 0)

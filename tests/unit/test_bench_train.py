@@ -116,7 +116,7 @@ def test_real_run_one_then_two_processes(tmp_path: Path) -> None:
            "--workers", "1,2", "--batch", "8", "--steps", "4", "--warmup", "1", "--block", "2",
            "--json", str(out)]  # fmt: skip
     res = subprocess.run(cmd, capture_output=True, text=True, timeout=150,
-                         env=subprocess_env(), cwd=ROOT)  # fmt: skip
+                         env=subprocess_env() | {"CUDA_VISIBLE_DEVICES": ""}, cwd=ROOT)  # fmt: skip
     assert res.returncode == 0, res.stderr[-3000:]
     data = json.loads(out.read_text())
     one, two = data["rows"]

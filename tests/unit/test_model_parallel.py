@@ -26,7 +26,8 @@ def _model() -> nn.Sequential:
 def _train(model: nn.Module, opt: torch.optim.Optimizer, backward: object) -> None:
     x, y = make_data(24)
     for i in range(3):
-        loss = nn.functional.mse_loss(model(x[i * 8 : (i + 1) * 8]), y[i * 8 : (i + 1) * 8])
+        out = model(x[i * 8 : (i + 1) * 8])  # on the last stage's device (a GPU if any)
+        loss = nn.functional.mse_loss(out.cpu(), y[i * 8 : (i + 1) * 8])
         backward(loss)  # type: ignore[operator]
         opt.step()
         opt.zero_grad()

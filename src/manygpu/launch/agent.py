@@ -7,6 +7,7 @@ after that names the failing rank and returns its exit code.
 
 from __future__ import annotations
 
+import inspect
 import logging
 import os
 import signal
@@ -39,6 +40,7 @@ def build_config(spec: LaunchSpec) -> LaunchConfig:
             rdzv_configs["is_host"] = True
     rdzv_configs.update(spec.rdzv_conf)
     return LaunchConfig(
+        **_supported({"shutdown_timeout": spec.shutdown_grace_s}),
         min_nodes=spec.min_nodes,
         max_nodes=spec.max_nodes,
         nproc_per_node=spec.nproc_per_node,
@@ -53,8 +55,16 @@ def build_config(spec: LaunchSpec) -> LaunchConfig:
         # interleaved errors from several ranks can be told apart.
         logs_specs=DefaultLogsSpecs(log_dir=spec.log_dir, tee=Std.ERR),
         log_line_prefix_template="[rank${rank}]:",
-        shutdown_timeout=spec.shutdown_grace_s,
     )
+
+
+def _supported(options: dict[str, object]) -> dict[str, object]:
+    """The ``LaunchConfig`` fields this torch knows (``shutdown_timeout``: torch >= 2.12).
+
+    Older torch keeps its own fixed grace period (30 s) for workers after SIGTERM.
+    """
+    fields = inspect.signature(LaunchConfig).parameters
+    return {k: v for k, v in options.items() if k in fields}
 
 
 def worker_command(spec: LaunchSpec) -> tuple[str, list[str]]:

@@ -41,9 +41,9 @@ class DataParallelStrategy(Strategy):
         if self.ctx.device.type == "cuda":
             ids = list(range(torch.cuda.device_count()))
             return nn.DataParallel(module, device_ids=ids, output_device=self.ctx.device)
-        # Without GPUs DataParallel just calls the module; keep the wrapper so
-        # the code path (and unwrap) is the one users get on a GPU machine.
-        return nn.DataParallel(module)
+        # On the CPU DataParallel has nothing to split over (and, where GPUs
+        # exist, would move the inputs to them): the module runs as it is.
+        return module
 
     def unwrap(self, module: nn.Module) -> nn.Module:
         return module.module if isinstance(module, nn.DataParallel) else module
