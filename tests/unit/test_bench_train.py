@@ -122,9 +122,11 @@ def test_real_run_one_then_two_processes(tmp_path: Path) -> None:
     one, two = data["rows"]
     assert (one["workers"], two["workers"]) == (1, 2)
     for row in (one, two):
-        assert row["samples_per_s"] > 0 and row["threads_per_worker"] == 1
+        assert row["samples_per_s"] > 0
         assert row["flops_per_step"] > 0 and row["mfu"] is None
         assert row["step_s"] >= row["compute_s"] > 0 and row["comm_s"] >= 0
+    # Per-worker scaling: the same CPU threads per worker at every count.
+    assert one["threads_per_worker"] == two["threads_per_worker"] >= 1
     assert one["comm_s"] == 0.0 and two["strategy"] == "ddp"
     speedup = two["samples_per_s"] / one["samples_per_s"]
     assert two["speedup"] == pytest.approx(speedup) and two["efficiency"] == pytest.approx(

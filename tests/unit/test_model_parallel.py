@@ -43,7 +43,8 @@ def test_model_parallel_matches_one_device() -> None:
         assert len(model.stage_starts) == 3 and model.stage_starts[0] == 0
         _train(model, opt, par.backward)
     for a, b in zip(ref.parameters(), model.parameters(), strict=True):
-        assert torch.equal(a, b.cpu())
+        # Bit-identical on the CPU; a GPU's kernels round differently (fp32, < 1e-5).
+        torch.testing.assert_close(a, b.detach().cpu(), atol=1e-5, rtol=0)
 
 
 def test_model_parallel_errors() -> None:
