@@ -48,19 +48,27 @@ def _train(strategy: str, accum: int) -> dict[str, object]:
                 par.backward(loss)
                 opt.step()
                 opt.zero_grad()
-        return {"params": _full_params(par, model), "local": local, "total": total}
+        return {
+            "params": _full_params(par, model),
+            "local": local,
+            "total": total,
+            "strategy": par.strategy_name,
+        }
     finally:
         par.close()
 
 
 @pytest.mark.parametrize(
-    "strategy, world", [("fsdp", 2), ("fsdp", 4), ("zero2", 2), ("zero1", 2), ("zero1", 4)]
+    "strategy, world",
+    [("fsdp", 2), ("fsdp", 4), ("zero2", 2), ("zero1", 2), ("zero1", 4), ("auto", 2)],
 )
 def test_sharded_strategy_matches_single_process(strategy: str, world: int) -> None:
     ref = reference_train(STEPS, BATCH)
     results = run_ranks(_train, world, strategy, 1, timeout=120)
     for out in results:
         assert (out["params"] - ref).abs().max().item() < TOL
+        # "auto": a small model fits replicated, so the planner picks plain DDP.
+        assert out["strategy"] == ("ddp" if strategy == "auto" else strategy)
     if strategy in ("fsdp", "zero2"):
         # Each rank holds about 1/N of the parameters (dim-0 shards, rounded up).
         for out in results:

@@ -26,8 +26,9 @@ class ParallelConfig:
     """How to run: which strategy, which precision, how to accumulate."""
 
     strategy: str | None = None
-    """Registry name, or ``"hybrid"`` (the strategy that composes the mesh's
-    dimensions); ``None`` picks ``"hybrid"`` when a mesh is given, else
+    """Registry name, ``"hybrid"`` (the strategy that composes the mesh's
+    dimensions), or ``"auto"`` (the planner picks the simplest strategy whose
+    memory fits, when the model is prepared); ``None`` picks ``"hybrid"`` when a mesh is given, else
     ``"ddp"`` when launched with several processes and ``"single"`` otherwise."""
     precision: Precision = "fp32"
     """``"bf16"`` autocasts to bfloat16; ``"fp16"`` also scales the loss."""
@@ -72,7 +73,7 @@ class ParallelConfig:
                 "strategy 'hybrid' composes the dimensions of a mesh: give one, "
                 "e.g. mesh={'dp': 2, 'tp': -1}"
             )
-        if self.strategy not in (None, "hybrid"):
+        if self.strategy not in (None, "hybrid", "auto"):
             get_strategy(self.strategy)  # raises with the list of names
         if self.precision not in PRECISIONS:
             raise UsageError(
@@ -87,6 +88,8 @@ class ParallelConfig:
 
     def resolved_strategy(self, world_size: int) -> str:
         """The strategy name actually used for a job of ``world_size``."""
+        if self.strategy == "auto":
+            return "ddp" if world_size > 1 else "single"  # until the model is known
         if self.strategy not in (None, "hybrid"):
             return self.strategy
         if isinstance(self.mesh, MeshSpec):

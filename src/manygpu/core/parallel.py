@@ -20,6 +20,7 @@ from torch.utils.data import DataLoader
 from manygpu import comm
 from manygpu.comm.common import first_line
 from manygpu.core.accumulation import Accumulator
+from manygpu.core.auto import choose_strategy
 from manygpu.core.config import ParallelConfig
 from manygpu.core.console import MainConsole
 from manygpu.core.data import PreparedLoader, rebuild_loader
@@ -97,6 +98,7 @@ class Parallel:
         self.precision = PrecisionPlugin(self.config.precision, device)
         self._accumulator = Accumulator(self.config.grad_accum_steps)
         self._models: list[nn.Module] = []
+        self._auto_batch = 32  # per-device batch the planner assumes for "auto"
         self._optimizers: list[PreparedOptimizer] = []
         self.console = MainConsole(self.is_main, self.rank)
         if self.config.seed is not None:
@@ -142,6 +144,8 @@ class Parallel:
         :meth:`prepare_loader` with ``train=False`` instead.
         """
         prepared: list[Any] = list(objects)
+        loaders = [o for o in objects if isinstance(o, DataLoader) and o.batch_size]
+        self._auto_batch = int(loaders[0].batch_size or 1) if loaders else self._auto_batch
         for i, obj in enumerate(objects):
             if isinstance(obj, nn.Module):
                 prepared[i] = self.prepare_model(obj)
@@ -158,6 +162,8 @@ class Parallel:
 
     def prepare_model(self, model: nn.Module) -> nn.Module:
         """Place and wrap ``model`` for the strategy; forward runs under autocast."""
+        if self.config.strategy == "auto" and not self._models:
+            self._choose_strategy(model)
         wrapped = self.strategy.setup_module(model)
         self.precision.wrap_forward(wrapped)
         self.strategy.set_grad_sync(wrapped, self._accumulator.next_is_boundary)
@@ -300,6 +306,22 @@ class Parallel:
         )
 
     # -- internals -------------------------------------------------------------
+    def _choose_strategy(self, model: nn.Module) -> None:
+        """``strategy="auto"``: ask the planner now that the model is known."""
+        name = choose_strategy(
+            model,
+            world=self.world_size,
+            local_world=self.cluster.local_world_size,
+            device=self.device,
+            precision=self.config.precision,
+            batch=self._auto_batch,
+            timeout_s=self.timeout_s,
+        )
+        if name != self.strategy_name:
+            self.strategy = get_strategy(name)(self._ctx, self._strategy_options())
+            self.strategy_name = name
+        self.print(f"manygpu: strategy='auto' chose {name!r}")
+
     def _strategy_options(self) -> StrategyOptions:
         cfg = self.config
         return StrategyOptions(

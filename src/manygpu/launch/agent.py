@@ -13,6 +13,7 @@ import os
 import signal
 import sys
 from collections.abc import Mapping
+from typing import Any
 
 from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, Std
 from torch.distributed.elastic.multiprocessing.api import SignalException
@@ -58,7 +59,7 @@ def build_config(spec: LaunchSpec) -> LaunchConfig:
     )
 
 
-def _supported(options: dict[str, object]) -> dict[str, object]:
+def _supported(options: dict[str, Any]) -> dict[str, Any]:
     """The ``LaunchConfig`` fields this torch knows (``shutdown_timeout``: torch >= 2.12).
 
     Older torch keeps its own fixed grace period (30 s) for workers after SIGTERM.
