@@ -13,7 +13,8 @@ from typing import Any
 import torch
 
 from manygpu.bench import models, report, train_report
-from manygpu.bench.train import RunStats, TrainBenchConfig
+from manygpu.bench.train import RunStats
+from manygpu.bench.train_worker import config_from
 from manygpu.cli.launch import add_launch_options, launch_job
 from manygpu.cli.parser import positive_float, positive_int
 from manygpu.errors import UsageError
@@ -88,16 +89,7 @@ def _validate(ns: argparse.Namespace) -> tuple[list[int], int]:
         )
     gpus = torch.cuda.device_count() if ns.gpus is None else len(ns.gpus.split(","))
     counts = parse_workers(ns.workers, gpus)
-    TrainBenchConfig(
-        model=ns.model,
-        batch=ns.batch,
-        steps=ns.steps,
-        warmup=ns.warmup,
-        block=ns.block,
-        precision=ns.precision,
-        strategy=ns.strategy or None,
-        peak_tflops=ns.peak_tflops,
-    )
+    config_from(ns)  # validates here, so bad input fails before any worker starts
     if ns.strategy:
         from manygpu.strategies import get_strategy
 

@@ -29,8 +29,18 @@ from manygpu.strategies.mesh import data_dims, fsdp_kwargs, shard_data_dims
 from manygpu.strategies.registry import register
 
 
+class ReplacingMeshStrategy(MeshStrategy):
+    """A mesh strategy whose wrapping replaces parameters (FSDP2 shards, DTensors)."""
+
+    def setup_optimizer(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+        return check_optimizer_after_prepare(self, optimizer)
+
+    def set_grad_sync(self, module: nn.Module, enabled: bool) -> None:
+        set_fsdp_grad_sync(module, enabled)
+
+
 @register("fsdp")
-class FSDPStrategy(MeshStrategy):
+class FSDPStrategy(ReplacingMeshStrategy):
     """ZeRO-3 through FSDP2: every rank holds 1/N of parameters, grads and optimizer state."""
 
     needs_process_group = True
@@ -52,12 +62,6 @@ class FSDPStrategy(MeshStrategy):
         shard_data_dims(module, mesh, kwargs, children=opts.shard_children)
         remember_sharded(self, module)
         return module
-
-    def setup_optimizer(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
-        return check_optimizer_after_prepare(self, optimizer)
-
-    def set_grad_sync(self, module: nn.Module, enabled: bool) -> None:
-        set_fsdp_grad_sync(module, enabled)
 
 
 @register("zero2")

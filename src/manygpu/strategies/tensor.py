@@ -17,7 +17,6 @@ import fnmatch
 from collections.abc import Mapping
 from typing import Any, ClassVar
 
-import torch
 from torch import nn
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
@@ -27,12 +26,7 @@ from torch.distributed.tensor.parallel import (
 )
 
 from manygpu.errors import UsageError
-from manygpu.strategies.base import MeshStrategy
-from manygpu.strategies.fsdp import (
-    check_optimizer_after_prepare,
-    remember_sharded,
-    set_fsdp_grad_sync,
-)
+from manygpu.strategies.fsdp import ReplacingMeshStrategy, remember_sharded
 from manygpu.strategies.mesh import data_dims, fsdp_kwargs, shard_data_dims
 from manygpu.strategies.registry import register
 
@@ -46,7 +40,7 @@ _STYLES = {"colwise": ColwiseParallel, "rowwise": RowwiseParallel}
 
 
 @register("tensor")
-class TensorParallelStrategy(MeshStrategy):
+class TensorParallelStrategy(ReplacingMeshStrategy):
     """Tensor parallelism over ``tp`` (optionally x dp / fsdp)."""
 
     needs_process_group = True
@@ -68,12 +62,6 @@ class TensorParallelStrategy(MeshStrategy):
             shard_data_dims(module, mesh[names[:-1]], kwargs, children=False)
         remember_sharded(self, module)
         return module
-
-    def setup_optimizer(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
-        return check_optimizer_after_prepare(self, optimizer)
-
-    def set_grad_sync(self, module: nn.Module, enabled: bool) -> None:
-        set_fsdp_grad_sync(module, enabled)
 
 
 def default_plan(module: nn.Module) -> dict[str, ParallelStyle]:
