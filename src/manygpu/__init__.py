@@ -6,7 +6,13 @@ The Python API is one object, :class:`Parallel`; the CLI is ``manygpu``
 
 from manygpu.core import Parallel, ParallelConfig
 from manygpu.errors import CollectiveTimeoutError, LaunchError, ManyGPUError, UsageError
-from manygpu.strategies import DDPOptions
+from manygpu.strategies import (
+    DDPOptions,
+    FSDPOptions,
+    MeshSpec,
+    PipelineOptions,
+    TensorOptions,
+)
 from manygpu.strategies import available as available_strategies
 
 __version__ = "0.1.0"
@@ -17,8 +23,11 @@ __all__ = [
     "FSDPOptions",
     "LaunchError",
     "ManyGPUError",
+    "MeshSpec",
     "Parallel",
     "ParallelConfig",
+    "PipelineOptions",
+    "TensorOptions",
     "UsageError",
     "__version__",
     "available_strategies",

@@ -25,6 +25,9 @@ def add_parser(sub: Any) -> None:
         help="run a script on many devices / nodes",
         description=HELP,
         formatter_class=argparse.RawDescriptionHelpFormatter,
+        # Everything after SCRIPT is the script's: no prefix of ours may claim
+        # its flags ("--n 64" is not an ambiguous "--nnodes"/"--nproc-per-node").
+        allow_abbrev=False,
     )
     add_launch_options(p)
     p.add_argument(

@@ -15,6 +15,8 @@ class Accumulator:
         self.micro = 0
         self._force = False
         self.last_synced = True
+        self.last_cycle = 0
+        """Micro-steps in the cycle the last boundary ended (< steps when cut short)."""
 
     @property
     def next_is_boundary(self) -> bool:
@@ -28,6 +30,8 @@ class Accumulator:
     def advance(self) -> bool:
         """Record one backward; returns whether it was a boundary."""
         boundary = self.next_is_boundary
+        if boundary:
+            self.last_cycle = self.micro + 1
         self.micro = 0 if boundary else self.micro + 1
         self._force = False
         self.last_synced = boundary

@@ -19,6 +19,8 @@ from torch.utils.data import DataLoader
 
 from manygpu import comm
 from manygpu.comm.common import first_line
+from manygpu.comm.grad_norm import clip_grads_, total_grad_norm
+from manygpu.comm.module_sync import broadcast_module_state
 from manygpu.core.accumulation import Accumulator
 from manygpu.core.auto import choose_strategy
 from manygpu.core.config import ParallelConfig
@@ -164,6 +166,9 @@ class Parallel:
         """Place and wrap ``model`` for the strategy; forward runs under autocast."""
         if self.config.strategy == "auto" and not self._models:
             self._choose_strategy(model)
+        # Every replica (and every shard's source) must start from rank 0's
+        # weights, whatever each rank's seed did to the model built after it.
+        broadcast_module_state(model, device=self.device, timeout_s=self.timeout_s)
         wrapped = self.strategy.setup_module(model)
         self.precision.wrap_forward(wrapped)
         self.strategy.set_grad_sync(wrapped, self._accumulator.next_is_boundary)
@@ -214,13 +219,23 @@ class Parallel:
         except RuntimeError as exc:
             self._raise_if_peer_failure(exc, "gradient all-reduce in backward")
             raise
-        self._accumulator.advance()
+        if self._accumulator.advance():
+            self._reweight_short_cycle()
         self._set_grad_sync(self._accumulator.next_is_boundary)
 
     def clip_grad_norm_(
-        self, parameters: Iterable[torch.Tensor] | nn.Module, max_norm: float
+        self,
+        parameters: Iterable[torch.Tensor] | nn.Module,
+        max_norm: float,
+        norm_type: float = 2.0,
     ) -> torch.Tensor:
-        """Clip the true (unscaled) gradient norm; call only when :attr:`sync_gradients`."""
+        """Clip by the whole model's (unscaled) gradient norm, which is returned.
+
+        The norm is the model's, not this rank's part of it: shards (FSDP,
+        tensor parallel) and pipeline stages contribute their pieces, so every
+        strategy clips exactly as one process would. Returns a plain tensor on
+        :attr:`device`. Call only when :attr:`sync_gradients` is True.
+        """
         params = list(parameters.parameters() if isinstance(parameters, nn.Module) else parameters)
         if not self.sync_gradients:
             # Mid-accumulation the gradients are partial (and scaled): clipping or
@@ -234,7 +249,19 @@ class Parallel:
         for opt in self._optimizers:
             if any(id(p) in owned for g in opt.param_groups for p in g["params"]):
                 self.precision.unscale(opt.optimizer)
-        return torch.nn.utils.clip_grad_norm_(params, max_norm)
+        try:
+            norm = total_grad_norm(
+                params,
+                norm_type,
+                device=self.device,
+                across=self.strategy.grad_norm_group(),
+                timeout_s=self.timeout_s,
+            )
+        except RuntimeError as exc:
+            self._raise_if_peer_failure(exc, "gradient-norm all-reduce in clip_grad_norm_")
+            raise
+        clip_grads_(params, max_norm, norm)
+        return norm
 
     @contextlib.contextmanager
     def autocast(self) -> Iterator[None]:
@@ -338,6 +365,25 @@ class Parallel:
     def _set_grad_sync(self, enabled: bool) -> None:
         for model in self._models:
             self.strategy.set_grad_sync(model, enabled)
+
+    def _reweight_short_cycle(self) -> None:
+        """Make a cycle cut short (the epoch's last batches) a mean over its own micro-batches.
+
+        Each micro-batch's loss was divided by ``grad_accum_steps`` before its
+        backward; a cycle of only k micro-batches would then weigh its batches
+        k/steps as much as a full one (a lone last micro-batch would count half
+        at steps=2). Scaling the summed gradients by steps/k is the mean over
+        what the cycle really had, as one process would compute on those batches.
+        """
+        steps, had = self.config.grad_accum_steps, self._accumulator.last_cycle
+        if had >= steps:
+            return
+        factor = steps / had
+        with torch.no_grad():
+            for model in self._models:
+                for p in model.parameters():
+                    if p.grad is not None:
+                        p.grad.mul_(factor)
 
     def _end_accumulation_cycle(self) -> None:
         self._accumulator.force_boundary()

@@ -98,6 +98,14 @@ class Strategy(ABC):
         Used for gradient accumulation; strategies without sync ignore it.
         """
 
+    def grad_norm_group(self) -> object | None:
+        """A group whose ranks hold *different* parameters as plain tensors (pipeline stages).
+
+        The gradient norm sums its pieces over it; shards that are DTensors
+        name their own groups. ``None``: plain tensors are whole (replicated).
+        """
+        return None
+
     def consolidate_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
         """Make ``optimizer.state_dict()`` whole on the main rank (every rank calls it).
 

@@ -59,7 +59,13 @@ class FSDPStrategy(ReplacingMeshStrategy):
         kwargs = fsdp_kwargs(
             opts, self.ctx.device, reshard_after_forward=self.reshard_after_forward
         )
-        shard_data_dims(module, mesh, kwargs, children=opts.shard_children)
+        shard_data_dims(
+            module,
+            mesh,
+            kwargs,
+            children=opts.shard_children,
+            block_classes=tuple(opts.block_classes),  # type: ignore[arg-type]
+        )
         remember_sharded(self, module)
         return module
 

@@ -31,6 +31,7 @@ from torch.distributed.fsdp import (
 )
 
 from manygpu.errors import UsageError
+from manygpu.strategies.fsdp_units import shard_units
 from manygpu.strategies.options import FSDPOptions
 
 MESH_DIMS: tuple[str, ...] = ("pp", "dp", "fsdp", "tp")
@@ -189,14 +190,15 @@ def shard_data_dims(
     kwargs: dict[str, Any],
     *,
     children: bool,
+    block_classes: tuple[Any, ...] = (),
 ) -> nn.Module:
-    """FSDP2 over the data dimensions: each child with parameters, then the root.
+    """FSDP2 over the data dimensions: each block (see :mod:`.fsdp_units`), then the root.
 
     With a 2-D (dp, fsdp) mesh this is HSDP (with fsdp=1, plain replication);
     with 1-D fsdp it is ZeRO-3. It works on parameters that are already
     DTensors on a ``tp`` dimension (2-D FSDP + TP), which DDP does not.
     """
-    units = [c for c in module.children() if any(p.requires_grad for p in c.parameters())]
-    for unit in [*(units if children else []), module]:
+    units = shard_units(module, block_classes) if children else []
+    for unit in [*units, module]:
         fully_shard(unit, mesh=dp_mesh, **kwargs)
     return module

@@ -6,6 +6,11 @@ each stage lives on its device, and each stage's input is moved to that device
 by a forward pre-hook, so the user's forward needs no ``.to()`` calls. Only
 one device works at a time (see ``"pipeline"`` for overlap). On CPU every
 stage is on the CPU, so the code path is testable anywhere.
+
+With ``mesh={"dp": N}`` it is PyTorch's "DDP + model parallel" recipe: N
+processes, each splitting its replica over its own devices (process r of k
+stages takes local GPUs r*k .. r*k+k-1), and DDP all-reducing gradients over
+the replicas (``device_ids=None``, as DDP requires for a multi-device module).
 """
 
 from __future__ import annotations
@@ -14,20 +19,26 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.nn.parallel import DistributedDataParallel
 
 from manygpu.core.data import move_to_device
 from manygpu.errors import UsageError
 from manygpu.runtime.cluster import ClusterInfo
 from manygpu.strategies.base import Strategy, StrategyOptions
+from manygpu.strategies.mesh import check_dims
 from manygpu.strategies.registry import register
 from manygpu.strategies.splitting import balanced_cuts, param_sizes
 
 
-def _stage_devices(count: int) -> list[torch.device]:
-    """One GPU per stage, round-robin when stages outnumber GPUs (one GPU: all on it)."""
+def _stage_devices(count: int, local_rank: int = 0) -> list[torch.device]:
+    """This process's GPUs, one per stage, round-robin when stages outnumber them.
+
+    Process ``local_rank`` owns GPUs ``local_rank*count ..`` (replicas of the
+    DDP + model-parallel recipe never share a device while there are enough).
+    """
     if torch.cuda.is_available():
         gpus = torch.cuda.device_count()
-        return [torch.device("cuda", i % gpus) for i in range(count)]
+        return [torch.device("cuda", (local_rank * count + i) % gpus) for i in range(count)]
     return [torch.device("cpu")] * count
 
 
@@ -39,12 +50,23 @@ class ModelParallelStrategy(Strategy):
 
     @classmethod
     def validate_world(cls, cluster: ClusterInfo, options: StrategyOptions) -> None:
-        super().validate_world(cluster, options)
-        if cluster.world_size > 1:
+        mesh = options.mesh
+        if mesh is not None:
+            check_dims(cls.name, mesh, ("dp",))
+            mesh.resolve(cluster.world_size)
+        elif cluster.world_size > 1:
             raise UsageError(
                 "strategy 'model' splits one process's model over its devices; launch one "
-                "process (use 'pipeline' for one stage per process)"
+                "process, give mesh={'dp': -1} for DDP over model-parallel replicas, or use "
+                "'pipeline' for one stage per process"
             )
+
+    @property
+    def _replicated(self) -> bool:
+        return self.ctx.world_size > 1
+
+    def data_shard(self) -> tuple[int, int]:
+        return (self.ctx.rank, self.ctx.world_size) if self._replicated else (0, 1)
 
     def setup_module(self, module: nn.Module) -> nn.Module:
         if not isinstance(module, nn.Sequential):
@@ -52,11 +74,11 @@ class ModelParallelStrategy(Strategy):
                 "strategy 'model' splits an nn.Sequential; wrap your layers in one, "
                 f"not a {type(module).__name__}"
             )
-        stages = self.options.model_stages or max(
-            2, torch.cuda.device_count() if torch.cuda.is_available() else 2
-        )
+        gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        # Replicas on one node share its GPUs: each gets its own slice.
+        stages = self.options.model_stages or max(2, gpus // self.ctx.cluster.local_world_size)
         starts = balanced_cuts(param_sizes(module), stages)
-        devices = _stage_devices(len(starts))
+        devices = _stage_devices(len(starts), self.ctx.cluster.local_rank)
         bounds = [*starts, len(module)]
         for stage, device in enumerate(devices):
             for layer in list(module)[bounds[stage] : bounds[stage + 1]]:
@@ -65,7 +87,18 @@ class ModelParallelStrategy(Strategy):
             first.register_forward_pre_hook(_move_inputs(device))
         module.stage_starts = starts  # type: ignore[assignment]
         module.stage_devices = devices  # type: ignore[assignment]
-        return module
+        if not self._replicated:
+            return module
+        # A module on several devices: DDP takes device_ids=None and leaves
+        # outputs where the last stage put them.
+        return DistributedDataParallel(module, device_ids=None)
+
+    def set_grad_sync(self, module: nn.Module, enabled: bool) -> None:
+        if isinstance(module, DistributedDataParallel):
+            module.require_backward_grad_sync = enabled
+
+    def unwrap(self, module: nn.Module) -> nn.Module:
+        return module.module if isinstance(module, DistributedDataParallel) else module
 
 
 def _move_inputs(device: torch.device) -> Any:

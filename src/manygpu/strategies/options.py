@@ -6,6 +6,8 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, Literal
 
+from torch.nn import Module
+
 from manygpu.errors import UsageError
 
 GradCompression = Literal["none", "fp16", "bf16"]
@@ -51,10 +53,22 @@ class FSDPOptions:
     cpu_offload: bool = False
     """Keep sharded parameters, gradients and optimizer state in CPU memory."""
     shard_children: bool = True
-    """Shard every direct child module with parameters as its own unit (overlap
-    and lower peak memory); ``False`` makes the whole model one unit."""
+    """Shard each block as its own unit (overlap and lower peak memory): the
+    members of layer containers (``nn.ModuleList`` of transformer blocks), or
+    the direct children of a model without one; tied weights stay in one unit.
+    ``False`` makes the whole model one unit."""
+    block_classes: tuple[type | str, ...] | type | str = ()
+    """The block class(es) to shard as units instead, by class or class name,
+    e.g. ``"LlamaDecoderLayer"`` (outermost matches; the root takes the rest)."""
 
     def __post_init__(self) -> None:
+        if isinstance(self.block_classes, (str, type)):
+            object.__setattr__(self, "block_classes", (self.block_classes,))
+        for cls in self.block_classes:  # type: ignore[union-attr]
+            if not isinstance(cls, str) and not (isinstance(cls, type) and issubclass(cls, Module)):
+                raise UsageError(
+                    f"block_classes takes nn.Module classes or class names, not {cls!r}"
+                )
         for name in ("param_dtype", "reduce_dtype"):
             value = getattr(self, name)
             if value not in (None, "fp32", "bf16", "fp16"):

@@ -56,6 +56,7 @@ class PipelineStrategy(MeshStrategy):
     checkpoint_format = "dcp"
     mesh_dims = ("pp", "dp", "fsdp")
     default_mesh: ClassVar[dict[str, int]] = {"pp": -1}
+    _pp_group: Any = None  # set by setup_module
 
     @classmethod
     def validate_world(cls, cluster: Any, options: StrategyOptions) -> None:
@@ -102,6 +103,7 @@ class PipelineStrategy(MeshStrategy):
             kwargs = fsdp_kwargs(self.options.fsdp, self.ctx.device, reshard_after_forward=False)
             shard_data_dims(part, mesh[names[1:]], kwargs, children=False)
         pp_group = mesh["pp"].get_group()
+        self._pp_group = pp_group
         stage = PipelineStage(part, index, stages, device, group=pp_group)
         last_rank = dist.get_global_rank(pp_group, stages - 1)
         wrapped = PipelinedModel(part, index, stages, last_rank, pp_group)
@@ -124,6 +126,10 @@ class PipelineStrategy(MeshStrategy):
 
     def setup_optimizer(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
         return check_optimizer_after_prepare(self, optimizer)
+
+    def grad_norm_group(self) -> object | None:
+        # Each stage holds different layers: the model's norm sums over stages.
+        return self._pp_group
 
     def set_grad_sync(self, module: nn.Module, enabled: bool) -> None:
         if isinstance(module, PipelinedModel):

@@ -36,6 +36,13 @@ from manygpu.strategies.registry import register
 _COLWISE = {"q_proj", "k_proj", "v_proj", "wq", "wk", "wv", "query", "key", "value",
             "fc1", "w1", "w3", "up_proj", "gate_proj", "c_fc", "fc_in"}  # fmt: skip
 _ROWWISE = {"o_proj", "out_proj", "wo", "c_proj", "fc2", "w2", "down_proj", "fc_out"}
+# BERT-style encoders name every projection "dense"; the path tells them apart
+# (first match wins: the attention's output before the block's output).
+_PATH_SUFFIXES = (
+    ("attention.output.dense", "rowwise"),
+    ("intermediate.dense", "colwise"),
+    ("output.dense", "rowwise"),
+)
 _STYLES = {"colwise": ColwiseParallel, "rowwise": RowwiseParallel}
 
 
@@ -68,11 +75,9 @@ def default_plan(module: nn.Module) -> dict[str, ParallelStyle]:
     """A colwise/rowwise plan from layer names, or Linear-act-Linear in a Sequential."""
     plan: dict[str, ParallelStyle] = {}
     for name, child in module.named_modules():
-        leaf = name.rsplit(".", 1)[-1]
-        if isinstance(child, nn.Linear) and leaf in _COLWISE:
-            plan[name] = ColwiseParallel()
-        elif isinstance(child, nn.Linear) and leaf in _ROWWISE:
-            plan[name] = RowwiseParallel()
+        style = _named_style(name) if isinstance(child, nn.Linear) else None
+        if style is not None:
+            plan[name] = _STYLES[style]()
     for name, child in module.named_modules():
         if isinstance(child, nn.Sequential):
             prefix = f"{name}." if name else ""
@@ -81,12 +86,38 @@ def default_plan(module: nn.Module) -> dict[str, ParallelStyle]:
                     plan[f"{prefix}{first}"] = ColwiseParallel()
                     plan[f"{prefix}{second}"] = RowwiseParallel()
     if not plan:
+        raise UsageError(_no_plan_message(module))
+    if not any(isinstance(s, RowwiseParallel) for s in plan.values()):
         raise UsageError(
-            "strategy 'tensor' found no layers to split (no q/k/v/out, fc1/fc2, w1/w2/w3 "
-            "Linears, nor Linear-activation-Linear in an nn.Sequential); give "
-            "TensorOptions(plan={'path.to.linear': 'colwise', ...})"
+            "strategy 'tensor' found column-parallel layers but no row-parallel one to "
+            "gather their outputs; give TensorOptions(plan={'path.to.linear': 'rowwise', ...})"
         )
     return plan
+
+
+def _named_style(path: str) -> str | None:
+    leaf = path.rsplit(".", 1)[-1]
+    if leaf in _COLWISE:
+        return "colwise"
+    if leaf in _ROWWISE:
+        return "rowwise"
+    return next((style for suffix, style in _PATH_SUFFIXES if path.endswith(suffix)), None)
+
+
+def _no_plan_message(module: nn.Module) -> str:
+    conv1d = sorted({n.rsplit(".", 1)[-1] for n, m in module.named_modules()
+                     if type(m).__name__ == "Conv1D"})  # fmt: skip
+    if conv1d:
+        return (
+            f"strategy 'tensor' cannot split GPT-2-style Conv1D projections "
+            f"({', '.join(conv1d)}): torch's colwise/rowwise styles split nn.Linear and "
+            "c_attn fuses q/k/v; use strategy 'fsdp', or a model with nn.Linear projections"
+        )
+    return (
+        "strategy 'tensor' found no layers to split (no q/k/v/out, fc1/fc2, w1/w2/w3 "
+        "Linears, nor Linear-activation-Linear in an nn.Sequential); give "
+        "TensorOptions(plan={'path.to.linear': 'colwise', ...})"
+    )
 
 
 def _linear_pairs(seq: nn.Sequential) -> list[tuple[str, str]]:

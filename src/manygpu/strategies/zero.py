@@ -6,6 +6,8 @@ Each rank keeps the optimizer state (Adam's two moments: 2x the model) for
 
 from __future__ import annotations
 
+import inspect
+
 import torch
 
 from manygpu.errors import UsageError
@@ -18,19 +20,19 @@ class Zero1Strategy(DDPStrategy):
     """Replicated parameters and gradients, sharded optimizer state."""
 
     def setup_optimizer(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
-        if len(optimizer.param_groups) != 1:
-            raise UsageError(
-                "strategy 'zero1' shards one parameter group; build the optimizer with a "
-                "single group (per-group settings are not supported by ZeroRedundancyOptimizer)"
-            )
         if optimizer.state:
             raise UsageError("strategy 'zero1' needs a fresh optimizer: prepare it before training")
         # Imported here: torch.distributed.optim pulls in TorchScript at import time.
         from torch.distributed.optim import ZeroRedundancyOptimizer
 
-        group = optimizer.param_groups[0]
-        settings = {k: v for k, v in group.items() if k != "params"}
-        return ZeroRedundancyOptimizer(group["params"], optimizer_class=type(optimizer), **settings)
+        cls = type(optimizer)
+        accepted = _constructor_keys(cls)
+        defaults = {k: v for k, v in optimizer.defaults.items() if k in accepted}
+        # Param groups carry keys the constructor does not take (AdamW's
+        # decoupled_weight_decay, "initial_lr" from a scheduler): keep them in
+        # the groups, where the optimizer reads them, not in the constructor.
+        groups = [dict(g) for g in optimizer.param_groups]
+        return ZeroRedundancyOptimizer(groups, optimizer_class=cls, **defaults)
 
     def consolidate_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
         # Each rank holds 1/N of the state; a "full" checkpoint needs all of it
@@ -38,3 +40,9 @@ class Zero1Strategy(DDPStrategy):
         consolidate = getattr(optimizer, "consolidate_state_dict", None)
         if consolidate is not None:
             consolidate(to=0)
+
+
+def _constructor_keys(cls: type) -> set[str]:
+    """Keyword arguments ``cls.__init__`` takes; defaults it does not take stay in the groups."""
+    params = inspect.signature(cls).parameters.values()
+    return {p.name for p in params if p.name != "params"}

@@ -1,0 +1,156 @@
+"""A real training recipe, run under ``Parallel`` on N ranks and in one plain process.
+
+The recipe is what users write: a zoo model, an optimizer (AdamW with decay
+and no-decay groups by default), warmup + cosine ``LambdaLR``, gradient
+clipping, gradient accumulation, and a data set of 22 samples that divides
+neither by the world size nor by the batch (the loader pads the last shard,
+so the last global batch is smaller and the last accumulation cycle short).
+
+The reference replays the same global batches in one process with plain
+torch: for each step, the concatenation of every data shard's batch (the
+``DistributedSampler`` that ``prepare`` installs decides them).
+"""
+
+from __future__ import annotations
+
+import datetime
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch.utils.data import DataLoader, DistributedSampler
+from zoo import OPTIMIZERS, ZOO, dataset, warmup_cosine
+
+SAMPLES = 22
+INIT_SEED = 1000  # rank r builds its model from INIT_SEED + r: replicas start different
+
+
+@dataclass(frozen=True)
+class Recipe:
+    """One training run: which model, how it is optimised, how the data is cut."""
+
+    model: str
+    optimizer: str = "adamw"
+    batch: int = 4  # per data shard
+    accum: int = 1
+    clip: float | None = 0.5
+    epochs: int = 1
+    per_shard_forward: bool = False  # BatchNorm under ddp: each rank normalises its own batch
+    parallel: dict[str, Any] = field(default_factory=dict)  # extra Parallel(...) keywords
+
+
+def full_params(module: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """Name -> whole tensor (DTensor shards gathered), on the CPU."""
+    out = {}
+    for name, p in module.named_parameters():
+        t = p.full_tensor() if hasattr(p, "full_tensor") else p
+        out[name] = t.detach().float().cpu().clone()
+    return out
+
+
+def train_parallel(recipes: list[Recipe], parallel: dict[str, Any]) -> list[dict[str, Any]]:
+    """Run each recipe under ``Parallel(**parallel)`` on this rank; errors become data.
+
+    One process group serves every recipe (each ``Parallel`` borrows it):
+    re-creating groups on one port back to back races the rendezvous.
+    """
+    import torch.distributed as dist
+
+    from manygpu import Parallel
+
+    if not dist.is_initialized():
+        dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
+    results = []
+    for recipe in recipes:
+        par = Parallel(**parallel, **recipe.parallel, grad_accum_steps=recipe.accum)
+        try:
+            results.append(_run(par, recipe))
+        except Exception as exc:  # a refusal at prepare is an expected answer for some pairs
+            results.append({"error": f"{type(exc).__name__}: {exc}"})
+        finally:
+            par.close()
+    return results
+
+
+def _run(par: Any, recipe: Recipe) -> dict[str, Any]:
+    entry = ZOO[recipe.model]
+    torch.manual_seed(INIT_SEED + par.rank)  # different on purpose: prepare must fix it
+    model = par.prepare(entry.build())
+    initial = full_params(par.unwrap(model))
+    opt = par.prepare(OPTIMIZERS[recipe.optimizer](model))
+    loader = par.prepare(DataLoader(dataset(recipe.model, SAMPLES), batch_size=recipe.batch))
+    sched = warmup_cosine(opt, _optimizer_steps(recipe, par.strategy.data_shard()[1]))
+    pipelined = hasattr(model, "is_last")  # PipelinedModel: forward and backward together
+    norms, losses = [], []
+    for _ in range(recipe.epochs):
+        for x, y in loader:
+            loss = model(x, target=y) if pipelined else entry.loss(model(x), y)
+            par.backward(loss)
+            losses.append(float(loss.detach()))
+            if par.sync_gradients and recipe.clip is not None:
+                norms.append(float(par.clip_grad_norm_(model, recipe.clip)))
+            opt.step()
+            if par.sync_gradients:
+                sched.step()
+            opt.zero_grad()
+    return {
+        "initial": initial,
+        "params": full_params(par.unwrap(model)),
+        "norms": norms,
+        "data_world": par.strategy.data_shard()[1],
+    }
+
+
+def global_batches(recipe: Recipe, data_world: int) -> list[tuple[torch.Tensor, ...]]:
+    """Per step, each data shard's batch as the prepared loader cuts it (shard order)."""
+    ds = dataset(recipe.model, SAMPLES)
+    shards = []
+    for r in range(data_world):
+        sampler = DistributedSampler(ds, num_replicas=data_world, rank=r, shuffle=False)
+        idx = list(sampler)
+        shards.append([idx[i : i + recipe.batch] for i in range(0, len(idx), recipe.batch)])
+    return [
+        tuple(ds.tensors[0][shard[s]] for shard in shards)
+        + tuple(ds.tensors[1][shard[s]] for shard in shards)
+        for s in range(len(shards[0]))
+    ]
+
+
+def _optimizer_steps(recipe: Recipe, data_world: int) -> int:
+    per_epoch = math.ceil(math.ceil(SAMPLES / data_world) / recipe.batch)
+    return recipe.epochs * math.ceil(per_epoch / recipe.accum)
+
+
+def reference_train(recipe: Recipe, data_world: int) -> dict[str, Any]:
+    """The recipe in one process, plain torch, on the same global batches."""
+    entry = ZOO[recipe.model]
+    torch.manual_seed(INIT_SEED)  # rank 0's model: the one prepare broadcasts
+    model = entry.build()
+    initial = full_params(model)
+    opt = OPTIMIZERS[recipe.optimizer](model)
+    sched = warmup_cosine(opt, _optimizer_steps(recipe, data_world))
+    norms = []
+    for _ in range(recipe.epochs):
+        steps = global_batches(recipe, data_world)
+        cycles = [steps[i : i + recipe.accum] for i in range(0, len(steps), recipe.accum)]
+        for cycle in cycles:
+            for parts in cycle:
+                xs, ys = parts[:data_world], parts[data_world:]
+                if recipe.per_shard_forward:
+                    loss = sum(entry.loss(model(x), y) for x, y in zip(xs, ys)) / data_world
+                else:
+                    loss = entry.loss(model(torch.cat(xs)), torch.cat(ys))
+                (loss / len(cycle)).backward()
+            if recipe.clip is not None:
+                norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), recipe.clip)))
+            opt.step()
+            sched.step()
+            opt.zero_grad()
+    return {"initial": initial, "params": full_params(model), "norms": norms}
+
+
+def max_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
+    """Largest |a - b| over parameters present in both (names must match)."""
+    assert set(a) == set(b), sorted(set(a) ^ set(b))
+    return max((a[k] - b[k]).abs().max().item() for k in a)
