@@ -19,6 +19,7 @@ never collide and load into the unsplit model.
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Callable
 from typing import Any, ClassVar
 
 import torch
@@ -104,10 +105,14 @@ class PipelineStrategy(MeshStrategy):
             shard_data_dims(part, mesh[names[1:]], kwargs, children=False)
         pp_group = mesh["pp"].get_group()
         self._pp_group = pp_group
-        stage = PipelineStage(part, index, stages, device, group=pp_group)
         last_rank = dist.get_global_rank(pp_group, stages - 1)
         wrapped = PipelinedModel(part, index, stages, last_rank, pp_group)
-        wrapped.attach(_SCHEDULES[opts.schedule], stage, opts.microbatches, opts.loss_fn)
+        wrapped.attach(
+            _SCHEDULES[opts.schedule],
+            lambda: PipelineStage(part, index, stages, device, group=pp_group),
+            opts.microbatches,
+            opts.loss_fn,
+        )
         wrapped.timeout_s = self.ctx.timeout_s
         remember_sharded(self, wrapped)
         return wrapped
@@ -167,13 +172,34 @@ class PipelinedModel(nn.Module):
         self._last_rank, self._group = last_rank, group
         self._outputs_only = False
         self._schedule: Any = None
+        self._make_schedule: Callable[[], Any] = lambda: None
+        self._shape: tuple[Any, ...] | None = None
         self._loss_fn: Any = None
 
-    def attach(self, schedule_cls: Any, stage: PipelineStage, microbatches: int, loss: Any) -> None:
-        """Drive ``stage`` with a schedule whose loss we can switch off for plain outputs."""
+    def attach(
+        self,
+        schedule_cls: Any,
+        make_stage: Callable[[], PipelineStage],
+        microbatches: int,
+        loss: Any,
+    ) -> None:
+        """Drive our stage with a schedule whose loss we can switch off for plain outputs."""
         self._loss_fn = loss
         self.microbatches = microbatches
-        self._schedule = schedule_cls(stage, microbatches, loss_fn=self._loss)
+        self._make_schedule = lambda: schedule_cls(make_stage(), microbatches, loss_fn=self._loss)
+        self._schedule = self._make_schedule()
+
+    def _fit_schedule(self, args: tuple[Any, ...]) -> None:
+        """A new stage and schedule when the batch shape changes (a smaller last batch).
+
+        A stage infers the shapes of what it receives on its first step and
+        keeps those buffers: a smaller batch would arrive as the old shape.
+        Every rank sees the same batch shape, so all rebuild together.
+        """
+        shape = tuple(tuple(a.shape) for a in args if isinstance(a, torch.Tensor))
+        if self._shape is not None and shape != self._shape:
+            self._schedule = self._make_schedule()
+        self._shape = shape
 
     def _loss(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         # One schedule serves training and evaluation (torch re-initialises its
@@ -194,6 +220,7 @@ class PipelinedModel(nn.Module):
 
     def forward(self, *args: Any, target: torch.Tensor | None = None) -> torch.Tensor:
         self._check_batch(args)
+        self._fit_schedule(args)
         inputs = args if self.is_first else ()
         label = target if self.is_last else None
         losses: list[torch.Tensor] = []
