@@ -82,25 +82,6 @@ def test_fsdp_gradient_accumulation_matches() -> None:
         assert (out["params"] - ref).abs().max().item() < TOL
 
 
-def _zero1_two_groups() -> str:
-    par = Parallel(strategy="zero1")
-    try:
-        model = par.prepare(make_model())
-        params = list(model.parameters())
-        opt = torch.optim.SGD([{"params": params[:2]}, {"params": params[2:], "lr": 0.01}], lr=0.1)
-        try:
-            par.prepare(opt)
-        except UsageError as exc:
-            return str(exc)
-        return "no error"
-    finally:
-        par.close()
-
-
-def test_zero1_refuses_several_param_groups_clearly() -> None:
-    assert "one parameter group" in run_ranks(_zero1_two_groups, 2)[0]
-
-
 def _fsdp_optimizer_too_early() -> str:
     par = Parallel(strategy="fsdp")
     try:

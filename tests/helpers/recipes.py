@@ -34,8 +34,9 @@ class Recipe:
     optimizer: str = "adamw"
     batch: int = 4  # per data shard
     accum: int = 1
-    clip: float | None = 0.5
+    clip: float | None = 0.3
     epochs: int = 1
+    samples: int = SAMPLES
     per_shard_forward: bool = False  # BatchNorm under ddp: each rank normalises its own batch
     parallel: dict[str, Any] = field(default_factory=dict)  # extra Parallel(...) keywords
 
@@ -79,7 +80,7 @@ def _run(par: Any, recipe: Recipe) -> dict[str, Any]:
     model = par.prepare(entry.build())
     initial = full_params(par.unwrap(model))
     opt = par.prepare(OPTIMIZERS[recipe.optimizer](model))
-    loader = par.prepare(DataLoader(dataset(recipe.model, SAMPLES), batch_size=recipe.batch))
+    loader = par.prepare(DataLoader(dataset(recipe.model, recipe.samples), batch_size=recipe.batch))
     sched = warmup_cosine(opt, _optimizer_steps(recipe, par.strategy.data_shard()[1]))
     pipelined = hasattr(model, "is_last")  # PipelinedModel: forward and backward together
     norms, losses = [], []
@@ -97,6 +98,7 @@ def _run(par: Any, recipe: Recipe) -> dict[str, Any]:
     return {
         "initial": initial,
         "params": full_params(par.unwrap(model)),
+        "buffers": {k: b.detach().clone() for k, b in par.unwrap(model).named_buffers()},
         "norms": norms,
         "data_world": par.strategy.data_shard()[1],
     }
@@ -104,7 +106,7 @@ def _run(par: Any, recipe: Recipe) -> dict[str, Any]:
 
 def global_batches(recipe: Recipe, data_world: int) -> list[tuple[torch.Tensor, ...]]:
     """Per step, each data shard's batch as the prepared loader cuts it (shard order)."""
-    ds = dataset(recipe.model, SAMPLES)
+    ds = dataset(recipe.model, recipe.samples)
     shards = []
     for r in range(data_world):
         sampler = DistributedSampler(ds, num_replicas=data_world, rank=r, shuffle=False)
@@ -118,7 +120,7 @@ def global_batches(recipe: Recipe, data_world: int) -> list[tuple[torch.Tensor, 
 
 
 def _optimizer_steps(recipe: Recipe, data_world: int) -> int:
-    per_epoch = math.ceil(math.ceil(SAMPLES / data_world) / recipe.batch)
+    per_epoch = math.ceil(math.ceil(recipe.samples / data_world) / recipe.batch)
     return recipe.epochs * math.ceil(per_epoch / recipe.accum)
 
 
@@ -138,7 +140,10 @@ def reference_train(recipe: Recipe, data_world: int) -> dict[str, Any]:
             for parts in cycle:
                 xs, ys = parts[:data_world], parts[data_world:]
                 if recipe.per_shard_forward:
-                    loss = sum(entry.loss(model(x), y) for x, y in zip(xs, ys)) / data_world
+                    loss = (
+                        sum(entry.loss(model(x), y) for x, y in zip(xs, ys, strict=True))
+                        / data_world
+                    )
                 else:
                     loss = entry.loss(model(torch.cat(xs)), torch.cat(ys))
                 (loss / len(cycle)).backward()

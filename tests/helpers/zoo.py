@@ -34,8 +34,9 @@ class Attention(nn.Module):
         b, t, _ = x.shape
         hd = DIM // HEADS
         # -1 heads: under tensor parallel each rank holds HEADS / tp of them.
-        q, k, v = (p(x).view(b, t, -1, hd).transpose(1, 2) for p in
-                   (self.q_proj, self.k_proj, self.v_proj))  # fmt: skip
+        q, k, v = (
+            p(x).view(b, t, -1, hd).transpose(1, 2) for p in (self.q_proj, self.k_proj, self.v_proj)
+        )
         y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         return self.out_proj(y.transpose(1, 2).reshape(b, t, -1))
 
@@ -125,26 +126,50 @@ def _quiet_transformers() -> Any:
 
 def hf_gpt2() -> nn.Module:
     t = _quiet_transformers()
-    cfg = t.GPT2Config(n_layer=2, n_embd=DIM, n_head=HEADS, vocab_size=VOCAB, n_positions=SEQ,
-                       resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
-                       bos_token_id=0, eos_token_id=0)  # fmt: skip
+    cfg = t.GPT2Config(
+        n_layer=2,
+        n_embd=DIM,
+        n_head=HEADS,
+        vocab_size=VOCAB,
+        n_positions=SEQ,
+        resid_pdrop=0.0,
+        embd_pdrop=0.0,
+        attn_pdrop=0.0,
+        bos_token_id=0,
+        eos_token_id=0,
+    )
     return t.GPT2LMHeadModel(cfg)
 
 
 def hf_llama() -> nn.Module:
     t = _quiet_transformers()
-    cfg = t.LlamaConfig(hidden_size=DIM, intermediate_size=64, num_hidden_layers=2,
-                        num_attention_heads=HEADS, num_key_value_heads=2, vocab_size=VOCAB,
-                        max_position_embeddings=SEQ, bos_token_id=0, eos_token_id=0)  # fmt: skip
+    cfg = t.LlamaConfig(
+        hidden_size=DIM,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=HEADS,
+        num_key_value_heads=2,
+        vocab_size=VOCAB,
+        max_position_embeddings=SEQ,
+        bos_token_id=0,
+        eos_token_id=0,
+    )
     return t.LlamaForCausalLM(cfg)
 
 
 def hf_bert() -> nn.Module:
     t = _quiet_transformers()
-    cfg = t.BertConfig(hidden_size=DIM, num_hidden_layers=2, num_attention_heads=HEADS,
-                       intermediate_size=64, vocab_size=VOCAB, max_position_embeddings=SEQ,
-                       num_labels=3, hidden_dropout_prob=0.0,
-                       attention_probs_dropout_prob=0.0)  # fmt: skip
+    cfg = t.BertConfig(
+        hidden_size=DIM,
+        num_hidden_layers=2,
+        num_attention_heads=HEADS,
+        intermediate_size=64,
+        vocab_size=VOCAB,
+        max_position_embeddings=SEQ,
+        num_labels=3,
+        hidden_dropout_prob=0.0,
+        attention_probs_dropout_prob=0.0,
+    )
     return t.BertForSequenceClassification(cfg)
 
 
@@ -166,7 +191,9 @@ def _tokens(n: int, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def _sentences(n: int, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
-    return torch.randint(0, VOCAB, (n, SEQ), generator=gen), torch.randint(0, 3, (n,), generator=gen)
+    return torch.randint(0, VOCAB, (n, SEQ), generator=gen), torch.randint(
+        0, 3, (n,), generator=gen
+    )
 
 
 def _images(n: int, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
@@ -211,8 +238,9 @@ def _decay_groups(model: nn.Module, wd: float = 0.1) -> list[dict[str, Any]]:
 OPTIMIZERS: dict[str, Callable[[nn.Module], torch.optim.Optimizer]] = {
     "adamw": lambda m: torch.optim.AdamW(_decay_groups(m), lr=3e-3, betas=(0.9, 0.95)),
     "adam": lambda m: torch.optim.Adam(m.parameters(), lr=3e-3),
-    "sgd_nesterov": lambda m: torch.optim.SGD(m.parameters(), lr=0.05, momentum=0.9,
-                                              nesterov=True, weight_decay=1e-4),  # fmt: skip
+    "sgd_nesterov": lambda m: torch.optim.SGD(
+        m.parameters(), lr=0.05, momentum=0.9, nesterov=True, weight_decay=1e-4
+    ),
     "adagrad": lambda m: torch.optim.Adagrad(m.parameters(), lr=0.05),
     "rmsprop": lambda m: torch.optim.RMSprop(m.parameters(), lr=1e-3),
 }

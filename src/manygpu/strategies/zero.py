@@ -20,7 +20,7 @@ class Zero1Strategy(DDPStrategy):
     """Replicated parameters and gradients, sharded optimizer state."""
 
     def setup_optimizer(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
-        if optimizer.state:
+        if _has_stepped(optimizer):
             raise UsageError("strategy 'zero1' needs a fresh optimizer: prepare it before training")
         # Imported here: torch.distributed.optim pulls in TorchScript at import time.
         from torch.distributed.optim import ZeroRedundancyOptimizer
@@ -46,3 +46,12 @@ def _constructor_keys(cls: type) -> set[str]:
     """Keyword arguments ``cls.__init__`` takes; defaults it does not take stay in the groups."""
     params = inspect.signature(cls).parameters.values()
     return {p.name for p in params if p.name != "params"}
+
+
+def _has_stepped(optimizer: torch.optim.Optimizer) -> bool:
+    """Whether ``optimizer`` has state from a step (Adagrad's initial sums do not count)."""
+    for state in optimizer.state.values():
+        step = state.get("step")
+        if step is None or float(step) > 0:
+            return True
+    return False

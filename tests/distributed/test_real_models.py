@@ -1,0 +1,124 @@
+"""Every strategy on what users train equals one process on the same global batches.
+
+Models (tests/helpers/zoo.py): a nanoGPT-layout GPT (ModuleList of blocks,
+tied head, SDPA, bias-free q/k/v), Hugging Face GPT-2 (Conv1D, tied lm_head),
+Llama (RMSNorm, rotary, SwiGLU, grouped kv heads) and BERT with a
+classification head, from tiny local configs; a BatchNorm ResNet. Recipe
+(tests/helpers/recipes.py): AdamW with decay / no-decay groups, warmup +
+cosine LambdaLR, ``par.clip_grad_norm_(0.5)`` (active on most steps), 22
+samples (divides by neither world size nor batch), accumulation with a short
+last cycle; other torch optimizers on the GPT.
+
+Each rank builds its model from a *different* seed: the ``initial`` check
+proves ``prepare`` starts every replica (and every shard) from rank 0's weights.
+
+Tolerance: max |param - reference| < 1e-5 in fp32 (only summation order
+differs). AdamW/Adam get 1e-4: their update g / (sqrt(v) + eps) normalises
+each gradient, so an entry whose gradient is ~1e-9 (an embedding row of a
+token seen once) turns a last-bit difference of its gradient into a visible
+change of its step; SGD-family optimizers stay under 1e-5.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+from dist_harness import run_ranks
+from recipes import Recipe, max_diff, reference_train, train_parallel
+from zoo import lm_loss
+
+from manygpu import PipelineOptions
+
+pytestmark = pytest.mark.slow
+pytest.importorskip("transformers")
+
+TOL, ADAM_TOL = 1e-5, 1e-4
+HF = [Recipe("hf_gpt2"), Recipe("hf_llama"), Recipe("hf_bert")]
+GPT_ACCUM = Recipe("gpt", accum=2)  # 3 micro-batches an epoch: cycles of 2 and 1
+OTHER_OPTIMIZERS = [
+    Recipe("gpt", optimizer=o, clip=1.0) for o in ("adam", "sgd_nesterov", "adagrad", "rmsprop")
+]
+RESNET = Recipe("resnet", optimizer="sgd_nesterov", per_shard_forward=True)
+PIPE = PipelineOptions(loss_fn=lm_loss, microbatches=2)
+
+CASES: dict[str, tuple[int, dict[str, Any], list[Recipe]]] = {
+    # BatchNorm under ddp: each rank normalises by its own batch (the reference's
+    # per-shard forward), so the parameters match that; DDP copies rank 0's
+    # buffers to every rank before each forward (eval too), so the running
+    # statistics in use are rank 0's, though each rank's last forward updated its
+    # own. torch.nn.SyncBatchNorm (CUDA only) normalises over the global batch.
+    "ddp": (2, {"strategy": "ddp"}, [GPT_ACCUM, *HF, *OTHER_OPTIMIZERS, RESNET]),
+    "zero1": (2, {"strategy": "zero1"}, [GPT_ACCUM, *HF, *OTHER_OPTIMIZERS]),
+    "fsdp": (2, {"strategy": "fsdp"}, [GPT_ACCUM, *HF, *OTHER_OPTIMIZERS]),
+    "zero2": (2, {"strategy": "zero2"}, [GPT_ACCUM, Recipe("hf_llama")]),
+    "hsdp-dp2-fsdp2": (
+        4,
+        {"strategy": "fsdp", "mesh": {"dp": 2, "fsdp": 2}},
+        [GPT_ACCUM, Recipe("hf_gpt2")],
+    ),
+    "tensor-tp2": (
+        2,
+        {"strategy": "tensor"},
+        [Recipe("gpt"), Recipe("hf_llama"), Recipe("hf_bert")],
+    ),
+    "hybrid-dp2-tp2": (4, {"mesh": {"dp": 2, "tp": 2}}, [GPT_ACCUM, Recipe("hf_llama")]),
+    "pipeline-pp2": (2, {"strategy": "pipeline", "pipeline": PIPE}, [Recipe("gpt_seq")]),
+    "pipeline-pp2-dp2": (
+        4,
+        {"strategy": "pipeline", "mesh": {"pp": 2, "dp": 2}, "pipeline": PIPE},
+        [Recipe("gpt_seq", samples=24)],
+    ),
+    "model-dp2": (2, {"strategy": "model", "mesh": {"dp": 2}}, [Recipe("gpt_seq")]),
+}
+
+# (case, model) pairs a strategy cannot run: prepare must refuse in one line naming the fix.
+REFUSED = {
+    "tensor-tp2": [(Recipe("hf_gpt2"), "Conv1D")],
+    "pipeline-pp2": [(Recipe("gpt"), "nn.Sequential")],
+    "model-dp2": [(Recipe("gpt"), "nn.Sequential")],
+}
+
+
+def _merged(outs: list[dict[str, Any]], key: str) -> dict[str, Any]:
+    """Every rank's tensors by name (pipeline stages each hold some; replicas all)."""
+    merged: dict[str, Any] = {}
+    for out in outs:
+        for name, tensor in out[key].items():
+            if name in merged:  # a replica: must be identical to its peers
+                assert (merged[name] - tensor).abs().max().item() == 0, f"replicas differ: {name}"
+            merged[name] = tensor
+    return merged
+
+
+def _check(recipe: Recipe, outs: list[dict[str, Any]]) -> None:
+    errors = [o["error"] for o in outs if "error" in o]
+    assert not errors, f"{recipe.model}: {errors[0]}"
+    ref = reference_train(recipe, outs[0]["data_world"])
+    # Every replica / shard starts from rank 0's weights, though each rank built its own.
+    assert max_diff(_merged(outs, "initial"), ref["initial"]) == 0, recipe
+    if not recipe.per_shard_forward:
+        _merged(outs, "buffers")  # replicas' buffers are identical
+    tol = ADAM_TOL if recipe.optimizer.startswith("adam") else TOL
+    diff = max_diff(_merged(outs, "params"), ref["params"])
+    assert diff < tol, f"{recipe}: max |param - reference| = {diff:.2e}"
+    if recipe.clip is not None:
+        for out in outs:  # the model's norm, on every rank, whatever it holds
+            assert out["norms"] == pytest.approx(ref["norms"], rel=1e-5), recipe
+        clipped = sum(n > recipe.clip for n in ref["norms"])
+        assert clipped >= len(ref["norms"]) / 2, f"clipping seldom active: {ref['norms']}"
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_real_models_match_one_process(case: str) -> None:
+    world, parallel, recipes = CASES[case]
+    refused = REFUSED.get(case, [])
+    all_recipes = [*recipes, *(r for r, _ in refused)]
+    results = run_ranks(train_parallel, world, all_recipes, parallel, timeout=400)
+    for i, recipe in enumerate(recipes):
+        _check(recipe, [r[i] for r in results])
+    for j, (_, needle) in enumerate(refused, start=len(recipes)):
+        for rank_results in results:
+            error = rank_results[j].get("error", "no error")
+            assert error.startswith("UsageError") and needle in error, error
+            assert "\n" not in error
