@@ -37,6 +37,7 @@ class Recipe:
     clip: float | None = 0.3
     epochs: int = 1
     samples: int = SAMPLES
+    precision: str = "fp32"  # "bf16": autocast in both runs
     per_shard_forward: bool = False  # BatchNorm under ddp: each rank normalises its own batch
     parallel: dict[str, Any] = field(default_factory=dict)  # extra Parallel(...) keywords
 
@@ -64,7 +65,12 @@ def train_parallel(recipes: list[Recipe], parallel: dict[str, Any]) -> list[dict
         dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
     results = []
     for recipe in recipes:
-        par = Parallel(**parallel, **recipe.parallel, grad_accum_steps=recipe.accum)
+        par = Parallel(
+            **parallel,
+            **recipe.parallel,
+            grad_accum_steps=recipe.accum,
+            precision=recipe.precision,
+        )
         try:
             results.append(_run(par, recipe))
         except Exception as exc:  # a refusal at prepare is an expected answer for some pairs
@@ -124,6 +130,17 @@ def _optimizer_steps(recipe: Recipe, data_world: int) -> int:
     return recipe.epochs * math.ceil(per_epoch / recipe.accum)
 
 
+def _step_loss(recipe: Recipe, model: torch.nn.Module, parts: Any, shards: int) -> torch.Tensor:
+    """One global batch's loss: one forward over it, or one per shard (BatchNorm under ddp)."""
+    entry = ZOO[recipe.model]
+    xs, ys = parts[:shards], parts[shards:]
+    with torch.autocast("cpu", torch.bfloat16, enabled=recipe.precision == "bf16"):
+        if recipe.per_shard_forward:
+            losses = [entry.loss(model(x), y) for x, y in zip(xs, ys, strict=True)]
+            return torch.stack(losses).mean()
+        return entry.loss(model(torch.cat(xs)), torch.cat(ys))
+
+
 def reference_train(recipe: Recipe, data_world: int) -> dict[str, Any]:
     """The recipe in one process, plain torch, on the same global batches."""
     entry = ZOO[recipe.model]
@@ -138,15 +155,7 @@ def reference_train(recipe: Recipe, data_world: int) -> dict[str, Any]:
         cycles = [steps[i : i + recipe.accum] for i in range(0, len(steps), recipe.accum)]
         for cycle in cycles:
             for parts in cycle:
-                xs, ys = parts[:data_world], parts[data_world:]
-                if recipe.per_shard_forward:
-                    loss = (
-                        sum(entry.loss(model(x), y) for x, y in zip(xs, ys, strict=True))
-                        / data_world
-                    )
-                else:
-                    loss = entry.loss(model(torch.cat(xs)), torch.cat(ys))
-                (loss / len(cycle)).backward()
+                (_step_loss(recipe, model, parts, data_world) / len(cycle)).backward()
             if recipe.clip is not None:
                 norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), recipe.clip)))
             opt.step()
