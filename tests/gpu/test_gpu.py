@@ -56,3 +56,20 @@ def test_nccl_ddp_matches_reference() -> None:
     for params in results:
         # TF32 matmuls may be on: allow for them.
         assert (params - ref).abs().max().item() < 1e-3
+
+
+def test_sync_batchnorm_matches_one_process_on_the_global_batch() -> None:
+    """With SyncBatchNorm every rank normalises over the global batch: the reference's
+    single forward over it (not per shard); TF32 may be on, hence 1e-3."""
+    from recipes import Recipe, max_diff, reference_train, train_parallel
+
+    from manygpu import DDPOptions
+
+    world = torch.cuda.device_count()
+    recipe = Recipe(
+        "resnet", optimizer="sgd_nesterov", parallel={"ddp": DDPOptions(sync_batchnorm=True)}
+    )
+    outs = [r[0] for r in run_ranks(train_parallel, world, [recipe], {"strategy": "ddp"})]
+    assert "error" not in outs[0], outs[0]
+    ref = reference_train(recipe, world)
+    assert max_diff(outs[0]["params"], ref["params"]) < 1e-3

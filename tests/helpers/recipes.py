@@ -62,7 +62,8 @@ def train_parallel(recipes: list[Recipe], parallel: dict[str, Any]) -> list[dict
     from manygpu import Parallel
 
     if not dist.is_initialized():
-        dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
+        backend = "nccl" if torch.cuda.is_available() else "gloo"
+        dist.init_process_group(backend, timeout=datetime.timedelta(seconds=60))
     results = []
     for recipe in recipes:
         par = Parallel(

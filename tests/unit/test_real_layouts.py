@@ -159,3 +159,14 @@ def test_model_strategy_with_several_processes_names_the_mesh_option() -> None:
     )
     with pytest.raises(UsageError, match=r"mesh=\{'dp': -1\}"):
         get_strategy("model").validate_world(cluster, StrategyOptions())
+
+
+def test_sync_batchnorm_on_cpu_is_refused_in_one_line() -> None:
+    from manygpu import DDPOptions
+
+    par = Parallel(strategy="ddp", device="cpu", ddp=DDPOptions(sync_batchnorm=True))
+    try:
+        with pytest.raises(UsageError, match="needs CUDA devices"):
+            par.prepare(nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4)))
+    finally:
+        par.close()

@@ -5,6 +5,7 @@ from __future__ import annotations
 import inspect
 from typing import Any
 
+import torch
 from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel
@@ -50,6 +51,8 @@ class DDPStrategy(Strategy):
                 "use grad_compression='fp16' with gloo"
             )
         module = module.to(self.ctx.device)
+        if opts.sync_batchnorm:
+            module = _sync_batchnorm(module, self.ctx.device)
         device_ids = [self.ctx.device.index] if self.ctx.device.type == "cuda" else None
         ddp = DistributedDataParallel(
             module,
@@ -72,3 +75,13 @@ class DDPStrategy(Strategy):
 
     def unwrap(self, module: nn.Module) -> nn.Module:
         return module.module if isinstance(module, DistributedDataParallel) else module
+
+
+def _sync_batchnorm(module: nn.Module, device: torch.device) -> nn.Module:
+    """BatchNorm layers as ``SyncBatchNorm`` (same parameters), refused where torch has none."""
+    if device.type != "cuda":
+        raise UsageError(
+            "DDPOptions(sync_batchnorm=True) needs CUDA devices (torch's SyncBatchNorm has no "
+            "CPU kernel); on CPU leave it off: each rank then normalises by its own batch"
+        )
+    return nn.SyncBatchNorm.convert_sync_batchnorm(module)

@@ -29,6 +29,9 @@ class DDPOptions:
     """Copy rank 0's buffers (e.g. BatchNorm stats) to all ranks each forward."""
     gradient_as_bucket_view: bool = True
     """Gradients alias the buckets: saves one copy and memory."""
+    sync_batchnorm: bool = False
+    """Convert BatchNorm layers to ``SyncBatchNorm``: statistics over the global
+    batch instead of each rank's own (CUDA only: torch has no CPU kernel)."""
 
     def __post_init__(self) -> None:
         if self.bucket_cap_mb <= 0:
