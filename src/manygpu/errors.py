@@ -40,6 +40,10 @@ class CollectiveTimeoutError(ManyGPUError, RuntimeError):
         super().__init__(msg)
 
 
+class CheckpointError(ManyGPUError, RuntimeError):
+    """A checkpoint is missing, partial, corrupt or unsafe; the message names what and where."""
+
+
 class LaunchError(ManyGPUError, RuntimeError):
     """The launched job failed; carries the failing worker's exit code."""
 

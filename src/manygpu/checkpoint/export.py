@@ -25,21 +25,13 @@ def locate(path: Path) -> Path:
 
 def model_state(path: Path) -> dict[str, torch.Tensor]:
     """The model's full (consolidated) state dict, on CPU, from either format."""
-    meta = layout.read_meta(path)
-    if meta["format"] == "full":
+    if formats.detect(path) == "full":
         state = torch.load(path / formats.MODEL, map_location="cpu", weights_only=True)
         return dict(state)
-    from torch.distributed.checkpoint import FileSystemReader
-    from torch.distributed.checkpoint.format_utils import _EmptyStateDictLoadPlanner
-    from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
+    from manygpu.checkpoint.safe_dcp import safe_load
 
     full: dict[str, Any] = {}
-    _load_state_dict(
-        full,
-        storage_reader=FileSystemReader(str(path / formats.SHARDS)),
-        planner=_EmptyStateDictLoadPlanner(),
-        no_dist=True,
-    )
+    safe_load(full, str(path / formats.SHARDS), whole=True, no_dist=True)
     return {k: v for k, v in full.get("model", {}).items() if isinstance(v, torch.Tensor)}
 
 
@@ -78,7 +70,7 @@ def inspect(path: Path, *, hashes: bool = True) -> dict[str, Any]:
         "status": status,
         "step": meta.get("step"),
         "epoch": meta.get("epoch"),
-        "format": meta.get("format"),
+        "format": formats.detect(path),
         "world_size": meta.get("world_size"),
         "strategy": meta.get("strategy"),
         "precision": meta.get("precision"),

@@ -7,7 +7,10 @@
   parallel, and a load on another world size reshards. Needed for sharded
   strategies; works for replicated ones too.
 
-Both load with ``weights_only=True`` (DCP never unpickles tensors' data).
+Both load without running code from the checkpoint: ``weights_only=True``
+for our files, and :mod:`.safe_dcp` for DCP's metadata and non-tensor items.
+Which format a directory holds is decided by its files (:func:`detect`), never
+by a field of ``meta.json`` that anyone can edit.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ from torch import nn
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 from manygpu.checkpoint.layout import CheckpointError
+from manygpu.checkpoint.safe_dcp import safe_load
 
 MODEL, OPTIM, EXTRAS, SHARDS = "model.pt", "optim.pt", "extras.pt", "shards"
 
@@ -77,6 +81,18 @@ def full_snapshot(parts: Parts, *, copy: bool) -> dict[str, Any]:
     return {name: to_cpu_copy(state) for name, state in files.items()} if copy else files
 
 
+def detect(directory: Path) -> str:
+    """``"full"`` or ``"dcp"``, from the files the directory holds (exactly one kind)."""
+    full = (directory / MODEL).is_file()
+    dcp_meta = (directory / SHARDS / ".metadata").is_file()
+    if full and not (directory / SHARDS).exists():
+        return "full"
+    if dcp_meta and not full:
+        return "dcp"
+    what = "both model.pt and shards/" if full else "neither model.pt nor shards/.metadata"
+    raise CheckpointError(f"checkpoint {directory} holds {what}; it is not a checkpoint we wrote")
+
+
 def write_files(directory: Path, files: dict[str, Any]) -> None:
     for name, state in files.items():
         torch.save(state, directory / name)
@@ -125,15 +141,12 @@ def write_dcp(directory: Path, parts: Parts, group: Any = None) -> None:
 def read_dcp(directory: Path, parts: Parts, group: Any = None) -> None:
     """Load DCP shards into ``parts``, resharding to this world size (collective)."""
     state = _dcp_state(parts)
-    try:
-        dcp.load(
-            state,
-            checkpoint_id=str(directory / SHARDS),
-            process_group=group,
-            no_dist=not dist.is_initialized(),
-        )
-    except Exception as exc:
-        raise CheckpointError(f"checkpoint {directory} cannot be loaded: {exc}") from None
+    safe_load(
+        state,
+        str(directory / SHARDS),
+        process_group=group,
+        no_dist=not dist.is_initialized(),
+    )
     optimizers = [parts.optimizer] if parts.optimizer is not None else []
     set_state_dict(
         parts.wrapped,

@@ -17,15 +17,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from manygpu.errors import ManyGPUError
+from manygpu.errors import CheckpointError as CheckpointError  # re-exported
 
 META = "meta.json"
 PREFIX = "step-"
 TMP_SUFFIX = ".tmp"
-
-
-class CheckpointError(ManyGPUError, RuntimeError):
-    """A checkpoint is missing, partial or corrupt; the message names what and where."""
 
 
 def step_dir(root: Path, step: int) -> Path:

@@ -288,7 +288,8 @@ class Checkpointer:
             return TrainState()
         path = Path(value)
         meta = layout.read_meta(path)
-        if meta["format"] == "dcp":
+        # The files decide the format, not meta.json (which anyone can edit).
+        if formats.detect(path) == "dcp":
             formats.read_dcp(path, self.parts, group=self._group)
         else:
             formats.read_full(path, self.parts)

@@ -1,0 +1,172 @@
+"""Read ``torch.distributed.checkpoint`` directories without running their code.
+
+torch's ``FileSystemReader`` unpickles ``.metadata`` with plain ``pickle`` and
+its default planner loads non-tensor items ("bytes": optimizer hyper-parameters,
+scheduler state) with ``torch.load(weights_only=False)``: a crafted checkpoint
+directory runs code as whoever resumes, inspects or exports it. Here:
+
+- ``.metadata`` is read by an unpickler that only builds DCP's own metadata
+  records, ``torch.Size``, dtypes / layouts / memory formats and paths; any
+  other global (``os.system``, ``builtins.eval`` ...) is refused with a
+  :class:`CheckpointError` naming it;
+- bytes items load with ``weights_only=True`` (tensors, numbers, strings,
+  containers: all an optimizer's or scheduler's state needs).
+"""
+
+from __future__ import annotations
+
+import io
+import pickle
+from typing import Any
+
+import torch
+from torch.distributed.checkpoint import DefaultLoadPlanner, FileSystemReader
+from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
+
+from manygpu.errors import CheckpointError
+
+_METADATA_MODULE = "torch.distributed.checkpoint.metadata"
+_METADATA_CLASSES = {
+    "Metadata",
+    "MetadataIndex",
+    "StorageMeta",
+    "TensorProperties",
+    "TensorStorageMetadata",
+    "BytesStorageMetadata",
+    "ChunkStorageMetadata",
+    "_MEM_FORMAT_ENCODING",
+}
+_ALLOWED = {
+    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
+    ("torch", "Size"),
+    ("torch.serialization", "_get_layout"),  # a name -> layout lookup, nothing more
+    ("pathlib", "PosixPath"),
+    ("pathlib", "PurePosixPath"),
+    ("pathlib", "WindowsPath"),
+    ("pathlib", "PureWindowsPath"),
+    ("collections", "OrderedDict"),
+}
+_TORCH_CONSTANTS = (torch.dtype, torch.layout, torch.memory_format)
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    """An unpickler that builds only what DCP metadata is made of."""
+
+    def find_class(self, module: str, name: str) -> Any:
+        if module == _METADATA_MODULE and name in _METADATA_CLASSES:
+            return super().find_class(module, name)
+        if (module, name) in _ALLOWED:
+            return super().find_class(module, name)
+        if module == "torch" and isinstance(getattr(torch, name, None), _TORCH_CONSTANTS):
+            return getattr(torch, name)
+        raise CheckpointError(
+            f"checkpoint metadata refers to {module}.{name}, which is not part of a DCP "
+            "checkpoint; refusing to load it (the file may be crafted to run code)"
+        )
+
+
+def load_metadata(stream: Any) -> Metadata:
+    """Unpickle DCP metadata from ``stream`` with the allow-list; anything else is refused."""
+    try:
+        metadata = _MetadataUnpickler(stream).load()
+    except CheckpointError:
+        raise
+    except Exception as exc:
+        raise CheckpointError(f"checkpoint metadata cannot be read: {exc}") from None
+    if not isinstance(metadata, Metadata):
+        raise CheckpointError(
+            f"checkpoint metadata holds a {type(metadata).__name__}, not DCP Metadata"
+        )
+    return metadata
+
+
+class _Refusals:
+    """Remembers why we refused: DCP wraps errors in a multi-rank traceback dump."""
+
+    refused: CheckpointError | None = None
+
+    def _refuse(self, error: CheckpointError) -> CheckpointError:
+        self.refused = error
+        return error
+
+
+class SafeFileSystemReader(_Refusals, FileSystemReader):
+    """``FileSystemReader`` whose metadata comes through :func:`load_metadata`."""
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+        path = self._get_metadata_path(kwargs.get("rank"))
+        with self.fs.create_stream(path, "rb") as stream:
+            try:
+                metadata = load_metadata(stream)
+            except CheckpointError as exc:
+                raise self._refuse(exc) from None
+        storage = getattr(metadata, "storage_meta", None) or StorageMeta()
+        storage.load_id = self.load_id
+        metadata.storage_meta = storage
+        return metadata
+
+
+class _WeightsOnlyBytes(_Refusals):
+    """Planner mixin: non-tensor items load with ``weights_only=True`` or are refused."""
+
+    def load_bytes(self, read_item: Any, value: io.BytesIO) -> None:
+        try:
+            obj = torch.load(value, weights_only=True)
+        except Exception as exc:
+            raise self._refuse(
+                CheckpointError(
+                    f"checkpoint item {read_item.dest_index.fqn!r} is not plain data "
+                    f"(refused; weights-only load failed: {str(exc).splitlines()[0][:200]})"
+                )
+            ) from None
+        super().load_bytes(read_item, _as_stream(obj))  # type: ignore[misc]
+
+
+class SafeLoadPlanner(_WeightsOnlyBytes, DefaultLoadPlanner):
+    """``DefaultLoadPlanner`` that loads non-tensor items with ``weights_only=True``."""
+
+
+def safe_full_planner() -> DefaultLoadPlanner:
+    """A planner that loads a whole checkpoint into an empty dict (for export), safely."""
+    from torch.distributed.checkpoint.format_utils import _EmptyStateDictLoadPlanner
+
+    class _SafeEmpty(_WeightsOnlyBytes, _EmptyStateDictLoadPlanner):
+        pass
+
+    return _SafeEmpty()
+
+
+def _as_stream(obj: Any) -> io.BytesIO:
+    # The parent planner torch.load()s its stream; hand it the vetted object
+    # re-serialised, which weights_only=False can only rebuild as plain data.
+    buffer = io.BytesIO()
+    torch.save(obj, buffer)
+    buffer.seek(0)
+    return buffer
+
+
+def safe_load(state: dict[str, Any], directory: str, *, whole: bool = False, **kw: Any) -> None:
+    """``dcp.load`` through the safe reader and planner; a refusal surfaces as itself.
+
+    ``whole=True`` fills an empty ``state`` with everything saved (export);
+    otherwise the keys of ``state`` are loaded in place (resume). Any other
+    DCP failure becomes a one-line :class:`CheckpointError` too.
+    """
+    from torch.distributed.checkpoint.state_dict_loader import _load_state_dict, load
+
+    reader = SafeFileSystemReader(directory)
+    planner = safe_full_planner() if whole else SafeLoadPlanner()
+    try:
+        if whole:  # torch's own "load everything" path, as its format_utils use it
+            _load_state_dict(state, storage_reader=reader, planner=planner, **kw)
+        else:
+            load(state, storage_reader=reader, planner=planner, **kw)
+    except (KeyboardInterrupt, SystemExit):
+        raise
+    except BaseException as exc:  # DCP's CheckpointException derives from BaseException
+        refused = reader.refused or getattr(planner, "refused", None)
+        if refused is not None:
+            raise refused from None
+        lines = [ln for ln in str(exc).splitlines() if ln.strip() and not ln.startswith(" ")]
+        last = (lines or [type(exc).__name__])[-1][:300]
+        raise CheckpointError(f"checkpoint {directory} cannot be loaded: {last}") from None

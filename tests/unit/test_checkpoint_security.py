@@ -1,0 +1,128 @@
+"""A crafted checkpoint directory never runs code: resume, inspect and export.
+
+Each attack plants a pickle whose unpickling would create a marker file, and
+re-signs ``meta.json`` (sizes and SHA-256) so that only the loaders' own
+safety can stop it. Passing means: a one-line CheckpointError, no marker.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import pickle
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+from ckpt_job import build
+
+from manygpu import Parallel
+from manygpu.checkpoint import CheckpointError, TrainState, formats, layout
+from manygpu.checkpoint.export import export_safetensors, inspect
+
+
+class _Evil:
+    """Unpickling this runs a shell command that creates the marker file."""
+
+    def __init__(self, marker: Path) -> None:
+        self.marker = marker
+
+    def __reduce__(self) -> tuple[Any, tuple[str]]:
+        return (os.system, (f"touch {self.marker}",))
+
+
+def _resign(step: Path, **meta_changes: Any) -> None:
+    meta = layout.read_meta(step) | meta_changes
+    meta["files"] = layout.file_table(step)
+    (step / layout.META).write_text(json.dumps(meta))
+
+
+def _saved(tmp_path: Path, fmt: str) -> tuple[Parallel, Any, Path]:
+    par = Parallel(strategy="single")
+    _, _, _, _, ckpt = build(par, tmp_path / "ck", every=0, fmt=fmt)
+    return par, ckpt, ckpt.save(TrainState(step=1))
+
+
+def _every_reader(ckpt: Any, step: Path, tmp_path: Path) -> list[str]:
+    """Resume, inspect and export the checkpoint; each must refuse it."""
+    errors = []
+    for read in (
+        lambda: ckpt.resume(1),
+        lambda: inspect(step),
+        lambda: export_safetensors(step, tmp_path / "w.safetensors"),
+    ):
+        with pytest.raises(CheckpointError) as info:
+            read()
+        errors.append(str(info.value))
+    return errors
+
+
+def test_crafted_dcp_metadata_is_refused(tmp_path: Path) -> None:
+    marker = tmp_path / "pwned"
+    par, ckpt, step = _saved(tmp_path, "dcp")
+    try:
+        (step / formats.SHARDS / ".metadata").write_bytes(pickle.dumps(_Evil(marker)))
+        _resign(step)
+        for error in _every_reader(ckpt, step, tmp_path):
+            assert "os.system" in error or "posix.system" in error, error
+        assert not marker.exists()
+    finally:
+        par.close()
+
+
+def test_meta_json_cannot_send_a_full_checkpoint_down_the_dcp_reader(tmp_path: Path) -> None:
+    marker = tmp_path / "pwned"
+    par, ckpt, step = _saved(tmp_path, "full")
+    try:
+        (step / formats.SHARDS).mkdir()
+        (step / formats.SHARDS / ".metadata").write_bytes(pickle.dumps(_Evil(marker)))
+        _resign(step, format="dcp")
+        for error in _every_reader(ckpt, step, tmp_path):
+            assert "both model.pt and shards/" in error, error
+        assert not marker.exists()
+    finally:
+        par.close()
+
+
+def test_crafted_dcp_bytes_item_is_refused(tmp_path: Path) -> None:
+    """Non-tensor items (optimizer hyper-parameters) load weights-only."""
+    marker = tmp_path / "pwned"
+    par, ckpt, step = _saved(tmp_path, "dcp")
+    try:
+        state = formats._dcp_state(ckpt.parts)
+        groups = state["optim"]["param_groups"]
+        groups[0]["lr"] = _Evil(marker)  # a key every resume asks for
+        dcp.save(state, checkpoint_id=str(step / formats.SHARDS), no_dist=True)
+        _resign(step)
+        resume_error, _, export_error = _every_reader(ckpt, step, tmp_path)
+        assert "not plain data" in resume_error and "not plain data" in export_error
+        assert not marker.exists()
+    finally:
+        par.close()
+
+
+def test_a_clean_dcp_checkpoint_still_loads_through_the_safe_reader(tmp_path: Path) -> None:
+    par, ckpt, step = _saved(tmp_path, "dcp")
+    try:
+        assert ckpt.resume(1).step == 1
+        assert inspect(step)["format"] == "dcp"
+        summary = export_safetensors(step, tmp_path / "w.safetensors")
+        assert summary["tensors"] == 4
+    finally:
+        par.close()
+
+
+@pytest.mark.parametrize(
+    "module, name", [("builtins", "eval"), ("torch", "load"), ("os", "system")]
+)
+def test_metadata_unpickler_allows_only_dcp_records(module: str, name: str) -> None:
+    from manygpu.checkpoint.safe_dcp import load_metadata
+
+    payload = f"c{module}\n{name}\n(S'1'\ntR.".encode()
+    with pytest.raises(CheckpointError, match=f"{module}.{name}"):
+        load_metadata(io.BytesIO(payload))
+    with pytest.raises(CheckpointError, match="not DCP Metadata"):
+        load_metadata(io.BytesIO(pickle.dumps(torch.Size([1]))))
