@@ -70,7 +70,7 @@ def inspect(path: Path, *, hashes: bool = True) -> dict[str, Any]:
         "status": status,
         "step": meta.get("step"),
         "epoch": meta.get("epoch"),
-        "format": formats.detect(path),
+        "format": formats.detect(step_path),
         "world_size": meta.get("world_size"),
         "strategy": meta.get("strategy"),
         "precision": meta.get("precision"),
