@@ -126,3 +126,75 @@ def test_metadata_unpickler_allows_only_dcp_records(module: str, name: str) -> N
         load_metadata(io.BytesIO(payload))
     with pytest.raises(CheckpointError, match="not DCP Metadata"):
         load_metadata(io.BytesIO(pickle.dumps(torch.Size([1]))))
+
+
+def _corrupt(step: Path) -> None:
+    model = step / formats.MODEL
+    model.write_bytes(model.read_bytes()[:-10])
+
+
+def test_all_corrupt_directory_refuses_a_silent_fresh_start_and_keeps_new_saves(
+    tmp_path: Path,
+) -> None:
+    par = Parallel(strategy="single")
+    try:
+        _, _, _, _, ckpt = build(par, tmp_path / "ck", every=0)
+        ckpt.keep = 2
+        for step in (1, 2, 3):
+            _corrupt(ckpt.save(TrainState(step=step)))
+        with pytest.warns(UserWarning), pytest.raises(CheckpointError, match="every checkpoint"):
+            ckpt.resume()
+        with pytest.warns(UserWarning):
+            assert ckpt.resume(fresh_ok=True).step == 0
+        for step in (4, 5, 6):  # the good ones count; the corrupt ones never push them out
+            ckpt.save(TrainState(step=step))
+        names = [p.name for p in layout.committed(tmp_path / "ck")]
+        assert names[-2:] == ["step-00000005", "step-00000006"]
+        assert "step-00000004" not in names
+        assert ckpt.resume().step == 6
+    finally:
+        par.close()
+
+
+@pytest.mark.parametrize(
+    "meta, needle",
+    [
+        ([], "a JSON list"),
+        ({"step": 1, "epoch": 0, "world_size": 1}, "no 'files' table"),
+        ({"step": 1, "epoch": 0, "world_size": 1, "files": {}}, "no 'files' table"),
+        ({"step": "1", "epoch": 0, "world_size": 1, "files": {"x": {}}}, "'step'"),
+        ({"step": 1, "world_size": 1, "files": {"x": {}}}, "'epoch'"),
+        ({"step": 1, "epoch": 0, "world_size": 0, "files": {"x": {}}}, "'world_size'"),
+        ({"step": 1, "epoch": 0, "world_size": 1, "files": {"../x": {}}}, "leaves the"),
+        ({"step": 1, "epoch": 0, "world_size": 1, "files": {"x": {"bytes": -1}}}, "size of"),
+        (
+            {"step": 1, "epoch": 0, "world_size": 1, "files": {"x": {"bytes": 1, "sha256": "z"}}},
+            "sha256",
+        ),
+        ({"schema": 99, "step": 1, "epoch": 0, "world_size": 1, "files": {}}, "schema 99"),
+        ({"step": 1, "epoch": 0, "world_size": 1, "extra": [1], "files": {"x": {}}}, "'extra'"),
+    ],
+)
+def test_malformed_meta_json_is_damage_not_a_crash(tmp_path: Path, meta: Any, needle: str) -> None:
+    par = Parallel(strategy="single")
+    try:
+        _, _, _, _, ckpt = build(par, tmp_path / "ck", every=0)
+        ckpt.save(TrainState(step=1))
+        bad = ckpt.save(TrainState(step=2))
+        (bad / layout.META).write_text(json.dumps(meta))
+        with pytest.raises(CheckpointError, match=needle):
+            ckpt.resume(2)
+        with pytest.warns(UserWarning, match=needle):
+            assert ckpt.resume("latest").step == 1  # skipped like any other damage
+    finally:
+        par.close()
+
+
+def test_an_unlisted_file_makes_a_checkpoint_invalid(tmp_path: Path) -> None:
+    par, ckpt, step = _saved(tmp_path, "full")
+    try:
+        (step / "planted.pt").write_bytes(b"x")
+        with pytest.raises(CheckpointError, match=r"planted\.pt, which its meta\.json"):
+            ckpt.resume(1)
+    finally:
+        par.close()

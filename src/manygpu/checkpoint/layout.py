@@ -65,7 +65,7 @@ def commit(tmp: Path, final: Path, meta: dict[str, Any]) -> None:
     for path in tmp.rglob("*"):
         if path.is_file():
             fsync_path(path)
-    meta = meta | {"files": file_table(tmp)}
+    meta = meta | {"schema": SCHEMA, "files": file_table(tmp)}
     meta_path = tmp / META
     with open(meta_path, "w") as fh:
         json.dump(meta, fh, indent=2)
@@ -89,20 +89,69 @@ class Found:
         return int(self.meta["step"])
 
 
+SCHEMA = 1
+"""Version of meta.json's layout; a newer one is refused, not guessed at."""
+_SHA256_HEX = frozenset("0123456789abcdef")
+
+
 def read_meta(path: Path) -> dict[str, Any]:
+    """``meta.json`` of ``path``, validated (:func:`check_meta`)."""
     meta_path = path / META
     if not meta_path.is_file():
         raise CheckpointError(f"{path} is not a complete checkpoint: {META} is missing")
     try:
-        return dict(json.loads(meta_path.read_text()))
+        meta = json.loads(meta_path.read_text())
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise CheckpointError(f"{meta_path} is corrupt: {exc}") from None
+    check_meta(meta, meta_path)
+    return dict(meta)
+
+
+def check_meta(meta: Any, where: Path) -> None:
+    """Raise :class:`CheckpointError` unless ``meta`` has our schema (a file list included).
+
+    Without a file list nothing could be verified, so it is not a checkpoint.
+    """
+
+    def bad(what: str) -> CheckpointError:
+        return CheckpointError(f"{where} is not valid checkpoint metadata: {what}")
+
+    if not isinstance(meta, dict):
+        raise bad(f"a JSON {type(meta).__name__}, not an object")
+    if meta.get("schema", SCHEMA) != SCHEMA:
+        raise bad(f"schema {meta.get('schema')!r}; this manygpu reads schema {SCHEMA}")
+    for key, low in (("step", 0), ("epoch", 0), ("world_size", 1)):
+        value = meta.get(key)
+        if not isinstance(value, int) or isinstance(value, bool) or value < low:
+            raise bad(f"{key!r} is {value!r}, not an integer >= {low}")
+    for key in ("extra", "loader"):
+        if meta.get(key) is not None and not isinstance(meta[key], dict):
+            raise bad(f"{key!r} is not an object")
+    files = meta.get("files")
+    if not isinstance(files, dict) or not files:
+        raise bad("no 'files' table (sizes and SHA-256 of every file)")
+    for name, entry in files.items():
+        _check_entry(name, entry, bad)
+
+
+def _check_entry(name: str, entry: Any, bad: Any) -> None:
+    parts = Path(name).parts
+    if Path(name).is_absolute() or ".." in parts or not parts:
+        raise bad(f"file name {name!r} leaves the checkpoint directory")
+    if not isinstance(entry, dict):
+        raise bad(f"entry of {name!r} is not an object")
+    size, digest = entry.get("bytes"), entry.get("sha256")
+    if not isinstance(size, int) or isinstance(size, bool) or size < 0:
+        raise bad(f"size of {name!r} is {size!r}")
+    if not isinstance(digest, str) or len(digest) != 64 or not set(digest) <= _SHA256_HEX:
+        raise bad(f"sha256 of {name!r} is not 64 hex digits")
 
 
 def verify(path: Path, *, hashes: bool = True) -> Found:
-    """Check every listed file exists with its size (and hash); raise naming the bad one."""
+    """Check every listed file exists with its size (and hash), and no other file is there."""
     meta = read_meta(path)
-    for name, entry in meta.get("files", {}).items():
+    listed = meta["files"]
+    for name, entry in listed.items():
         file = path / name
         if not file.is_file():
             raise CheckpointError(f"checkpoint {path} is incomplete: {name} is missing")
@@ -113,6 +162,10 @@ def verify(path: Path, *, hashes: bool = True) -> Found:
             )
         if hashes and sha256(file) != entry["sha256"]:
             raise CheckpointError(f"checkpoint {path} is corrupt: {name} fails its SHA-256 check")
+    for file in path.rglob("*"):
+        name = str(file.relative_to(path))
+        if file.is_file() and name != META and name not in listed:
+            raise CheckpointError(f"checkpoint {path} holds {name}, which its {META} does not list")
     return Found(path, meta)
 
 
@@ -138,9 +191,24 @@ def remove_stale(root: Path) -> list[Path]:
 
 
 def prune(root: Path, keep: int) -> list[Path]:
-    """Delete all but the newest ``keep`` checkpoints; returns what was deleted."""
+    """Delete good checkpoints older than the newest ``keep`` good ones; returns them.
+
+    Only checkpoints that verify (sizes; hashing every file at every save
+    would cost too much) count towards ``keep``, so a run of corrupt ones
+    can never push the newest good checkpoint out. Corrupt ones are left
+    for a person to look at: resume names them.
+    """
+    if keep <= 0:
+        return []
+    good = []
+    for path in committed(root):
+        try:
+            verify(path, hashes=False)
+        except CheckpointError:
+            continue
+        good.append(path)
     gone = []
-    for old in committed(root)[:-keep] if keep > 0 else []:
+    for old in good[:-keep]:
         shutil.rmtree(old, ignore_errors=True)
         gone.append(old)
     return gone

@@ -269,17 +269,20 @@ class Checkpointer:
             self.save(state)
 
     # -- resuming ---------------------------------------------------------------
-    def resume(self, which: str | int | Path = "latest") -> TrainState:
+    def resume(self, which: str | int | Path = "latest", *, fresh_ok: bool = False) -> TrainState:
         """Load a checkpoint and return its counters (a fresh state when there is none).
 
         ``"latest"`` takes the newest checkpoint that verifies (sizes and SHA-256)
         and warns about any corrupt one it skips; a step number or a path must
-        verify or raise :class:`CheckpointError` naming the bad file.
+        verify or raise :class:`CheckpointError` naming the bad file. When
+        checkpoints exist but none verifies, starting again from step 0 would
+        silently throw the run away: that raises, naming them, unless
+        ``fresh_ok=True``.
         """
         self.wait()
         verdict = ("none", "")
         if self.par.is_main:
-            verdict = self._choose(which)
+            verdict = self._choose(which, fresh_ok)
         verdict = self._broadcast(verdict)  # the main rank's files decide
         kind, value = verdict
         if kind == "error":
@@ -302,13 +305,20 @@ class Checkpointer:
         self._barrier()
         return state
 
-    def _choose(self, which: str | int | Path) -> tuple[str, str]:
+    def _choose(self, which: str | int | Path, fresh_ok: bool) -> tuple[str, str]:
         if which == "latest":
-            for path in reversed(layout.committed(self.root)):
+            found = list(reversed(layout.committed(self.root)))
+            for path in found:
                 try:
                     return "ok", str(layout.verify(path).path)
                 except CheckpointError as exc:
                     warnings.warn(f"skipping it: {exc}", stacklevel=3)
+            if found and not fresh_ok:
+                names = ", ".join(p.name for p in found[:5]) + (" ..." if len(found) > 5 else "")
+                return "error", (
+                    f"every checkpoint in {self.root} is corrupt ({len(found)}: {names}); "
+                    "move them aside, or call resume(fresh_ok=True) to start from step 0"
+                )
             return "none", ""
         path = layout.step_dir(self.root, which) if isinstance(which, int) else Path(which)
         try:
