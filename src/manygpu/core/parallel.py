@@ -28,7 +28,7 @@ from manygpu.core.console import MainConsole
 from manygpu.core.data import PreparedLoader, rebuild_loader
 from manygpu.core.optimizer import PreparedOptimizer
 from manygpu.core.precision import PrecisionPlugin
-from manygpu.errors import CollectiveTimeoutError
+from manygpu.errors import CollectiveTimeoutError, UsageError
 from manygpu.runtime import env as envmod
 from manygpu.runtime.cluster import ClusterInfo, detect_cluster
 from manygpu.runtime.device import choose_backend, choose_device, set_cpu_threads
@@ -100,6 +100,8 @@ class Parallel:
         self.precision = PrecisionPlugin(self.config.precision, device)
         self._accumulator = Accumulator(self.config.grad_accum_steps)
         self._models: list[nn.Module] = []
+        self._model_inputs: list[nn.Module] = []  # what users passed: a second prepare is refused
+        self._optimizer_inputs: list[torch.optim.Optimizer] = []
         self._auto_batch = 32  # per-device batch the planner assumes for "auto"
         self._optimizers: list[PreparedOptimizer] = []
         self.console = MainConsole(self.is_main, self.rank)
@@ -164,6 +166,11 @@ class Parallel:
 
     def prepare_model(self, model: nn.Module) -> nn.Module:
         """Place and wrap ``model`` for the strategy; forward runs under autocast."""
+        if any(model is m for m in [*self._models, *self._model_inputs]):
+            raise UsageError(
+                "this model was already prepared: call par.prepare(model) once and keep "
+                "using the module it returned"
+            )
         if self.config.strategy == "auto" and not self._models:
             self._choose_strategy(model)
         # Every replica (and every shard's source) must start from rank 0's
@@ -173,10 +180,21 @@ class Parallel:
         self.precision.wrap_forward(wrapped)
         self.strategy.set_grad_sync(wrapped, self._accumulator.next_is_boundary)
         self._models.append(wrapped)
+        self._model_inputs.append(model)
         return wrapped
 
     def prepare_optimizer(self, optimizer: torch.optim.Optimizer) -> PreparedOptimizer:
         """Wrap ``optimizer`` so it steps once per accumulation cycle."""
+        if (
+            isinstance(optimizer, PreparedOptimizer)
+            or any(optimizer is o.optimizer or optimizer is o for o in self._optimizers)
+            or any(optimizer is o for o in self._optimizer_inputs)
+        ):
+            raise UsageError(
+                "this optimizer was already prepared: call par.prepare(optimizer) once and "
+                "keep using the optimizer it returned"
+            )
+        self._optimizer_inputs.append(optimizer)
         inner = self.strategy.setup_optimizer(optimizer)
         prepared = PreparedOptimizer(inner, self._accumulator, self.precision)
         self._optimizers.append(prepared)
