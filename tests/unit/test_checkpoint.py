@@ -53,10 +53,11 @@ def test_crash_inside_save_keeps_the_previous_checkpoint(
             ckpt.save(TrainState(step=2))
         monkeypatch.setattr(torch, "save", real)
         assert [p.name for p in layout.committed(tmp_path)] == ["step-00000001"]
-        assert (tmp_path / "step-00000002.tmp").exists()  # the debris is ignored...
+        assert not (tmp_path / "step-00000002.tmp").exists()  # removed at once (a full disk)
         assert ckpt.resume().step == 1
+        (tmp_path / "step-00000002.tmp").mkdir()  # debris of a process that died mid-save
         ckpt.save(TrainState(step=3))
-        assert not (tmp_path / "step-00000002.tmp").exists()  # ...and cleaned by the next save
+        assert not (tmp_path / "step-00000002.tmp").exists()  # ...is cleaned by the next save
 
 
 def test_corrupt_latest_falls_back_and_is_named(tmp_path: Path) -> None:

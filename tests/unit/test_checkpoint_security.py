@@ -198,3 +198,36 @@ def test_an_unlisted_file_makes_a_checkpoint_invalid(tmp_path: Path) -> None:
             ckpt.resume(1)
     finally:
         par.close()
+
+
+@pytest.fixture
+def small_disk(tmp_path: Path) -> Any:
+    """A 256 KiB tmpfs (root only; skipped where mounting is not allowed)."""
+    import subprocess
+
+    mount = tmp_path / "small"
+    mount.mkdir()
+    done = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "size=256k", "tmpfs", str(mount)], capture_output=True
+    )
+    if done.returncode != 0:
+        pytest.skip("cannot mount a small tmpfs here (needs root)")
+    try:
+        yield mount
+    finally:
+        subprocess.run(["umount", str(mount)], check=False)
+
+
+def test_a_full_disk_is_named_and_the_partial_save_removed(small_disk: Path) -> None:
+    par = Parallel(strategy="single")
+    try:
+        model = torch.nn.Linear(256, 512)  # 0.5 MiB of weights: more than the disk
+        from manygpu.checkpoint import Checkpointer
+
+        ckpt = Checkpointer(par, small_disk / "ck", model=par.prepare(model), every=0)
+        with pytest.raises(CheckpointError, match="no space left on the device") as info:
+            ckpt.save(TrainState(step=1))
+        assert "MiB free" in str(info.value) and "needs about 0.5 MiB" in str(info.value)
+        assert list((small_disk / "ck").glob("*.tmp")) == []
+    finally:
+        par.close()

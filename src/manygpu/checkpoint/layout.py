@@ -9,6 +9,7 @@ crash at any point leaves either the previous checkpoints untouched plus a
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import os
@@ -212,3 +213,37 @@ def prune(root: Path, keep: int) -> list[Path]:
         shutil.rmtree(old, ignore_errors=True)
         gone.append(old)
     return gone
+
+
+def _tensor_bytes(tree: Any) -> int:
+    if hasattr(tree, "element_size") and hasattr(tree, "numel"):
+        return int(tree.numel() * tree.element_size())
+    if isinstance(tree, dict):
+        return sum(_tensor_bytes(v) for v in tree.values())
+    if isinstance(tree, list | tuple):
+        return sum(_tensor_bytes(v) for v in tree)
+    return 0
+
+
+def write_failure(exc: BaseException, tmp: Path, files: Any = None) -> str:
+    """What went wrong writing into ``tmp``, in words: a full disk is named as one.
+
+    torch's writer reports a full disk as "unexpected pos N vs M" (no errno),
+    so the free space left decides: if it is smaller than what this save
+    writes, the disk is full.
+    """
+    text = str(exc).strip().splitlines()[0][:200] if str(exc).strip() else type(exc).__name__
+    needed = _tensor_bytes(files)
+    try:
+        free = shutil.disk_usage(tmp if tmp.exists() else tmp.parent).free
+    except OSError:
+        return text
+    full = getattr(exc, "errno", None) == errno.ENOSPC or "unexpected pos" in text
+    if full or (needed and free < needed):
+        mib = 2**20
+        need = f"; this checkpoint needs about {needed / mib:.1f} MiB" if needed else ""
+        return (
+            f"no space left on the device holding {tmp.parent} ({free / mib:.1f} MiB free"
+            f"{need}); free some space or give the Checkpointer another directory"
+        )
+    return text

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -155,8 +156,13 @@ class Checkpointer:
                 files = formats.full_snapshot(self.parts, copy=self.async_save)
             failure = None
         except Exception as exc:  # every rank must hear of it, or the others hang
-            failure = f"rank {self.par.rank}: {exc}"
-        self._raise_if_any(failure)  # also the barrier: every rank's files are in tmp
+            failure = f"rank {self.par.rank}: {layout.write_failure(exc, tmp)}"
+        try:
+            self._raise_if_any(failure)  # also the barrier: every rank's files are in tmp
+        except CheckpointError:
+            if self.par.is_main:  # a partial directory only takes space (a full disk)
+                shutil.rmtree(tmp, ignore_errors=True)
+            raise
         if self.par.is_main:
             if self.async_save:
                 self._pending = threading.Thread(
@@ -219,6 +225,10 @@ class Checkpointer:
             layout.prune(self.root, self.keep)
         except BaseException as exc:  # surfaced by wait() on the training thread
             self._error = exc
+            if isinstance(exc, Exception):
+                self._error = CheckpointError(layout.write_failure(exc, tmp, files))
+                self._error.__cause__ = exc
+            shutil.rmtree(tmp, ignore_errors=True)  # at once: it may be what filled the disk
 
     def wait(self) -> None:
         """Block until an asynchronous save has been committed (and raise its error)."""
