@@ -16,6 +16,15 @@ class UsageError(ManyGPUError, ValueError):
     """Bad input from the user: a wrong option, size, name or combination."""
 
 
+_PEER_LOST = ("closed by peer", "reset by peer", "read error", "broken pipe", "refused")
+
+
+def peer_lost(detail: str) -> bool:
+    """Whether a backend's message says a peer went away (rather than a timeout)."""
+    text = detail.lower()
+    return any(hint in text for hint in _PEER_LOST)
+
+
 class CollectiveTimeoutError(ManyGPUError, RuntimeError):
     """A collective did not complete in time: some rank never joined it.
 
@@ -30,11 +39,18 @@ class CollectiveTimeoutError(ManyGPUError, RuntimeError):
         self.operation = operation
         self.timeout_s = timeout_s
         within = f"{timeout_s:g}s" if timeout_s is not None else "the process group's timeout"
-        msg = (
-            f"rank {rank}: {operation} did not complete within {within}; "
-            "another rank never joined it (check that every rank runs the same "
-            "collectives in the same order, or raise the timeout)"
-        )
+        if peer_lost(detail):
+            # Not a timeout: the backend saw a peer go away, typically at once.
+            msg = (
+                f"rank {rank}: {operation} failed: another rank exited or lost its "
+                "connection (its own error, reported first, is the cause)"
+            )
+        else:
+            msg = (
+                f"rank {rank}: {operation} did not complete within {within}; "
+                "another rank never joined it (check that every rank runs the same "
+                "collectives in the same order, or raise the timeout)"
+            )
         if detail:
             msg += f" [{detail}]"
         super().__init__(msg)

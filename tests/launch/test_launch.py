@@ -98,6 +98,39 @@ def test_failing_rank_exit_code_propagates(tmp_path: Path) -> None:
     assert_gone(tmp_path)
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "world, failing, mode, code, words",
+    [
+        (2, 1, "raise", 1, "failed with exit code 1: ValueError: boom from rank 1"),
+        (2, 1, "3", 3, "failed with exit code 3"),
+        (2, 1, "kill", 137, "was killed by SIGKILL"),
+        (3, 2, "raise", 1, "failed with exit code 1: ValueError: boom from rank 2"),
+        (3, 1, "5", 5, "failed with exit code 5"),
+        (3, 2, "kill", 137, "was killed by SIGKILL"),
+    ],
+)
+def test_the_first_failure_in_time_is_blamed_with_its_exit_code(
+    world: int, failing: int, mode: str, code: int, words: str
+) -> None:
+    res = manygpu(
+        "launch",
+        "--nproc-per-node",
+        str(world),
+        "--timeout",
+        "30",
+        str(SCRIPTS / "fails_in_collective.py"),
+        mode,
+        str(failing),
+        env={"PYTHONPATH": str(ROOT / "src")},
+    )
+    summary = [ln for ln in res.stderr.splitlines() if ln.startswith("manygpu:")]
+    assert res.returncode == code, res.stderr
+    assert summary[0].startswith(f"manygpu: rank {failing} {words}"), summary
+    consequences = [ln for ln in summary[1:] if "then (a consequence)" in ln]
+    assert len(consequences) == world - 1, summary
+
+
 def test_hung_rank_ends_within_timeout(tmp_path: Path) -> None:
     timeout = 5
     start = time.monotonic()

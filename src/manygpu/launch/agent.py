@@ -20,6 +20,7 @@ from torch.distributed.elastic.multiprocessing.api import SignalException
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
+from manygpu.launch import blame
 from manygpu.launch.netcheck import check_port_free, is_local_address, split_endpoint
 from manygpu.launch.spec import LaunchSpec
 
@@ -91,51 +92,48 @@ def worker_env(spec: LaunchSpec) -> dict[str, str]:
     return env
 
 
-def _root_failure(err: ChildFailedError) -> tuple[int, ProcessFailure]:
-    """The failure that caused the others: a recorded exception or exit code
-    before a death by signal (ranks we stopped die by SIGTERM/SIGKILL)."""
-
-    def key(item: tuple[int, ProcessFailure]) -> tuple[int, int, int, int]:
-        rank, failure = item
-        killed = 1 if failure.exitcode < 0 else 0
-        return (_has_record(failure), killed, failure.timestamp, rank)
-
-    return min(err.failures.items(), key=key)
-
-
 def exit_code_of(failure: ProcessFailure) -> int:
     """Shell convention: a death by signal N exits 128+N."""
     return 128 - failure.exitcode if failure.exitcode < 0 else failure.exitcode
 
 
-def _has_record(failure: ProcessFailure) -> int:
-    """0 when the worker recorded its exception (the best root cause), else 1."""
-    return 0 if os.path.isfile(failure.error_file) else 1
-
-
 def _recorded_message(failure: ProcessFailure) -> str:
-    if _has_record(failure):
+    if not os.path.isfile(failure.error_file):
         return ""
     message = failure.message
-    return str(message.get("message", "") if isinstance(message, Mapping) else message)
+    text = str(message.get("message", "") if isinstance(message, Mapping) else message)
+    return text.splitlines()[0][:300] if text else ""
 
 
-def _describe(rank: int, failure: ProcessFailure) -> str:
+def _outcomes(err: ChildFailedError) -> list[blame.Outcome]:
+    return [
+        blame.outcome(rank, f.exitcode, f.timestamp, blame.read(f.error_file))
+        for rank, f in err.failures.items()
+    ]
+
+
+def _describe(o: blame.Outcome, failure: ProcessFailure) -> str:
     text = _recorded_message(failure)
     detail = f": {text}" if text else ""
-    if failure.exitcode < 0:
-        return f"rank {rank} was killed by {failure.signal_name()} (pid {failure.pid}){detail}"
-    return f"rank {rank} failed with exit code {failure.exitcode}{detail}"
+    pid = f" (pid {failure.pid})" if o.how.startswith("was killed") else ""
+    return f"rank {o.rank} {o.how}{pid}{detail}"
 
 
 def report_failure(err: ChildFailedError) -> int:
-    """Print which ranks failed (root cause first) and return the job's exit code."""
-    root_rank, root = _root_failure(err)
-    print(f"manygpu: {_describe(root_rank, root)}", file=sys.stderr)
-    for rank, failure in sorted(err.failures.items()):
-        if rank != root_rank:
-            print(f"manygpu:   then {_describe(rank, failure)}", file=sys.stderr)
-    return exit_code_of(root)
+    """Print the root cause (the first failure in time), then its consequences.
+
+    Returns the root cause's exit code (137 for a SIGKILL, 3 for ``sys.exit(3)``).
+    """
+    outcomes = _outcomes(err)
+    root = blame.root_cause(outcomes)
+    print(f"manygpu: {_describe(root, err.failures[root.rank])}", file=sys.stderr)
+    for o in sorted(outcomes, key=lambda o: (o.time_ns, o.rank)):
+        if o.rank != root.rank:
+            print(
+                f"manygpu:   then (a consequence) {_describe(o, err.failures[o.rank])}",
+                file=sys.stderr,
+            )
+    return root.exit_code
 
 
 def launch(spec: LaunchSpec) -> int:

@@ -14,6 +14,8 @@ import runpy
 import sys
 import traceback
 
+from manygpu.launch import blame
+
 
 def _record(exc: BaseException) -> None:
     """Write ``exc`` to ``TORCHELASTIC_ERROR_FILE`` (the agent reads it)."""
@@ -60,26 +62,48 @@ def main() -> None:
     _die_with_parent()
     try:
         run(sys.argv[1:])
-    except (SystemExit, KeyboardInterrupt):
+    except KeyboardInterrupt:
         raise
+    except SystemExit as exc:
+        code = _exit_code(exc.code)
+        if code == 0:
+            raise
+        blame.write(kind="exit", code=code, consequence=False)
+        if isinstance(exc.code, str):
+            print(exc.code, file=sys.stderr)
+        _end(code)
     except BaseException as exc:
         _record(exc)
+        blame.write(kind="exception", code=1, consequence=blame.is_peer_failure(exc))
         traceback.print_exc()
-        sys.stdout.flush()
-        sys.stderr.flush()
-        if _is_distributed_failure(exc):
-            # A collective is still pending in a backend thread; a normal
-            # interpreter exit would abort in C++ (SIGABRT) and hide the exit code.
-            os._exit(1)
-        raise SystemExit(1) from None
+        _end(1)
 
 
-def _is_distributed_failure(exc: BaseException) -> bool:
-    from manygpu.errors import CollectiveTimeoutError
+def _exit_code(code: object) -> int:
+    """``sys.exit``'s argument as the process would turn it into an exit status."""
+    if code is None:
+        return 0
+    if isinstance(code, int) and not isinstance(code, bool):
+        return code & 0xFF
+    return 1
 
-    return isinstance(exc, CollectiveTimeoutError) or type(exc).__module__.startswith(
-        "torch.distributed"
-    )
+
+def _end(code: int) -> None:
+    """Exit with ``code`` now if a process group is alive, else normally.
+
+    A collective may still be pending in a backend thread; a normal interpreter
+    exit would then abort in C++ (SIGABRT) and hide the exit code.
+    """
+    sys.stdout.flush()
+    sys.stderr.flush()
+    if _group_alive():
+        os._exit(code)
+    raise SystemExit(code) from None
+
+
+def _group_alive() -> bool:
+    dist = sys.modules.get("torch.distributed")
+    return bool(dist is not None and dist.is_available() and dist.is_initialized())
 
 
 if __name__ == "__main__":

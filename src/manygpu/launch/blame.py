@@ -1,0 +1,108 @@
+"""Which rank's failure caused the others: the first one in time that is not a consequence.
+
+When one rank dies, its peers fail after it: they time out or lose their
+connection in a collective, or the agent stops them with SIGTERM. Those are
+consequences. torch's records only keep whole seconds and say nothing of
+cause, so each worker also writes a small note when it ends abnormally (next
+to torch's error file): when (nanoseconds), how (exception or exit code) and
+whether the error was a peer's failure seen from here. A rank that leaves no
+note (SIGKILL by the OOM killer, a segfault) is a root cause unless it was
+stopped by the agent's SIGTERM.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import time
+from dataclasses import dataclass
+from typing import Any
+
+NOTE_SUFFIX = ".manygpu.json"
+
+# Words of errors that report another rank's failure (gloo, NCCL, c10d, ours).
+_PEER_HINTS = (
+    "connection closed by peer",
+    "connection reset by peer",
+    "broken pipe",
+    "read error",
+    "another rank never joined",
+    "remote process exited",
+    "socket timeout",
+    "timed out",
+)
+
+
+def is_peer_failure(exc: BaseException) -> bool:
+    """Whether ``exc`` reports a peer's failure rather than this rank's own."""
+    from manygpu.errors import CollectiveTimeoutError
+
+    if isinstance(exc, CollectiveTimeoutError):
+        return True
+    text = str(exc).lower()
+    return type(exc).__module__.startswith("torch") and any(h in text for h in _PEER_HINTS)
+
+
+def write(*, kind: str, code: int, consequence: bool) -> None:
+    """Leave this worker's note next to its torch error file (if it has one)."""
+    error_file = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if not error_file:
+        return
+    note = {"time_ns": time.time_ns(), "kind": kind, "code": code, "consequence": consequence}
+    try:
+        os.makedirs(os.path.dirname(error_file) or ".", exist_ok=True)
+        with open(error_file + NOTE_SUFFIX, "w") as fh:
+            json.dump(note, fh)
+    except OSError:
+        pass  # a note is a help for the report, never a reason to fail
+
+
+def read(error_file: str) -> dict[str, Any] | None:
+    """A worker's note, or ``None`` (it left none, or the file is unreadable)."""
+    try:
+        with open(error_file + NOTE_SUFFIX) as fh:
+            note = json.load(fh)
+    except (OSError, ValueError):
+        return None
+    return note if isinstance(note, dict) else None
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """How one rank ended, as far as the launcher can tell."""
+
+    rank: int
+    exit_code: int
+    """Shell convention: 128+N for a death by signal N."""
+    time_ns: int
+    consequence: bool
+    how: str
+    """Words for the report: "failed with exit code 3", "was killed by SIGKILL"."""
+
+
+def outcome(rank: int, exitcode: int, timestamp_s: int, note: dict[str, Any] | None) -> Outcome:
+    """One rank's end from torch's record (exit code, seconds) and our note."""
+    if note is not None and isinstance(note.get("time_ns"), int):
+        code = int(note.get("code", 1))
+        how = f"failed with exit code {code}"
+        return Outcome(rank, code, note["time_ns"], bool(note.get("consequence")), how)
+    if exitcode < 0:
+        name = _signal_name(-exitcode)
+        # SIGTERM is how the agent stops the survivors of a failure.
+        stopped = -exitcode == signal.SIGTERM
+        return Outcome(rank, 128 - exitcode, timestamp_s * 10**9, stopped, f"was killed by {name}")
+    how = f"failed with exit code {exitcode}"
+    return Outcome(rank, exitcode, timestamp_s * 10**9, False, how)
+
+
+def root_cause(outcomes: list[Outcome]) -> Outcome:
+    """The first failure in time that is not a consequence (else the first of all)."""
+    return min(outcomes, key=lambda o: (o.consequence, o.time_ns, o.rank))
+
+
+def _signal_name(number: int) -> str:
+    try:
+        return signal.Signals(number).name
+    except ValueError:
+        return f"signal {number}"

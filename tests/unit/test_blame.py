@@ -1,0 +1,41 @@
+"""The launcher's root cause: first in time, consequences last (pure functions)."""
+
+from __future__ import annotations
+
+from manygpu.errors import CollectiveTimeoutError
+from manygpu.launch import blame
+
+
+def test_a_recorded_raise_beats_a_peer_that_timed_out_first_in_whole_seconds() -> None:
+    rank0 = blame.outcome(
+        0, 1, 100, {"time_ns": 5, "kind": "exception", "code": 1, "consequence": True}
+    )
+    rank1 = blame.outcome(
+        1, -15, 99, {"time_ns": 9, "kind": "exception", "code": 1, "consequence": False}
+    )
+    assert blame.root_cause([rank0, rank1]).rank == 1
+
+
+def test_sigkill_without_a_note_is_a_root_cause_sigterm_is_a_consequence() -> None:
+    killed = blame.outcome(2, -9, 100, None)
+    stopped = blame.outcome(0, -15, 99, None)
+    assert killed.exit_code == 137 and not killed.consequence
+    assert stopped.consequence and stopped.exit_code == 143
+    assert blame.root_cause([stopped, killed]).rank == 2
+
+
+def test_exit_code_comes_from_the_note() -> None:
+    o = blame.outcome(1, -6, 100, {"time_ns": 1, "kind": "exit", "code": 3, "consequence": False})
+    assert o.exit_code == 3 and o.how == "failed with exit code 3"
+
+
+def test_peer_failures_are_recognised() -> None:
+    assert blame.is_peer_failure(CollectiveTimeoutError(0, "all_reduce", 5.0))
+    assert not blame.is_peer_failure(ValueError("connection closed by peer"))  # user code
+
+
+def test_a_lost_peer_is_not_called_a_timeout() -> None:
+    msg = str(CollectiveTimeoutError(0, "all_reduce", 180.0, "Connection closed by peer [::1]"))
+    assert "did not complete within" not in msg and "another rank exited" in msg
+    msg = str(CollectiveTimeoutError(0, "all_reduce", 5.0, "Timed out waiting"))
+    assert "did not complete within 5s" in msg
