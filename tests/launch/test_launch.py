@@ -131,6 +131,30 @@ def test_the_first_failure_in_time_is_blamed_with_its_exit_code(
     assert len(consequences) == world - 1, summary
 
 
+@pytest.mark.slow
+def test_timeout_covers_a_plain_torchrun_script_and_no_temp_dir_is_left(tmp_path: Path) -> None:
+    """--timeout becomes the default process-group timeout of any script; the
+    launcher's own log directory is removed (torch would leave torchelastic_* in TMPDIR)."""
+    tmp = tmp_path / "tmp"
+    tmp.mkdir()
+    start = time.monotonic()
+    res = manygpu(
+        "launch",
+        "--nproc-per-node",
+        "2",
+        "--timeout",
+        "5",
+        str(SCRIPTS / "plain_hang.py"),
+        env={"TMPDIR": str(tmp)},
+    )
+    elapsed = time.monotonic() - start
+    assert res.returncode == 1, res.stderr
+    assert elapsed < 5 + 30, f"took {elapsed:.1f}s"
+    assert "Timed out waiting 5000ms" in res.stderr
+    left = [p.name for p in tmp.iterdir() if p.name.startswith(("torchelastic_", "manygpu-"))]
+    assert left == []
+
+
 def test_hung_rank_ends_within_timeout(tmp_path: Path) -> None:
     timeout = 5
     start = time.monotonic()

@@ -90,7 +90,11 @@ def add_launch_options(p: argparse.ArgumentParser) -> None:
         "--timeout",
         type=positive_float,
         dest="timeout_s",
-        help="seconds before a stuck collective (default 180) or rendezvous (default 900) fails",
+        help=(
+            "seconds before a stuck collective fails (manygpu's own, and every process "
+            "group a script creates without timeout=; default: 180 for manygpu's, torch's "
+            "30 min for others) or the rendezvous does (default 900)"
+        ),
     )
     p.add_argument("--log-dir", "--log_dir", dest="log_dir", help="keep workers' logs here")
     p.add_argument(

@@ -10,9 +10,12 @@ from __future__ import annotations
 import inspect
 import logging
 import os
+import shutil
 import signal
 import sys
+import tempfile
 from collections.abc import Mapping
+from dataclasses import replace
 from typing import Any
 
 from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, Std
@@ -139,6 +142,17 @@ def report_failure(err: ChildFailedError) -> int:
 def launch(spec: LaunchSpec) -> int:
     """Run the job to the end; returns its exit code (0, or the failing rank's)."""
     preflight(spec)
+    # Without a log directory torch makes a torchelastic_* one in TMPDIR and
+    # leaves it there; ours goes once the failure report has read it.
+    own_logs = None if spec.log_dir is not None else tempfile.mkdtemp(prefix="manygpu-logs-")
+    try:
+        return _run(spec if own_logs is None else replace(spec, log_dir=own_logs))
+    finally:
+        if own_logs is not None:
+            shutil.rmtree(own_logs, ignore_errors=True)
+
+
+def _run(spec: LaunchSpec) -> int:
     logging.getLogger("torch.distributed.elastic").setLevel(logging.WARNING)
     # Its per-worker "failed (exitcode ...)" lines repeat what report_failure says.
     logging.getLogger("torch.distributed.elastic.multiprocessing.api").setLevel(logging.CRITICAL)

@@ -15,6 +15,7 @@ import sys
 import traceback
 
 from manygpu.launch import blame
+from manygpu.runtime import env as envmod
 
 
 def _record(exc: BaseException) -> None:
@@ -58,8 +59,28 @@ def _die_with_parent() -> None:
         os._exit(1)
 
 
+def _default_group_timeout() -> None:
+    """``--timeout`` becomes torch's default process-group timeout in this worker.
+
+    Collectives of a group created without ``timeout=`` (any torchrun script)
+    then end with an error after ``--timeout`` seconds instead of torch's 30
+    minutes. Only when the user asked (MANYGPU_TIMEOUT set by the launcher).
+    """
+    env = envmod.current()
+    if not envmod.get_str(env, "MANYGPU_TIMEOUT"):
+        return
+    from datetime import timedelta
+
+    import torch.distributed.distributed_c10d as c10d
+
+    limit = timedelta(seconds=envmod.timeout_s(env))
+    c10d.default_pg_timeout = limit
+    c10d.default_pg_nccl_timeout = limit
+
+
 def main() -> None:
     _die_with_parent()
+    _default_group_timeout()
     try:
         run(sys.argv[1:])
     except KeyboardInterrupt:
