@@ -9,6 +9,7 @@ the failing rank's error even when the script has no ``@record`` decorator.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import runpy
 import sys
@@ -83,6 +84,7 @@ def main() -> None:
     _default_group_timeout()
     try:
         run(sys.argv[1:])
+        _release_group()
     except KeyboardInterrupt:
         raise
     except SystemExit as exc:
@@ -120,6 +122,21 @@ def _end(code: int) -> None:
     if _group_alive():
         os._exit(code)
     raise SystemExit(code) from None
+
+
+def _release_group() -> None:
+    """Destroy a process group the script left behind, before the interpreter exits.
+
+    Otherwise its destructor runs during interpreter shutdown, where gloo's
+    destructor can wait (holding the GIL) for a backend thread that waits for
+    the GIL: a finished job that never exits. Every collective of the script
+    has returned by now, so destroying this rank's group is safe.
+    """
+    if _group_alive():
+        import torch.distributed as dist
+
+        with contextlib.suppress(Exception):  # best effort: the script's work is done
+            dist.destroy_process_group()
 
 
 def _group_alive() -> bool:
