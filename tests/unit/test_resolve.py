@@ -63,6 +63,11 @@ def test_gpus_all() -> None:
     assert parse_gpus("all", {}, 3) == ("0", "1", "2")
 
 
+def test_gpus_all_without_gpus_says_so() -> None:
+    with pytest.raises(UsageError, match="--gpus all: this machine has no CUDA GPU"):
+        parse_gpus("all", {}, 0)
+
+
 @pytest.mark.parametrize(
     ("text", "problem"),
     [

@@ -54,6 +54,11 @@ def parse_gpus(text: str, env: Environ, cuda_count: int) -> tuple[str, ...]:
     """
     parts = [p.strip() for p in text.split(",")]
     if text.strip().lower() == "all":
+        if cuda_count == 0:
+            raise UsageError(
+                "--gpus all: this machine has no CUDA GPU (check nvidia-smi and the driver); "
+                "drop --gpus to run CPU processes"
+            )
         return tuple(_visible(env, cuda_count))
     if not parts or any(not (p.isascii() and p.isdigit()) for p in parts):
         raise UsageError(
