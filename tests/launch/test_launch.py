@@ -69,6 +69,7 @@ def test_torchrun_script_runs_unchanged(tmp_path: Path) -> None:
         assert rec["GROUP_RANK"] == "0" and rec["MASTER_ADDR"] and rec["MASTER_PORT"]
         assert rec["sum"] == 3.0
         assert rec["argv"] == [str(tmp_path), "--flag", "x"]
+        assert rec["file"] == str(SCRIPTS / "torchrun_style.py")  # absolute, as under torchrun
 
 
 def test_module_launch(tmp_path: Path) -> None:

@@ -40,7 +40,8 @@ def run(argv: list[str]) -> None:
     script, args = argv[0], argv[1:]
     sys.argv = [script, *args]
     sys.path[0] = os.path.dirname(os.path.abspath(script))
-    runpy.run_path(script, run_name="__main__")
+    # Absolute, as python (and so torchrun) makes a main script's __file__.
+    runpy.run_path(os.path.abspath(script), run_name="__main__")
 
 
 def _die_with_parent() -> None:

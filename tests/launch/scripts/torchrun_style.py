@@ -21,6 +21,7 @@ keys = (
     "GROUP_RANK",
 )
 record = {k: os.environ.get(k) for k in keys} | {"sum": t.item(), "argv": sys.argv[1:]}
+record["file"] = __file__
 with open(os.path.join(sys.argv[1], f"rank{rank}.json"), "w") as fh:
     json.dump(record, fh)
 dist.destroy_process_group()
