@@ -56,10 +56,12 @@ def test_torchrun_script_runs_unchanged(tmp_path: Path) -> None:
         "launch",
         "--nproc-per-node",
         "2",
-        str(SCRIPTS / "torchrun_style.py"),
+        "torchrun_style.py",  # relative: __file__ must still be absolute
         str(tmp_path),
         "--flag",
         "x",
+        cwd=SCRIPTS,
+        env={"PYTHONPATH": str(ROOT / "src")},
     )
     assert res.returncode == 0, res.stderr
     records = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
