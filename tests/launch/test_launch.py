@@ -74,6 +74,49 @@ def test_torchrun_script_runs_unchanged(tmp_path: Path) -> None:
         assert rec["file"] == str(SCRIPTS / "torchrun_style.py")  # absolute, as under torchrun
 
 
+@pytest.mark.slow
+def test_torchrun_flags_launch(tmp_path: Path) -> None:
+    """nanoGPT's `torchrun --standalone`, tee/redirects into --log-dir, a rank filter;
+    and --no-python running a program directly."""
+    logs = tmp_path / "logs"
+    res = manygpu(
+        "launch",
+        "--standalone",
+        "--nproc_per_node",
+        "2",
+        "--tee",
+        "3",
+        "--log-dir",
+        str(logs),
+        "--local-ranks-filter",
+        "1",
+        "--role",
+        "trainer",
+        "--monitor-interval",
+        "0.2",
+        "--run-path",
+        str(SCRIPTS / "torchrun_style.py"),
+        str(tmp_path),
+        env={"PYTHONPATH": str(ROOT / "src")},
+    )
+    assert res.returncode == 0, res.stderr
+    assert sorted(p.name for p in tmp_path.glob("rank*.json")) == ["rank0.json", "rank1.json"]
+    assert len(list(logs.rglob("stdout.log"))) == 2  # tee'd into the kept log directory
+    out = tmp_path / "np"
+    out.mkdir()
+    res = manygpu(
+        "launch",
+        "--nproc-per-node",
+        "2",
+        "--no-python",
+        "sh",
+        "-c",
+        f'echo "$RANK/$WORLD_SIZE" > {out}/r$RANK',
+    )
+    assert res.returncode == 0, res.stderr
+    assert [(out / f"r{r}").read_text().strip() for r in range(2)] == ["0/2", "1/2"]
+
+
 def test_module_launch(tmp_path: Path) -> None:
     res = manygpu(
         "launch", "--nproc-per-node", "2", "-m", "pkg.job", str(tmp_path), "a", cwd=SCRIPTS

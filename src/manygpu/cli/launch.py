@@ -8,7 +8,9 @@ from typing import Any
 import torch
 
 from manygpu.cli.parser import positive_float, positive_int
+from manygpu.errors import UsageError
 from manygpu.launch import LaunchRequest, launch, resolve
+from manygpu.launch.spec import TorchrunOptions
 from manygpu.runtime import env as envmod
 
 HELP = """Start SCRIPT (or -m MODULE) once per worker, like torchrun.
@@ -30,6 +32,7 @@ def add_parser(sub: Any) -> None:
         allow_abbrev=False,
     )
     add_launch_options(p)
+    add_torchrun_options(p)
     p.add_argument(
         "-m",
         "--module",
@@ -107,6 +110,72 @@ def add_launch_options(p: argparse.ArgumentParser) -> None:
     )
 
 
+def add_torchrun_options(p: argparse.ArgumentParser) -> None:
+    """torchrun's own flags, with torchrun's meaning (its spellings with - and _)."""
+    flag: dict[str, Any] = {"action": "store_true"}
+    p.add_argument("--standalone", **flag, help="one node, private rendezvous (the default)")
+    p.add_argument(
+        "--no-python",
+        "--no_python",
+        dest="no_python",
+        **flag,
+        help="run SCRIPT as an executable, not with python",
+    )
+    p.add_argument(
+        "--run-path",
+        "--run_path",
+        dest="run_path",
+        **flag,
+        help="run SCRIPT with runpy.run_path (what manygpu does anyway)",
+    )
+    p.add_argument("-t", "--tee", help="also log these streams: 0-3 or per rank 0:1,1:2")
+    p.add_argument("-r", "--redirects", help="log these streams only: 0-3 or per rank 0:1,1:2")
+    p.add_argument(
+        "--local-ranks-filter",
+        "--local_ranks_filter",
+        dest="local_ranks_filter",
+        help="show only these local ranks' output, e.g. 0 or 0,2",
+    )
+    p.add_argument(
+        "--monitor-interval",
+        "--monitor_interval",
+        dest="monitor_interval",
+        type=positive_float,
+        default=0.1,
+        help="seconds between worker checks",
+    )
+    p.add_argument("--role", default="worker", help="the workers' role name")
+    p.add_argument(
+        "--start-method",
+        "--start_method",
+        dest="start_method",
+        default="spawn",
+        choices=("spawn", "fork", "forkserver"),
+    )
+
+
+def _ranks(text: str | None) -> tuple[int, ...] | None:
+    if text is None:
+        return None
+    parts = [t.strip() for t in text.split(",")]
+    if not all(p.isascii() and p.isdigit() for p in parts):
+        raise UsageError(f"--local-ranks-filter {text!r}: give local ranks like 0 or 0,2")
+    return tuple(int(p) for p in parts)
+
+
+def torchrun_options(ns: argparse.Namespace) -> TorchrunOptions:
+    """The torchrun flags of ``ns`` (defaults for commands that do not take them)."""
+    return TorchrunOptions(
+        no_python=getattr(ns, "no_python", False),
+        tee=getattr(ns, "tee", None),
+        redirects=getattr(ns, "redirects", None),
+        local_ranks_filter=_ranks(getattr(ns, "local_ranks_filter", None)),
+        monitor_interval=getattr(ns, "monitor_interval", 0.1),
+        role=getattr(ns, "role", "worker"),
+        start_method=getattr(ns, "start_method", "spawn"),
+    )
+
+
 def run(ns: argparse.Namespace) -> int:
     return launch_job(ns, ns.entry, ns.is_module, tuple(ns.args))
 
@@ -132,6 +201,8 @@ def launch_job(ns: argparse.Namespace, entry: str, is_module: bool, args: tuple[
         term_timeout_s=ns.term_timeout_s,
         timeout_s=ns.timeout_s,
         log_dir=ns.log_dir,
+        standalone=getattr(ns, "standalone", False),
+        torchrun=torchrun_options(ns),
     )
     spec = resolve(request, envmod.current(), torch.cuda.device_count())
     return launch(spec)

@@ -44,13 +44,16 @@ def build_config(spec: LaunchSpec) -> LaunchConfig:
             # addresses (containers, namespaces): the store is then never started.
             rdzv_configs["is_host"] = True
     rdzv_configs.update(spec.rdzv_conf)
+    opts = spec.torchrun
     return LaunchConfig(
         **_supported({"shutdown_timeout": spec.shutdown_grace_s}),
         min_nodes=spec.min_nodes,
         max_nodes=spec.max_nodes,
         nproc_per_node=spec.nproc_per_node,
         run_id=spec.rdzv_id,
-        role="worker",
+        role=opts.role,
+        monitor_interval=opts.monitor_interval,
+        start_method=opts.start_method,
         rdzv_endpoint=spec.rdzv_endpoint,
         rdzv_backend=spec.rdzv_backend,
         rdzv_configs=rdzv_configs,
@@ -58,7 +61,12 @@ def build_config(spec: LaunchSpec) -> LaunchConfig:
         local_addr=spec.local_addr,
         # stdout stays live (progress bars); stderr is tee'd with a rank prefix so
         # interleaved errors from several ranks can be told apart.
-        logs_specs=DefaultLogsSpecs(log_dir=spec.log_dir, tee=Std.ERR),
+        logs_specs=DefaultLogsSpecs(
+            log_dir=spec.log_dir,
+            redirects=Std.from_str(opts.redirects) if opts.redirects else Std.NONE,
+            tee=Std.from_str(opts.tee) if opts.tee else Std.ERR,
+            local_ranks_filter=set(opts.local_ranks_filter) if opts.local_ranks_filter else None,
+        ),
         log_line_prefix_template="[rank${rank}]:",
     )
 
@@ -74,6 +82,8 @@ def _supported(options: dict[str, Any]) -> dict[str, Any]:
 
 def worker_command(spec: LaunchSpec) -> tuple[str, list[str]]:
     """The executable and arguments each worker runs."""
+    if spec.torchrun.no_python:  # torchrun --no-python: the program itself
+        return spec.entry, list(spec.args)
     head = ["-u", "-m", "manygpu.launch.worker"]
     entry = ["-m", spec.entry] if spec.is_module else [spec.entry]
     return sys.executable, [*head, *entry, *spec.args]

@@ -7,12 +7,13 @@ so every rule is testable without GPUs or a Slurm cluster.
 from __future__ import annotations
 
 import os
+import shutil
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from manygpu.errors import UsageError
 from manygpu.launch.netcheck import split_endpoint
-from manygpu.launch.spec import LaunchSpec
+from manygpu.launch.spec import LaunchSpec, TorchrunOptions
 from manygpu.runtime import env as envmod
 from manygpu.runtime.cluster import DEFAULT_PORT, slurm_master
 from manygpu.runtime.device import threads_per_process
@@ -44,6 +45,8 @@ class LaunchRequest:
     term_timeout_s: int = 120
     timeout_s: float | None = None
     log_dir: str | None = None
+    standalone: bool = False
+    torchrun: TorchrunOptions = field(default_factory=TorchrunOptions)
 
 
 def parse_gpus(text: str, env: Environ, cuda_count: int) -> tuple[str, ...]:
@@ -153,8 +156,9 @@ def _join(host: str, port: int) -> str:
 
 def resolve(req: LaunchRequest, env: Environ, cuda_count: int) -> LaunchSpec:
     """Validate ``req`` and fill in every default; raises ``UsageError`` on bad input."""
-    if not req.is_module and not os.path.isfile(req.entry):
-        raise UsageError(f"script {req.entry!r} not found; give the path of a Python file")
+    _check_entry(req)
+    if req.standalone:
+        _check_standalone(req)
     gpus = parse_gpus(req.gpus, env, cuda_count) if req.gpus is not None else None
     if req.nproc_per_node is not None:
         nproc = req.nproc_per_node
@@ -188,7 +192,35 @@ def resolve(req: LaunchRequest, env: Environ, cuda_count: int) -> LaunchSpec:
         log_dir=req.log_dir,
         rdzv_conf=parse_rdzv_conf(req.rdzv_conf),
         extra_env=_worker_env(env, nproc, gpus, single_node=max_nodes == 1),
+        torchrun=req.torchrun,
     )
+
+
+def _check_entry(req: LaunchRequest) -> None:
+    if req.torchrun.no_python:
+        if req.is_module:
+            raise UsageError("--no-python and -m cannot be used together (as with torchrun)")
+        if not (os.path.isfile(req.entry) or shutil.which(req.entry)):
+            raise UsageError(f"program {req.entry!r} not found (--no-python runs it directly)")
+        return
+    if not req.is_module and not os.path.isfile(req.entry):
+        raise UsageError(f"script {req.entry!r} not found; give the path of a Python file")
+
+
+def _check_standalone(req: LaunchRequest) -> None:
+    """torchrun --standalone: one node, a private rendezvous on loopback (our default)."""
+    if req.nnodes not in (None, "1", "1:1"):
+        raise UsageError(f"--standalone runs one node; drop --nnodes {req.nnodes} or --standalone")
+    given = [
+        flag
+        for flag, value in (
+            ("--master-addr", req.master_addr),
+            ("--rdzv-endpoint", req.rdzv_endpoint),
+        )
+        if value
+    ]
+    if given:
+        raise UsageError(f"--standalone picks its own rendezvous; drop {given[0]}")
 
 
 def _default_run_id(env: Environ, multi_node: bool) -> str:

@@ -7,6 +7,52 @@ from dataclasses import dataclass, field
 from manygpu.errors import UsageError
 
 RDZV_BACKENDS = ("static", "c10d")
+START_METHODS = ("spawn", "fork", "forkserver")
+
+
+def _std_spec(flag: str, value: str | None) -> None:
+    """torchrun's 0-3 or per-rank ``0:1,1:2`` for --tee / --redirects."""
+    if value is None:
+        return
+    parts = [p.split(":", 1)[-1] for p in value.split(",")] if ":" in value else [value]
+    if not all(p.strip() in ("0", "1", "2", "3") for p in parts):
+        raise UsageError(
+            f"{flag} {value!r}: give 0 (none), 1 (stdout), 2 (stderr) or 3 (both), "
+            "or per local rank like 0:3,1:2"
+        )
+
+
+@dataclass(frozen=True, kw_only=True)
+class TorchrunOptions:
+    """torchrun's flags with torchrun's meaning, for scripts launched as with torchrun."""
+
+    no_python: bool = False
+    """Run the entry as an executable, not with Python (--no-python)."""
+    tee: str | None = None
+    """Also write these streams to the log files: 0-3 or per rank "0:1,1:2" (--tee)."""
+    redirects: str | None = None
+    """Send these streams to the log files only (--redirects)."""
+    local_ranks_filter: tuple[int, ...] | None = None
+    """Show only these local ranks' output on the console (--local-ranks-filter)."""
+    monitor_interval: float = 0.1
+    """Seconds between the agent's checks of its workers (--monitor-interval)."""
+    role: str = "worker"
+    """The workers' role name (--role)."""
+    start_method: str = "spawn"
+    """How the agent starts workers (--start-method)."""
+
+    def __post_init__(self) -> None:
+        _std_spec("--tee", self.tee)
+        _std_spec("--redirects", self.redirects)
+        interval = self.monitor_interval
+        if not isinstance(interval, int | float) or not 0 < interval < float("inf"):
+            raise UsageError(f"--monitor-interval must be a number of seconds > 0, got {interval}")
+        if self.start_method not in START_METHODS:
+            raise UsageError(
+                f"--start-method {self.start_method!r}: choose one of {', '.join(START_METHODS)}"
+            )
+        if not self.role or not self.role.replace("_", "").replace("-", "").isalnum():
+            raise UsageError(f"--role {self.role!r}: give a plain name, e.g. worker")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -50,6 +96,8 @@ class LaunchSpec:
     """Extra rendezvous settings, as torchrun's ``--rdzv-conf`` (e.g. last_call_timeout)."""
     extra_env: dict[str, str] = field(default_factory=dict)
     """Variables set for the workers (e.g. ``OMP_NUM_THREADS``)."""
+    torchrun: TorchrunOptions = field(default_factory=TorchrunOptions)
+    """torchrun's own flags (tee, redirects, --no-python ...)."""
 
     def __post_init__(self) -> None:
         if self.nproc_per_node < 1:
