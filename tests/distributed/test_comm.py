@@ -5,6 +5,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
+import pytest
 import torch
 from dist_harness import run_ranks
 
@@ -83,6 +84,30 @@ def test_debug_mode_names_the_rank_that_differs() -> None:
 def test_debug_mode_from_the_environment() -> None:
     results = run_ranks(_mismatch, 2, True, extra_env={"MANYGPU_DEBUG": "1"})
     assert all("collective mismatch" in m for m in results)
+
+
+def _skip_or_extra(calls_on_rank1: int) -> str:
+    """Rank 0 makes 3 all_reduces of one shape from one line; rank 1 makes ``calls_on_rank1``."""
+    par = Parallel(strategy="ddp", timeout_s=20, debug=True)
+    try:
+        try:
+            for _ in range(3 if par.rank == 0 else calls_on_rank1):
+                comm.all_reduce(torch.ones(4), debug=True)
+            par.close()
+        except comm.CollectiveMismatchError as exc:
+            return str(exc)
+        return "no error"
+    finally:
+        if torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
+
+
+@pytest.mark.parametrize("calls, words", [(2, "after 2 calls"), (4, "as call #4")])
+def test_debug_mode_names_a_skipped_or_extra_collective(calls: int, words: str) -> None:
+    """Same op, same shape, same line: only the call count can tell, and it does."""
+    for message in run_ranks(_skip_or_extra, 2, calls):
+        assert "collective mismatch" in message and words in message, message
+        assert "end of the job" in message
 
 
 def _send_without_receiver() -> str:

@@ -18,7 +18,8 @@ from torch import nn
 from torch.utils.data import DataLoader
 
 from manygpu import comm
-from manygpu.comm.common import first_line
+from manygpu.comm.common import debug_requested, first_line
+from manygpu.comm.debug import check_end
 from manygpu.comm.grad_norm import clip_grads_, total_grad_norm
 from manygpu.comm.module_sync import broadcast_module_state
 from manygpu.core.accumulation import Accumulator
@@ -334,7 +335,13 @@ class Parallel:
         torch.manual_seed(value)
 
     def close(self) -> None:
-        """Tear down the strategy and the process group we created."""
+        """Tear down the strategy and the process group we created.
+
+        In debug mode every rank first checks that all made the same number
+        of collectives: a skipped or extra one is named instead of passing.
+        """
+        if self.world_size > 1 and comm.common.active() and debug_requested(self.config.debug):
+            check_end(timeout_s=self.timeout_s)
         self.strategy.teardown()
         teardown(self._ctx)
 
