@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+from typing import Any
+
 import pytest
 import torch
 from torch import nn
 
-from manygpu import Parallel, UsageError
+from manygpu import DDPOptions, FSDPOptions, Parallel, PipelineOptions, UsageError
 
 
 @pytest.mark.parametrize("strategy", ["single", "ddp"])
@@ -22,3 +25,160 @@ def test_preparing_a_model_or_optimizer_twice_is_refused(strategy: str) -> None:
         for again in (opt, prepared):
             with pytest.raises(UsageError, match="optimizer was already prepared"):
                 par.prepare(again)
+
+
+# -- the CLI: one line on stderr, exit code 2, never a traceback ------------------
+S = "tests/launch/scripts/torchrun_style.py"
+CLI_BAD: list[tuple[list[str], str]] = [
+    (["launch", "--timeout", "inf", S], "not a finite number"),
+    (["launch", "--timeout", "nan", S], "not a finite number"),
+    (["launch", "--timeout", "-1", S], "greater than 0"),
+    (["launch", "--timeout", "abc", S], "not a number"),
+    (["launch", "--term-timeout", "-5", S], "0 or more"),
+    (["launch", "--log-dir", "/proc/nope", S], "--log-dir /proc/nope"),
+    (["launch", "-m", "no_such_module_xyz"], "module 'no_such_module_xyz' not found"),
+    (["launch", "-m", "1bad"], "not a module name"),
+    (["launch", "--nproc-per-node", "abc", S], "not an integer"),
+    (["launch", "--nproc-per-node", "0", S], "--nproc-per-node"),
+    (["launch", "--max-restarts", "-1", S], "--max-restarts"),
+    (["launch", "--rdzv-conf", "garbage", S], "--rdzv-conf"),
+    (["launch", "--nnodes", "0", S], "--nnodes"),
+    (["launch", "--nnodes", "x", S], "--nnodes"),
+    (["launch", "--master-port", "70000", S], "port 70000"),
+    (["launch", "--nnodes", "2", S], "--master-addr"),
+    (["launch", "--node-rank", "5", "--nnodes", "2", "--master-addr", "127.0.0.1", S], "5"),
+    (["launch", "--gpus", "", S], "--gpus"),
+    (["launch", "--gpus", "0,0", S], "twice"),
+    (["launch", "--gpus", "all", S], "no CUDA GPU"),
+    (["launch", "--rdzv-backend", "etcd", S], "invalid choice"),
+    (["launch", "--tee", "9", S], "--tee"),
+    (["launch", "--standalone", "--nnodes", "3", S], "--standalone"),
+    (["launch", "--start-method", "thread", S], "invalid choice"),
+    (["launch", "--monitor-interval", "0", S], "greater than 0"),
+    (["launch", "nope.py"], "not found"),
+    (["launch"], "SCRIPT"),
+    (["bench", "comm", "--iters", "-1"], "0 or more"),
+    (["bench", "comm", "--warmup", "-3"], "0 or more"),
+    (["bench", "comm", "--ops", "nope"], "nope"),
+    (["bench", "comm", "--min-bytes", "xyz"], "xyz"),
+    (["bench", "comm", "--dtype", "float7"], "float7"),
+    (["bench", "nope"], "invalid choice"),
+    (["plan"], "--model or --params"),
+    (["plan", "--params", "nan"], "not a finite number"),
+    (["plan", "--params", "-5"], "0 or more"),
+    (["plan", "--params", "1e9", "--mfu", "5"], "(0, 1]"),
+    (["plan", "--params", "1e9", "--mfu", "0"], "greater than 0"),
+    (["plan", "--params", "1e9", "--layers", "4"], "add --hidden, --seq"),
+    (["plan", "--params", "1e9", "--seq", "-1"], "0 or more"),
+    (["plan", "--params", "1e9", "--json", "/proc/nope/x.json"], "--json"),
+    (["plan", "--params", "1e9", "--gpu-memory-gb", "inf"], "not a finite number"),
+    (["plan", "--params", "1e9", "--cluster", "nope"], "nope"),
+    (["demo", "--epochs", "0"], "--epochs"),
+    (["demo", "--workers", "0"], "at least 1"),
+    (["demo", "--strategy", "nope"], "unknown strategy"),
+    (["demo", "--precision", "fp8"], "unknown precision"),
+    (["checkpoint", "inspect", "/nonexistent"], "does not exist"),
+    (["checkpoint", "export", "/nonexistent", "/tmp/x.safetensors"], "does not exist"),
+    (["doctor", "--bogus"], "unrecognized arguments"),
+    (["nosuchcmd"], "invalid choice"),
+]
+
+
+@pytest.mark.parametrize("argv, needle", CLI_BAD, ids=[" ".join(a)[:50] for a, _ in CLI_BAD])
+def test_cli_bad_input_is_one_line_and_exit_2(
+    argv: list[str], needle: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from manygpu.cli.main import main
+
+    try:
+        code = main(argv)
+    except SystemExit as exc:
+        code = exc.code  # type: ignore[assignment]
+    err = capsys.readouterr().err
+    lines = [ln for ln in err.splitlines() if ln.strip()]
+    assert code == 2, err
+    assert len(lines) == 1 and "Traceback" not in err, err
+    assert needle in lines[0], lines[0]
+
+
+def test_cli_checkpoint_export_to_a_directory_or_unwritable_path(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from manygpu.checkpoint import Checkpointer, TrainState
+    from manygpu.cli.main import main
+
+    with Parallel(strategy="single") as par:
+        Checkpointer(par, tmp_path / "ck", model=par.prepare(nn.Linear(2, 2))).save(
+            TrainState(step=1)
+        )
+    (tmp_path / "out").mkdir()
+    for target, needle in ((tmp_path / "out", "is a directory"), (Path("/proc/x.st"), "cannot")):
+        assert main(["checkpoint", "export", str(tmp_path / "ck"), str(target)]) == 2
+        err = capsys.readouterr().err.strip()
+        assert needle in err and "\n" not in err, err
+    assert not list(tmp_path.rglob("*.tmp"))
+
+
+# -- the API: a specific exception with the fix in its message --------------------
+def _parallel(**kw: Any) -> None:
+    Parallel(**kw).close()
+
+
+API_BAD: list[tuple[Any, type[Exception], str]] = [
+    (lambda: _parallel(strategy="single", timeout_s=float("nan")), UsageError, "timeout_s"),
+    (lambda: _parallel(strategy="single", timeout_s=float("inf")), UsageError, "timeout_s"),
+    (lambda: _parallel(strategy="single", timeout_s="5"), UsageError, "timeout_s"),
+    (lambda: _parallel(strategy="single", timeout_s=-1), UsageError, "timeout_s"),
+    (lambda: _parallel(strategy="nope"), UsageError, "unknown strategy"),
+    (lambda: _parallel(strategy="single", grad_accum_steps=0), UsageError, "grad_accum_steps"),
+    (lambda: _parallel(strategy="single", precision="fp8"), UsageError, "precision"),
+    (lambda: _parallel(mesh={"xx": 2}), UsageError, "unknown mesh dimension"),
+    (lambda: _parallel(strategy="hybrid"), UsageError, "mesh"),
+    (lambda: _parallel(strategy="model", mesh={"tp": 2}), UsageError, "cannot use mesh"),
+    (lambda: FSDPOptions(param_dtype="fp8"), UsageError, "param_dtype"),
+    (lambda: FSDPOptions(block_classes=(3,)), UsageError, "block_classes"),
+    (lambda: DDPOptions(bucket_cap_mb=0), UsageError, "bucket_cap_mb"),
+    (lambda: DDPOptions(grad_compression="int4"), UsageError, "grad_compression"),
+    (lambda: PipelineOptions(microbatches=0), UsageError, "microbatches"),
+    (lambda: PipelineOptions(schedule="zb"), UsageError, "schedule"),
+    (lambda: PipelineOptions(balance="time"), UsageError, "example_input"),
+]
+
+
+@pytest.mark.parametrize("call, error, needle", API_BAD)
+def test_api_bad_input_raises_a_specific_error(
+    call: Any, error: type[Exception], needle: str
+) -> None:
+    with pytest.raises(error, match=needle):
+        call()
+
+
+def test_bad_timeout_in_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    for raw in ("abc", "-5", "nan"):
+        monkeypatch.setenv("MANYGPU_TIMEOUT", raw)
+        with pytest.raises(UsageError, match="MANYGPU_TIMEOUT"):
+            _parallel(strategy="single")
+
+
+def test_checkpointer_bad_counts_and_a_file_for_a_directory(tmp_path: Path) -> None:
+    from manygpu.checkpoint import Checkpointer
+
+    with Parallel(strategy="single") as par:
+        model = par.prepare(nn.Linear(2, 2))
+        for kw in ({"every": -1}, {"keep": -2}, {"every": 1.5}):
+            with pytest.raises(UsageError, match="give an integer >= 0"):
+                Checkpointer(par, tmp_path / "ck", model=model, **kw)
+        (tmp_path / "file").write_text("x")
+        with pytest.raises(UsageError, match="is a file"):
+            Checkpointer(par, tmp_path / "file", model=model)
+
+
+def test_resume_into_a_model_of_another_shape_names_the_misfit(tmp_path: Path) -> None:
+    from manygpu.checkpoint import Checkpointer, CheckpointError, TrainState
+
+    with Parallel(strategy="single") as par:
+        Checkpointer(par, tmp_path, model=par.prepare(nn.Linear(2, 2))).save(TrainState(step=1))
+        other = Checkpointer(par, tmp_path, model=par.prepare(nn.Linear(2, 3)))
+        with pytest.raises(CheckpointError, match="does not fit this model") as info:
+            other.resume()
+        assert "\n" not in str(info.value)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 from pathlib import Path
 from typing import Any
 
@@ -41,11 +42,19 @@ def export_safetensors(path: Path, out: Path) -> dict[str, Any]:
 
     step_path = locate(path)
     layout.verify(step_path)
+    if out.is_dir():
+        raise CheckpointError(f"{out} is a directory; give the path of a .safetensors file")
     state = {k: v.contiguous() for k, v in model_state(step_path).items()}
-    out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_suffix(out.suffix + ".tmp")
-    save_file(state, str(tmp), metadata={"source": str(step_path)})
-    tmp.replace(out)
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        save_file(state, str(tmp), metadata={"source": str(step_path)})
+        tmp.replace(out)
+    except Exception as exc:  # OSError, or safetensors' own error for the same I/O
+        with contextlib.suppress(OSError):
+            tmp.unlink(missing_ok=True)
+        why = getattr(exc, "strerror", None) or str(exc).splitlines()[0][:200]
+        raise CheckpointError(f"cannot write {out} ({why}); give a writable path") from None
     return {
         "checkpoint": str(step_path),
         "tensors": len(state),

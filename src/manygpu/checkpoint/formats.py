@@ -107,9 +107,22 @@ def _load(path: Path) -> Any:
         raise CheckpointError(f"checkpoint file {path} cannot be read: {exc}") from None
 
 
+def _fit(directory: Path, load: Any) -> None:
+    """Run ``load``; a state that does not fit the model is one line naming the first misfit."""
+    try:
+        load()
+    except RuntimeError as exc:
+        lines = [ln.strip() for ln in str(exc).splitlines() if ln.strip()]
+        misfit = next((ln for ln in lines[1:] if ln), lines[0] if lines else "")
+        raise CheckpointError(
+            f"checkpoint {directory} does not fit this model ({misfit[:240]}); "
+            "build the model the way it was when the checkpoint was saved"
+        ) from None
+
+
 def read_full(directory: Path, parts: Parts) -> None:
     """Load a ``full`` checkpoint into ``parts`` (any world size)."""
-    parts.model.load_state_dict(_load(directory / MODEL))
+    _fit(directory, lambda: parts.model.load_state_dict(_load(directory / MODEL)))
     if parts.optimizer is not None:
         if not (directory / OPTIM).is_file():
             raise CheckpointError(f"checkpoint {directory} holds no optimizer state")

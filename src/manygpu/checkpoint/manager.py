@@ -94,8 +94,11 @@ class Checkpointer:
         format: str | None = None,
         checkpoint_timeout_s: float = 1800.0,
     ) -> None:
+        _check_counts(every, keep)
         self.par = par
         self.root = Path(directory)
+        if self.root.exists() and not self.root.is_dir():
+            raise UsageError(f"checkpoint directory {self.root} is a file; give a directory")
         inner_opt = getattr(optimizer, "optimizer", optimizer)  # PreparedOptimizer -> torch's
         self.parts = formats.Parts(
             model=par.unwrap(model),
@@ -372,3 +375,9 @@ class Checkpointer:
         job = envmod.get_str(envmod.current(), "SLURM_JOB_ID")
         if job:
             subprocess.run(["scontrol", "requeue", job], check=False, timeout=30)
+
+
+def _check_counts(every: Any, keep: Any) -> None:
+    for name, value in (("every", every), ("keep", keep)):
+        if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+            raise UsageError(f"Checkpointer({name}={value!r}): give an integer >= 0")

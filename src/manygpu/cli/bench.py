@@ -9,7 +9,7 @@ from manygpu.bench.comm import ALGOS, OPS, SweepConfig
 from manygpu.bench.comm_worker import parse_size
 from manygpu.cli import bench_train
 from manygpu.cli.launch import add_launch_options, launch_job
-from manygpu.cli.parser import OneLineParser, positive_int
+from manygpu.cli.parser import OneLineParser, nonnegative_int
 
 
 def add_parser(sub: Any) -> None:
@@ -32,8 +32,8 @@ def add_parser(sub: Any) -> None:
     c.add_argument("--min-bytes", default="8", help="smallest message, e.g. 8, 1K, 1M")
     c.add_argument("--max-bytes", default="64M", help="largest message (doubling from min)")
     c.add_argument("--dtype", default="float32")
-    c.add_argument("--iters", type=positive_int, default=0, help="timed iterations (0: adapt)")
-    c.add_argument("--warmup", type=positive_int, default=2)
+    c.add_argument("--iters", type=nonnegative_int, default=0, help="timed iterations (0: adapt)")
+    c.add_argument("--warmup", type=nonnegative_int, default=2)
     c.add_argument("--json", default="bench/results/comm.json")
     c.add_argument("--plot", default="", help="also write a busbw-vs-size PNG here")
     c.add_argument("--label", default="", help="a name for this run in the table and JSON")

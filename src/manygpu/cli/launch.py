@@ -7,7 +7,7 @@ from typing import Any
 
 import torch
 
-from manygpu.cli.parser import positive_float, positive_int
+from manygpu.cli.parser import nonnegative_int, positive_float, positive_int
 from manygpu.errors import UsageError
 from manygpu.launch import LaunchRequest, launch, resolve
 from manygpu.launch.spec import TorchrunOptions
@@ -102,7 +102,7 @@ def add_launch_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--log-dir", "--log_dir", dest="log_dir", help="keep workers' logs here")
     p.add_argument(
         "--term-timeout",
-        type=positive_int,
+        type=nonnegative_int,
         default=120,
         dest="term_timeout_s",
         help="seconds stopped workers get between SIGTERM and SIGKILL, e.g. to "

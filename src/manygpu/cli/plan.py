@@ -11,7 +11,13 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
-from manygpu.cli.parser import positive_float, positive_int
+from manygpu.cli.parser import (
+    fraction,
+    nonnegative_float,
+    nonnegative_int,
+    positive_float,
+    positive_int,
+)
 from manygpu.errors import UsageError
 from manygpu.plan import hardware
 from manygpu.plan.desc import ModelDesc, transformer
@@ -31,12 +37,14 @@ def add_parser(sub: Any) -> None:
                        description=DESCRIPTION,
                        formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
     p.add_argument("--model", default="", help="demo-cnn, resnet, gpt or module:function")
-    p.add_argument("--params", type=float, default=0, help="parameter count, e.g. 7e9")
-    p.add_argument("--layers", type=positive_int, default=0)
-    p.add_argument("--hidden", type=positive_int, default=0)
-    p.add_argument("--seq", type=positive_int, default=0, help="sequence length (tokens)")
-    p.add_argument("--heads", type=positive_int, default=0)
-    p.add_argument("--flops-per-sample", type=float, default=0, help="forward+backward FLOPs")
+    p.add_argument("--params", type=nonnegative_float, default=0, help="parameter count, e.g. 7e9")
+    p.add_argument("--layers", type=nonnegative_int, default=0)
+    p.add_argument("--hidden", type=nonnegative_int, default=0)
+    p.add_argument("--seq", type=nonnegative_int, default=0, help="sequence length (tokens)")
+    p.add_argument("--heads", type=nonnegative_int, default=0)
+    p.add_argument(
+        "--flops-per-sample", type=nonnegative_float, default=0, help="forward+backward FLOPs"
+    )
     p.add_argument("--cluster", default="h100", help="preset name or 'this'")
     p.add_argument("--nodes", type=positive_int, default=1)
     p.add_argument("--gpus-per-node", type=positive_int, help="devices (or CPU processes) per node")
@@ -49,9 +57,7 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--batch", type=positive_int, default=32, help="samples per replica per step")
     p.add_argument("--precision", default="fp32", help="fp32 or bf16/fp16 (mixed, ZeRO accounting)")
     p.add_argument("--optimizer", default="adam", help="adam, adamw, sgd-momentum, sgd")
-    p.add_argument(
-        "--mfu", type=positive_float, default=0.4, help="assumed MFU for FLOP-based times"
-    )
+    p.add_argument("--mfu", type=fraction, default=0.4, help="assumed MFU for FLOP-based times")
     p.add_argument("--json", default="", help="also write the plan here")
     p.set_defaults(run=run)
 
@@ -77,8 +83,14 @@ def build_cluster(ns: argparse.Namespace) -> hardware.Cluster:
 def build_desc(ns: argparse.Namespace, measure_step: bool) -> ModelDesc:
     if bool(ns.model) == bool(ns.params):
         raise UsageError("give either --model or --params")
+    shape = {"--layers": ns.layers, "--hidden": ns.hidden, "--seq": ns.seq}
+    if any(shape.values()) and not all(shape.values()):
+        missing = ", ".join(k for k, v in shape.items() if not v)
+        raise UsageError(
+            f"a transformer's shape needs --layers, --hidden and --seq together; add {missing}"
+        )
     if ns.params:
-        if ns.layers and ns.hidden and ns.seq:
+        if all(shape.values()):
             return transformer("transformer", parameters=int(ns.params), layers=ns.layers,
                                hidden=ns.hidden, seq_len=ns.seq, heads=ns.heads)  # fmt: skip
         return ModelDesc(name="model", parameters=int(ns.params),
@@ -126,11 +138,19 @@ def run(ns: argparse.Namespace) -> int:
         f"{plan.samples_per_s:,.1f} samples/s, scaling efficiency {plan.efficiency:.1%}"
     )
     if ns.json:
-        path = Path(ns.json)
-        path.parent.mkdir(parents=True, exist_ok=True)
         data = {"model": asdict(desc), "cluster": asdict(cluster), "plan": _plan_dict(plan)}
-        path.write_text(json.dumps(data, indent=2, default=str))
+        _write_json(Path(ns.json), data)
     return 0
+
+
+def _write_json(path: Path, data: dict[str, Any]) -> None:
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(data, indent=2, default=str))
+    except OSError as exc:
+        raise UsageError(
+            f"--json {path}: cannot write it ({exc.strerror}); give a writable path"
+        ) from None
 
 
 def _plan_dict(plan: Plan) -> dict[str, Any]:

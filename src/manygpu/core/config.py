@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Literal
@@ -83,8 +84,11 @@ class ParallelConfig:
             raise UsageError(
                 f"grad_accum_steps must be an integer >= 1, got {self.grad_accum_steps!r}"
             )
-        if self.timeout_s is not None and self.timeout_s <= 0:
-            raise UsageError(f"timeout_s must be > 0, got {self.timeout_s}")
+        t = self.timeout_s
+        if t is not None and (
+            isinstance(t, bool) or not isinstance(t, int | float) or not math.isfinite(t) or t <= 0
+        ):
+            raise UsageError(f"timeout_s must be a finite number of seconds > 0, got {t!r}")
 
     def resolved_strategy(self, world_size: int) -> str:
         """The strategy name actually used for a job of ``world_size``."""

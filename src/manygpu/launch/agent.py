@@ -23,6 +23,7 @@ from torch.distributed.elastic.multiprocessing.api import SignalException
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
+from manygpu.errors import UsageError
 from manygpu.launch import blame
 from manygpu.launch.netcheck import check_port_free, is_local_address, split_endpoint
 from manygpu.launch.spec import LaunchSpec
@@ -90,7 +91,15 @@ def worker_command(spec: LaunchSpec) -> tuple[str, list[str]]:
 
 
 def preflight(spec: LaunchSpec) -> None:
-    """Fail fast on a rendezvous port that is taken on this machine."""
+    """Fail fast on a log directory we cannot write, or a rendezvous port that is taken."""
+    if spec.log_dir is not None:
+        try:
+            os.makedirs(spec.log_dir, exist_ok=True)
+        except OSError as exc:
+            raise UsageError(
+                f"--log-dir {spec.log_dir}: cannot create it ({exc.strerror}); "
+                "give a writable directory"
+            ) from None
     host, port = split_endpoint(spec.rdzv_endpoint, 0)
     hosts_store = spec.rdzv_backend == "c10d" or spec.node_rank == 0
     if port and hosts_store and is_local_address(host):

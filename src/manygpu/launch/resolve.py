@@ -6,6 +6,8 @@ so every rule is testable without GPUs or a Slurm cluster.
 
 from __future__ import annotations
 
+import importlib.machinery
+import importlib.util
 import os
 import shutil
 import uuid
@@ -203,8 +205,25 @@ def _check_entry(req: LaunchRequest) -> None:
         if not (os.path.isfile(req.entry) or shutil.which(req.entry)):
             raise UsageError(f"program {req.entry!r} not found (--no-python runs it directly)")
         return
-    if not req.is_module and not os.path.isfile(req.entry):
+    if req.is_module:
+        _check_module(req.entry)
+    elif not os.path.isfile(req.entry):
         raise UsageError(f"script {req.entry!r} not found; give the path of a Python file")
+
+
+def _check_module(name: str) -> None:
+    """``-m NAME`` must be importable from here (the workers start here, with this path)."""
+    top = name.split(".", 1)[0]
+    if not top.isidentifier():
+        raise UsageError(f"-m {name!r} is not a module name")
+    found = importlib.util.find_spec(top) is not None or (
+        importlib.machinery.PathFinder.find_spec(top, [os.getcwd()]) is not None
+    )
+    if not found:
+        raise UsageError(
+            f"module {top!r} not found (-m {name}): run from its project directory, "
+            "install it, or add it to PYTHONPATH"
+        )
 
 
 def _check_standalone(req: LaunchRequest) -> None:

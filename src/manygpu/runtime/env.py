@@ -7,6 +7,7 @@ dictionaries instead of a patched ``os.environ``.
 
 from __future__ import annotations
 
+import math
 import os
 from collections.abc import Mapping
 
@@ -49,7 +50,15 @@ def get_str(env: Environ, *names: str) -> str | None:
 def timeout_s(env: Environ) -> float:
     """Collective timeout: ``MANYGPU_TIMEOUT`` seconds, else the default."""
     raw = env.get("MANYGPU_TIMEOUT")
-    return float(raw) if raw else DEFAULT_TIMEOUT_S
+    if not raw:
+        return DEFAULT_TIMEOUT_S
+    try:
+        value = float(raw)
+    except ValueError:
+        value = float("nan")
+    if not math.isfinite(value) or value <= 0:
+        raise UsageError(f"MANYGPU_TIMEOUT={raw!r} is not a number of seconds > 0; fix or unset it")
+    return value
 
 
 def debug_enabled(env: Environ) -> bool:
