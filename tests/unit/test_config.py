@@ -30,7 +30,7 @@ def test_bad_grad_accum_steps(steps: object) -> None:
 
 
 def test_bad_timeout() -> None:
-    with pytest.raises(UsageError, match="timeout_s must be > 0"):
+    with pytest.raises(UsageError, match="timeout_s must be a finite number of seconds > 0"):
         ParallelConfig(timeout_s=0)
 
 
