@@ -100,8 +100,13 @@ def test_missing_script_raises(tmp_path: Path) -> None:
 
 
 def test_module_entry_needs_no_file() -> None:
-    spec = resolve(LaunchRequest(entry="pkg.train", is_module=True), {}, 0)
-    assert spec.is_module and spec.entry == "pkg.train"
+    spec = resolve(LaunchRequest(entry="json.tool", is_module=True), {}, 0)
+    assert spec.is_module and spec.entry == "json.tool"
+
+
+def test_module_entry_must_be_importable() -> None:
+    with pytest.raises(UsageError, match="module 'pkg_not_here' not found"):
+        resolve(LaunchRequest(entry="pkg_not_here.train", is_module=True), {}, 0)
 
 
 def test_multi_node_without_address_raises(script: str) -> None:
