@@ -34,6 +34,12 @@ def manygpu(
     )
 
 
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
 def assert_gone(pid_dir: Path) -> None:
     """Every worker that wrote its pid has exited (no orphans)."""
     pids = [int(p.read_text()) for p in pid_dir.glob("pid*")]
@@ -245,6 +251,30 @@ def test_bad_input_gives_one_line_and_exit_2(tmp_path: Path) -> None:
     _one_line_error(
         manygpu("demo", "--workers", "2", "--global-batch-size", "1"), "smaller than the world size"
     )
+
+
+@pytest.mark.slow
+def test_a_missing_peer_node_ends_within_the_wait_in_one_line(tmp_path: Path) -> None:
+    start = time.monotonic()
+    res = manygpu(
+        "launch",
+        "--nnodes",
+        "2",
+        "--node-rank",
+        "0",
+        "--master-addr",
+        "127.0.0.1",
+        "--master-port",
+        str(free_port()),
+        "--timeout",
+        "5",
+        str(SCRIPTS / "torchrun_style.py"),
+        str(tmp_path),
+    )
+    assert res.returncode == 1, res.stderr
+    assert time.monotonic() - start < 5 + 30
+    lines = [ln for ln in res.stderr.splitlines() if ln.strip()]
+    assert len(lines) == 1 and lines[0].startswith("manygpu: only 1 of 2 nodes joined"), lines
 
 
 def test_master_port_in_use(tmp_path: Path) -> None:

@@ -182,3 +182,42 @@ def test_resume_into_a_model_of_another_shape_names_the_misfit(tmp_path: Path) -
         with pytest.raises(CheckpointError, match="does not fit this model") as info:
             other.resume()
         assert "\n" not in str(info.value)
+
+
+def test_an_unresolvable_rendezvous_address_fails_at_once() -> None:
+    from manygpu.launch.netcheck import check_resolves
+
+    with pytest.raises(UsageError, match="cannot resolve the rendezvous address"):
+        check_resolves("no-such-host.invalid")
+
+
+def test_a_port_held_on_another_local_address_is_caught() -> None:
+    import socket
+
+    from manygpu.launch.netcheck import check_port_free
+
+    with socket.socket() as holder:
+        holder.bind(("127.0.0.2", 0))
+        holder.listen()
+        port = holder.getsockname()[1]
+        with pytest.raises(UsageError, match=f"master port {port} is already in use"):
+            check_port_free("127.0.0.1", port)
+
+
+def test_nodes_that_never_met_are_counted_in_one_line() -> None:
+    from torch.distributed import DistStoreError
+
+    from manygpu.launch.agent import rendezvous_failure
+    from manygpu.launch.spec import LaunchSpec
+
+    spec = LaunchSpec(
+        entry="x.py",
+        min_nodes=3,
+        max_nodes=3,
+        rdzv_backend="static",
+        rdzv_endpoint="10.0.0.1:29500",
+        timeout_s=5,
+    )
+    text = rendezvous_failure(spec, DistStoreError("Timed out ... 2/3 clients joined."))
+    assert text.startswith("only 2 of 3 nodes joined the rendezvous at 10.0.0.1:29500 within 5s")
+    assert "\n" not in text

@@ -96,7 +96,7 @@ def add_launch_options(p: argparse.ArgumentParser) -> None:
         help=(
             "seconds before a stuck collective fails (manygpu's own, and every process "
             "group a script creates without timeout=; default: 180 for manygpu's, torch's "
-            "30 min for others) or the rendezvous does (default 900)"
+            "30 min for others) or nodes stop waiting for each other (default 300)"
         ),
     )
     p.add_argument("--log-dir", "--log_dir", dest="log_dir", help="keep workers' logs here")

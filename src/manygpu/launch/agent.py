@@ -10,6 +10,7 @@ from __future__ import annotations
 import inspect
 import logging
 import os
+import re
 import shutil
 import signal
 import sys
@@ -18,17 +19,25 @@ from collections.abc import Mapping
 from dataclasses import replace
 from typing import Any
 
+from torch.distributed import DistStoreError
 from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, Std
 from torch.distributed.elastic.multiprocessing.api import SignalException
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
+from torch.distributed.elastic.rendezvous.api import RendezvousError
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
 from manygpu.errors import UsageError
 from manygpu.launch import blame
-from manygpu.launch.netcheck import check_port_free, is_local_address, split_endpoint
+from manygpu.launch.netcheck import (
+    check_port_free,
+    check_resolves,
+    is_local_address,
+    split_endpoint,
+)
 from manygpu.launch.spec import LaunchSpec
 
-DEFAULT_RDZV_TIMEOUT_S = 900.0
+DEFAULT_RDZV_TIMEOUT_S = 300.0
+"""How long nodes wait for each other by default (``--timeout`` sets it)."""
 
 
 def build_config(spec: LaunchSpec) -> LaunchConfig:
@@ -101,6 +110,7 @@ def preflight(spec: LaunchSpec) -> None:
                 "give a writable directory"
             ) from None
     host, port = split_endpoint(spec.rdzv_endpoint, 0)
+    check_resolves(host)
     hosts_store = spec.rdzv_backend == "c10d" or spec.node_rank == 0
     if port and hosts_store and is_local_address(host):
         check_port_free(host, port)
@@ -112,6 +122,23 @@ def worker_env(spec: LaunchSpec) -> dict[str, str]:
     if spec.timeout_s is not None:
         env["MANYGPU_TIMEOUT"] = str(spec.timeout_s)
     return env
+
+
+def rendezvous_failure(spec: LaunchSpec, exc: BaseException) -> str:
+    """One line for nodes that never met: how many joined, and what to do."""
+    wait = int(spec.timeout_s or DEFAULT_RDZV_TIMEOUT_S)
+    joined = re.search(r"(\d+)/(\d+) clients joined", str(exc))
+    count = f"only {joined[1]} of {joined[2]} nodes" if joined else "not every node"
+    nodes = (
+        f"{spec.min_nodes}"
+        if spec.min_nodes == spec.max_nodes
+        else f"{spec.min_nodes}..{spec.max_nodes}"
+    )
+    return (
+        f"{count} joined the rendezvous at {spec.rdzv_endpoint} within {wait}s (the job "
+        f"needs {nodes}); start the others with the same address, port and run id, or "
+        "raise --timeout"
+    )
 
 
 def exit_code_of(failure: ProcessFailure) -> int:
@@ -182,6 +209,9 @@ def _run(spec: LaunchSpec) -> int:
         elastic_launch(config, executable)(*args)
     except ChildFailedError as err:
         return report_failure(err)
+    except (RendezvousError, DistStoreError) as exc:
+        print(f"manygpu: {rendezvous_failure(spec, exc)}", file=sys.stderr)
+        return 1
     except SignalException as exc:
         # The agent has already stopped the workers; exit like the signal did.
         return 128 + int(exc.sigval)

@@ -46,6 +46,18 @@ def is_local_address(host: str) -> bool:
     return False
 
 
+def check_resolves(host: str) -> None:
+    """Raise at once when ``host`` names no address (torch would retry for a minute)."""
+    try:
+        socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)
+    except (socket.gaierror, UnicodeError) as exc:
+        why = getattr(exc, "strerror", None) or str(exc)
+        raise UsageError(
+            f"cannot resolve the rendezvous address {host!r} ({why}); give node 0's IP "
+            "address or a host name every node can resolve"
+        ) from None
+
+
 def check_port_free(host: str, port: int) -> None:
     """Raise a clear error when ``host:port`` is taken (the store could not start)."""
     if port == 0:
@@ -54,6 +66,7 @@ def check_port_free(host: str, port: int) -> None:
         family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][0]
     except socket.gaierror as exc:
         raise UsageError(f"cannot resolve master address {host!r}: {exc.strerror}") from None
+    _check_wildcard(family, port)
     with socket.socket(family, socket.SOCK_STREAM) as sock:
         try:
             sock.bind((host, port))
@@ -69,3 +82,16 @@ def check_port_free(host: str, port: int) -> None:
                     "give this node's own address with --master-addr"
                 ) from None
             raise
+
+
+def _check_wildcard(family: int, port: int) -> None:
+    """torch's store listens on every address: a port held on any of them is taken."""
+    with socket.socket(family, socket.SOCK_STREAM) as sock:
+        try:
+            sock.bind(("::" if family == socket.AF_INET6 else "0.0.0.0", port))
+        except OSError as exc:
+            if exc.errno == errno.EADDRINUSE:
+                raise UsageError(
+                    f"master port {port} is already in use on an address of this machine; "
+                    "choose another with --master-port, or stop the process holding it"
+                ) from None
