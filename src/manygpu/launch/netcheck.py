@@ -66,7 +66,6 @@ def check_port_free(host: str, port: int) -> None:
         family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][0]
     except socket.gaierror as exc:
         raise UsageError(f"cannot resolve master address {host!r}: {exc.strerror}") from None
-    _check_wildcard(family, port)
     with socket.socket(family, socket.SOCK_STREAM) as sock:
         try:
             sock.bind((host, port))
@@ -82,6 +81,7 @@ def check_port_free(host: str, port: int) -> None:
                     "give this node's own address with --master-addr"
                 ) from None
             raise
+    _check_wildcard(family, port)  # after: a clash on ``host`` itself names it
 
 
 def _check_wildcard(family: int, port: int) -> None:
