@@ -179,8 +179,9 @@ def test_the_first_failure_in_time_is_blamed_with_its_exit_code(
     summary = [ln for ln in res.stderr.splitlines() if ln.startswith("manygpu:")]
     assert res.returncode == code, res.stderr
     assert summary[0].startswith(f"manygpu: rank {failing} {words}"), summary
-    consequences = [ln for ln in summary[1:] if "then (a consequence)" in ln]
-    assert len(consequences) == world - 1, summary
+    # The others (as many as the agent saw fail before it stopped them) come after it.
+    assert all("then (a consequence)" in ln for ln in summary[1:]), summary
+    assert all(f"rank {failing} " not in ln for ln in summary[1:]), summary
 
 
 @pytest.mark.slow
@@ -354,6 +355,7 @@ def test_bench_comm_every_op_correct(tmp_path: Path) -> None:
 
 
 def test_no_orphans_when_the_launcher_is_killed(tmp_path: Path) -> None:
+    """Neither the workers nor the children their scripts started outlive a SIGKILL."""
     proc = subprocess.Popen(
         [
             sys.executable,
@@ -362,15 +364,14 @@ def test_no_orphans_when_the_launcher_is_killed(tmp_path: Path) -> None:
             "launch",
             "--nproc-per-node",
             "2",
-            str(SCRIPTS / "fails.py"),
-            "0",
+            str(SCRIPTS / "spawns_child.py"),
             str(tmp_path),
         ],
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
     )
     deadline = time.monotonic() + 60
-    while len(list(tmp_path.glob("pid*"))) < 2:
+    while len(list(tmp_path.glob("pid*"))) < 4:
         assert time.monotonic() < deadline
         time.sleep(0.2)
     time.sleep(1)

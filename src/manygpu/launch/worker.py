@@ -80,8 +80,44 @@ def _default_group_timeout() -> None:
     c10d.default_pg_nccl_timeout = limit
 
 
+# Run by the guardian (a fresh, tiny interpreter): wait for the worker to go,
+# then kill what is left of its process group (the script's own children).
+_GUARD = """
+import os, signal, sys, time
+worker, group = int(sys.argv[1]), int(sys.argv[2])
+for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+    signal.signal(sig, signal.SIG_IGN)
+while os.getppid() == worker:
+    time.sleep(0.5)
+try:
+    os.killpg(group, signal.SIGKILL)
+except OSError:
+    pass
+"""
+
+
+def _guard_descendants() -> None:
+    """Make sure the script's own children die with this worker, however it ends.
+
+    The agent starts each worker as the leader of a new session, so the
+    script's children share its process group. PR_SET_PDEATHSIG kills the
+    worker with the launcher, but not their children: a guardian process
+    (ignoring the usual stop signals) waits for the worker to go and then
+    kills the group, stragglers included.
+    """
+    if not sys.platform.startswith("linux") or os.getpgid(0) != os.getpid():
+        return
+    worker = os.getpid()
+    if os.fork() == 0:
+        try:
+            os.execv(sys.executable, [sys.executable, "-S", "-c", _GUARD, str(worker), str(worker)])
+        finally:
+            os._exit(0)
+
+
 def main() -> None:
     _die_with_parent()
+    _guard_descendants()
     _default_group_timeout()
     try:
         run(sys.argv[1:])
