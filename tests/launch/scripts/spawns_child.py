@@ -1,4 +1,4 @@
-"""Each worker starts a child process of its own, then sleeps: the child must not outlive the job."""
+"""Each worker starts a child of its own, then sleeps: the child must not outlive the job."""
 
 import os
 import subprocess
