@@ -7,8 +7,10 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import time
 from pathlib import Path
 
+import psutil
 import pytest
 import torch
 from jobs import subprocess_env
@@ -133,3 +135,47 @@ def test_module_cli_runs_a_command_per_host() -> None:
     assert res.returncode == 0, res.stderr
     assert "[host0] host=0 addr=10.213.0.1 master=10.213.0.1" in res.stdout
     assert "[host1] host=1 addr=10.213.0.2 master=10.213.0.1" in res.stdout
+
+
+_OWNER = """
+import time
+from manygpu.emulate import EmulatedCluster
+with EmulatedCluster(2) as c:
+    child = c.popen(0, ["sleep", "300"])
+    print(" ".join([c.switch, *c.names, str(child.pid)]), flush=True)
+    time.sleep(300)
+"""
+
+
+def _netns() -> set[str]:
+    out = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+    return {line.split()[0] for line in out.splitlines() if line.strip()}
+
+
+def _gone(pid: int) -> bool:
+    return not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+
+
+def test_a_sigkilled_run_is_cleaned_up_by_the_next_one() -> None:
+    """SIGKILL leaves namespaces and processes; the next cluster removes exactly those."""
+    owner = subprocess.Popen(
+        [sys.executable, "-c", _OWNER], stdout=subprocess.PIPE, text=True, env=subprocess_env()
+    )
+    try:
+        *names, child_pid = owner.stdout.readline().split()  # type: ignore[union-attr]
+    finally:
+        owner.kill()  # SIGKILL: no teardown runs
+        owner.wait()
+    child = int(child_pid)
+    assert set(names) <= _netns() and not _gone(child)
+    subprocess.run(["ip", "netns", "add", "mgsw-not-ours"], check=True)  # never touched
+    try:
+        with EmulatedCluster(1):
+            assert not set(names) & _netns()
+            assert "mgsw-not-ours" in _netns()
+        deadline = time.monotonic() + 5
+        while not _gone(child):
+            assert time.monotonic() < deadline, "the stale host's process lives on"
+            time.sleep(0.1)
+    finally:
+        subprocess.run(["ip", "netns", "del", "mgsw-not-ours"], check=False)

@@ -23,6 +23,7 @@ from contextlib import suppress
 from dataclasses import dataclass
 from types import FrameType
 
+from manygpu.emulate import stale
 from manygpu.errors import UsageError
 
 DEFAULT_SUBNET = "10.213.0.0/24"
@@ -88,6 +89,8 @@ class EmulatedCluster:
             self._old_handlers = {
                 sig: signal.signal(sig, self._on_signal) for sig in (signal.SIGINT, signal.SIGTERM)
             }
+        stale.clean_stale()  # namespaces of an earlier run that was SIGKILLed
+        stale.claim(self.tag, [self.switch, *self.names])
         try:
             self._create()
         except BaseException:
@@ -107,6 +110,7 @@ class EmulatedCluster:
         for name in reversed(self._created):
             _sh(["ip", "netns", "del", name], check=False)
         self._created.clear()
+        stale.release(self.tag)
         for sig, handler in getattr(self, "_old_handlers", {}).items():
             signal.signal(sig, handler)
         self._old_handlers = {}
