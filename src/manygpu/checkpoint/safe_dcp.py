@@ -2,7 +2,7 @@
 
 torch's ``FileSystemReader`` unpickles ``.metadata`` with plain ``pickle`` and
 its default planner loads non-tensor items ("bytes": optimizer hyper-parameters,
-scheduler state) with ``torch.load(weights_only=False)``: a crafted checkpoint
+scheduler state) with an unrestricted ``torch.load``: a crafted checkpoint
 directory runs code as whoever resumes, inspects or exports it. Here:
 
 - ``.metadata`` is read by an unpickler that only builds DCP's own metadata
@@ -119,7 +119,14 @@ class _WeightsOnlyBytes(_Refusals):
                     f"(refused; weights-only load failed: {str(exc).splitlines()[0][:200]})"
                 )
             ) from None
-        super().load_bytes(read_item, _as_stream(obj))  # type: ignore[misc]
+        # Stored as DefaultLoadPlanner.load_bytes would, without its unsafe torch.load.
+        fqn = read_item.dest_index.fqn
+        if getattr(self, "flatten_state_dict", False):
+            from torch.distributed.checkpoint._traverse import set_element
+
+            set_element(self.original_state_dict, self.mappings[fqn], obj)  # type: ignore[attr-defined]
+        else:
+            self.state_dict[fqn] = obj  # type: ignore[attr-defined]
 
 
 class SafeLoadPlanner(_WeightsOnlyBytes, DefaultLoadPlanner):
@@ -134,15 +141,6 @@ def safe_full_planner() -> DefaultLoadPlanner:
         pass
 
     return _SafeEmpty()
-
-
-def _as_stream(obj: Any) -> io.BytesIO:
-    # The parent planner torch.load()s its stream; hand it the vetted object
-    # re-serialised, which weights_only=False can only rebuild as plain data.
-    buffer = io.BytesIO()
-    torch.save(obj, buffer)
-    buffer.seek(0)
-    return buffer
 
 
 def safe_load(state: dict[str, Any], directory: str, *, whole: bool = False, **kw: Any) -> None:
