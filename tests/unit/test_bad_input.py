@@ -191,17 +191,35 @@ def test_an_unresolvable_rendezvous_address_fails_at_once() -> None:
         check_resolves("no-such-host.invalid")
 
 
-def test_a_port_held_on_another_local_address_is_caught() -> None:
+def test_a_port_held_on_every_address_is_caught() -> None:
     import socket
 
     from manygpu.launch.netcheck import check_port_free
 
     with socket.socket() as holder:
+        holder.bind(("0.0.0.0", 0))
+        holder.listen()
+        port = holder.getsockname()[1]
+        with pytest.raises(UsageError, match=f"master port {port} on 127.0.0.1 is already in use"):
+            check_port_free("127.0.0.1", port)
+
+
+def test_a_port_held_on_another_local_address_does_not_stop_the_store() -> None:
+    """Our store listens on its own address only, so the same port elsewhere is no clash."""
+    import socket
+    from datetime import timedelta
+
+    from manygpu.launch.netcheck import check_port_free
+    from manygpu.launch.rendezvous import serve_store
+
+    with socket.socket() as holder:
         holder.bind(("127.0.0.2", 0))
         holder.listen()
         port = holder.getsockname()[1]
-        with pytest.raises(UsageError, match=f"master port {port} is already in use"):
-            check_port_free("127.0.0.1", port)
+        check_port_free("127.0.0.1", port)
+        store = serve_store("127.0.0.1", port, timedelta(seconds=5))
+        store.set("k", "v")
+        assert store.get("k") == b"v"
 
 
 def test_nodes_that_never_met_are_counted_in_one_line() -> None:

@@ -23,15 +23,20 @@ from torch.distributed import DistStoreError
 from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, Std
 from torch.distributed.elastic.multiprocessing.api import SignalException
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
-from torch.distributed.elastic.rendezvous.api import RendezvousError
+from torch.distributed.elastic.rendezvous.api import (
+    RendezvousConnectionError,
+    RendezvousError,
+    RendezvousStateError,
+)
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
 from manygpu.errors import UsageError
-from manygpu.launch import blame
+from manygpu.launch import blame, rendezvous
 from manygpu.launch.netcheck import (
     check_port_free,
     check_resolves,
     is_local_address,
+    source_address,
     split_endpoint,
 )
 from manygpu.launch.spec import LaunchSpec
@@ -47,14 +52,9 @@ def build_config(spec: LaunchSpec) -> LaunchConfig:
         rdzv_configs: dict[str, object] = {"rank": spec.node_rank, "timeout": join_timeout}
     else:
         rdzv_configs = {"join_timeout": join_timeout}
-        host, port = split_endpoint(spec.rdzv_endpoint, 0)
-        if port and is_local_address(host):
-            # torch decides whether to host the store by matching the machine's
-            # hostname, which fails where the endpoint is one of several
-            # addresses (containers, namespaces): the store is then never started.
-            rdzv_configs["is_host"] = True
     rdzv_configs.update(spec.rdzv_conf)
     opts = spec.torchrun
+    rendezvous.register()
     return LaunchConfig(
         **_supported({"shutdown_timeout": spec.shutdown_grace_s}),
         min_nodes=spec.min_nodes,
@@ -65,10 +65,10 @@ def build_config(spec: LaunchSpec) -> LaunchConfig:
         monitor_interval=opts.monitor_interval,
         start_method=opts.start_method,
         rdzv_endpoint=spec.rdzv_endpoint,
-        rdzv_backend=spec.rdzv_backend,
+        rdzv_backend=rendezvous.BACKENDS[spec.rdzv_backend],
         rdzv_configs=rdzv_configs,
         max_restarts=spec.max_restarts,
-        local_addr=spec.local_addr,
+        local_addr=spec.local_addr or source_address(split_endpoint(spec.rdzv_endpoint, 0)[0]),
         # stdout stays live (progress bars); stderr is tee'd with a rank prefix so
         # interleaved errors from several ranks can be told apart.
         logs_specs=DefaultLogsSpecs(
@@ -209,6 +209,9 @@ def _run(spec: LaunchSpec) -> int:
         elastic_launch(config, executable)(*args)
     except ChildFailedError as err:
         return report_failure(err)
+    except (RendezvousStateError, RendezvousConnectionError) as exc:
+        print(f"manygpu: {str(exc).splitlines()[0]}", file=sys.stderr)
+        return 1
     except (RendezvousError, DistStoreError) as exc:
         print(f"manygpu: {rendezvous_failure(spec, exc)}", file=sys.stderr)
         return 1

@@ -81,17 +81,18 @@ def check_port_free(host: str, port: int) -> None:
                     "give this node's own address with --master-addr"
                 ) from None
             raise
-    _check_wildcard(family, port)  # after: a clash on ``host`` itself names it
 
 
-def _check_wildcard(family: int, port: int) -> None:
-    """torch's store listens on every address: a port held on any of them is taken."""
-    with socket.socket(family, socket.SOCK_STREAM) as sock:
-        try:
-            sock.bind(("::" if family == socket.AF_INET6 else "0.0.0.0", port))
-        except OSError as exc:
-            if exc.errno == errno.EADDRINUSE:
-                raise UsageError(
-                    f"master port {port} is already in use on an address of this machine; "
-                    "choose another with --master-port, or stop the process holding it"
-                ) from None
+def source_address(host: str) -> str | None:
+    """This machine's address on the route to ``host`` (where its peers reach it).
+
+    A connected UDP socket sends nothing; the kernel just picks the source
+    address. ``None`` when ``host`` does not resolve or has no route.
+    """
+    try:
+        family, _, _, _, addr = socket.getaddrinfo(host, 9, type=socket.SOCK_DGRAM)[0]
+        with socket.socket(family, socket.SOCK_DGRAM) as sock:
+            sock.connect(addr)
+            return str(sock.getsockname()[0])
+    except OSError:
+        return None
