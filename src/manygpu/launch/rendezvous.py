@@ -11,6 +11,8 @@ They are registered under their own names so torch's stay untouched.
 from __future__ import annotations
 
 import errno
+import re
+import secrets
 import socket
 from datetime import timedelta
 from typing import Any, cast
@@ -22,7 +24,10 @@ from torch.distributed.elastic.rendezvous import (
     RendezvousParameters,
     rendezvous_handler_registry,
 )
-from torch.distributed.elastic.rendezvous.api import RendezvousConnectionError
+from torch.distributed.elastic.rendezvous.api import (
+    RendezvousConnectionError,
+    RendezvousStateError,
+)
 from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (
     DynamicRendezvousHandler,
     RendezvousBackend,
@@ -35,6 +40,10 @@ from torch.distributed.elastic.rendezvous.utils import parse_rendezvous_endpoint
 from manygpu.launch import rdzv_state
 from manygpu.launch.netcheck import is_local_address
 
+AGREED_ID = "manygpu-agreed"
+"""Run id meaning: the store's host draws a random one, the other nodes read it."""
+RUN_ID_KEY = "manygpu.run_id"
+_RUN_ID = re.compile(r"manygpu-[0-9a-f]{16}")
 C10D = "manygpu-c10d"
 STATIC = "manygpu-static"
 BACKENDS = {"c10d": C10D, "static": STATIC}
@@ -69,6 +78,27 @@ def serve_store(host: str, port: int, timeout: timedelta, **kwargs: Any) -> TCPS
         use_libuv=True,
         **kwargs,
     )
+
+
+def agree_run_id(store: Store, run_id: str, hosting: bool) -> str:
+    """``run_id``, or for :data:`AGREED_ID` the random id the store's host drew.
+
+    Nodes started one by one share no secret, so the host draws the id and
+    the others read it from the store: every job gets a fresh, unguessable
+    id without any flag (a leftover agent of another job cannot join it).
+    """
+    if run_id != AGREED_ID:
+        return run_id
+    if hosting:
+        store.compare_set(RUN_ID_KEY, "", f"manygpu-{secrets.token_hex(8)}")
+    value = store.get(RUN_ID_KEY).decode("utf-8", "replace")
+    if not _RUN_ID.fullmatch(value):
+        raise RendezvousStateError(
+            f"the run id in the rendezvous store is not manygpu's ({value[:40]!r}): a program "
+            "that is not part of this job wrote to the store; keep the rendezvous port on a "
+            "private network"
+        )
+    return value
 
 
 class JsonStateBackend(RendezvousBackend):
@@ -124,7 +154,7 @@ class _DynamicHandler(DynamicRendezvousHandler):
         return serve_store(master_addr, master_port, timedelta(seconds=300), multi_tenant=True)
 
 
-def _c10d_store(params: RendezvousParameters) -> tuple[TCPStore, str]:
+def _c10d_store(params: RendezvousParameters) -> tuple[TCPStore, str, bool]:
     """Host the store if the endpoint is ours (or ``is_host`` says so), else join it.
 
     As torch does, a host we only inferred falls back to joining when the port
@@ -136,14 +166,15 @@ def _c10d_store(params: RendezvousParameters) -> tuple[TCPStore, str]:
     if configured if configured is not None else is_local_address(host):
         try:
             store = serve_store(host, port, timeout, multi_tenant=True)
-            return store, f"{host}:{store.port}"
+            return store, f"{host}:{store.port}", True
         except OSError as exc:
             if configured or exc.errno != errno.EADDRINUSE:
                 raise RendezvousConnectionError(
                     f"cannot host the rendezvous store on {host}:{port}: {exc.strerror}"
                 ) from None
     try:
-        return TCPStore(host, port, is_master=False, timeout=timeout), f"{host}:{port}"
+        client = TCPStore(host, port, is_master=False, timeout=timeout)
+        return client, f"{host}:{port}", False
     except (RuntimeError, TimeoutError) as exc:
         raise RendezvousConnectionError(
             f"cannot reach the rendezvous store at {host}:{port}: {exc}"
@@ -160,11 +191,12 @@ def _timeouts(params: RendezvousParameters) -> RendezvousTimeout:
 
 def create_c10d(params: RendezvousParameters) -> RendezvousHandler:
     """torch's c10d handler (same settings) with our store and state backend."""
-    store, where = _c10d_store(params)
+    store, where, hosting = _c10d_store(params)
+    run_id = agree_run_id(store, params.run_id, hosting)
     return _DynamicHandler.from_backend(
-        params.run_id,
+        run_id,
         store,
-        JsonStateBackend(store, params.run_id, where),
+        JsonStateBackend(store, run_id, where),
         params.min_nodes,
         params.max_nodes,
         params.local_addr,
@@ -181,14 +213,25 @@ class _StaticHandler(StaticTCPRendezvous):
         return STATIC
 
     def next_rendezvous(self) -> RendezvousInfo:
-        if not self._store and self.rank == 0:
-            self._store = serve_store(
-                self.master_addr,
-                self.master_port,
-                self.timeout,
-                world_size=self.world_size,
-                multi_tenant=True,
-            )
+        if not self._store:
+            if self.rank == 0:
+                self._store = serve_store(
+                    self.master_addr,
+                    self.master_port,
+                    self.timeout,
+                    world_size=self.world_size,
+                    multi_tenant=True,
+                )
+            else:
+                self._store = TCPStore(
+                    self.master_addr,
+                    self.master_port,
+                    self.world_size,
+                    False,
+                    self.timeout,
+                    multi_tenant=True,
+                )
+            self.run_id = agree_run_id(self._store, self.run_id, hosting=self.rank == 0)
         return super().next_rendezvous()
 
 

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 
 from manygpu.errors import UsageError
 from manygpu.launch.netcheck import split_endpoint
+from manygpu.launch.rendezvous import AGREED_ID
 from manygpu.launch.spec import LaunchSpec, TorchrunOptions
 from manygpu.runtime import env as envmod
 from manygpu.runtime.cluster import DEFAULT_PORT, slurm_master
@@ -243,12 +244,16 @@ def _check_standalone(req: LaunchRequest) -> None:
 
 
 def _default_run_id(env: Environ, multi_node: bool) -> str:
-    """Every node of a job must name the same run: never a random id across nodes."""
+    """A fresh, random id per job, the same on every node.
+
+    One node draws it here. Nodes started one by one cannot draw it alike, so
+    the store's host draws it and the others read it at the rendezvous
+    (:data:`~manygpu.launch.rendezvous.AGREED_ID`); under Slurm the job id.
+    """
     slurm_job = envmod.get_str(env, "SLURM_JOB_ID")
     if slurm_job:
         return slurm_job
-    # One node: a fresh id, so a leftover store of an earlier job can't be joined.
-    return "manygpu" if multi_node else f"manygpu-{uuid.uuid4().hex[:8]}"
+    return AGREED_ID if multi_node else f"manygpu-{uuid.uuid4().hex[:16]}"
 
 
 def _worker_env(
