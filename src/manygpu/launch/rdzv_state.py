@@ -159,8 +159,13 @@ def decode(raw: bytes, where: str) -> _RendezvousState:
             raise _Bad("it is not JSON") from None
         return _build(doc)
     except _Bad as bad:
-        raise RendezvousStateError(
-            f"the rendezvous state at {where} is not manygpu's ({bad}): a program that is not "
-            "part of this job wrote to the store; keep the rendezvous port on a private "
-            "network and give the job a fresh --rdzv-id"
-        ) from None
+        raise foreign_write(f"the rendezvous state at {where}", str(bad)) from None
+
+
+def foreign_write(what: str, why: str) -> RendezvousStateError:
+    """The one message for anything in the store that this job did not write."""
+    return RendezvousStateError(
+        f"{what} is not manygpu's ({why}): a program that is not part of this job wrote to "
+        "the store; keep the rendezvous port on a private network and give the job a fresh "
+        "--rdzv-id"
+    )

@@ -26,7 +26,6 @@ from torch.distributed.elastic.rendezvous import (
 )
 from torch.distributed.elastic.rendezvous.api import (
     RendezvousConnectionError,
-    RendezvousStateError,
 )
 from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (
     DynamicRendezvousHandler,
@@ -93,11 +92,7 @@ def agree_run_id(store: Store, run_id: str, hosting: bool) -> str:
         store.compare_set(RUN_ID_KEY, "", f"manygpu-{secrets.token_hex(8)}")
     value = store.get(RUN_ID_KEY).decode("utf-8", "replace")
     if not _RUN_ID.fullmatch(value):
-        raise RendezvousStateError(
-            f"the run id in the rendezvous store is not manygpu's ({value[:40]!r}): a program "
-            "that is not part of this job wrote to the store; keep the rendezvous port on a "
-            "private network"
-        )
+        raise rdzv_state.foreign_write("the run id in the rendezvous store", repr(value[:40]))
     return value
 
 
