@@ -38,9 +38,8 @@ from torch.distributed.elastic.rendezvous.utils import parse_rendezvous_endpoint
 
 from manygpu.launch import rdzv_state
 from manygpu.launch.netcheck import is_local_address
+from manygpu.launch.spec import AGREED_ID
 
-AGREED_ID = "manygpu-agreed"
-"""Run id meaning: the store's host draws a random one, the other nodes read it."""
 RUN_ID_KEY = "manygpu.run_id"
 _RUN_ID = re.compile(r"manygpu-[0-9a-f]{16}")
 C10D = "manygpu-c10d"

@@ -15,8 +15,7 @@ from dataclasses import dataclass, field
 
 from manygpu.errors import UsageError
 from manygpu.launch.netcheck import split_endpoint
-from manygpu.launch.rendezvous import AGREED_ID
-from manygpu.launch.spec import LaunchSpec, TorchrunOptions
+from manygpu.launch.spec import AGREED_ID, LaunchSpec, TorchrunOptions
 from manygpu.runtime import env as envmod
 from manygpu.runtime.cluster import DEFAULT_PORT, slurm_master
 from manygpu.runtime.device import threads_per_process
@@ -248,7 +247,7 @@ def _default_run_id(env: Environ, multi_node: bool) -> str:
 
     One node draws it here. Nodes started one by one cannot draw it alike, so
     the store's host draws it and the others read it at the rendezvous
-    (:data:`~manygpu.launch.rendezvous.AGREED_ID`); under Slurm the job id.
+    (:data:`~manygpu.launch.spec.AGREED_ID`); under Slurm the job id.
     """
     slurm_job = envmod.get_str(env, "SLURM_JOB_ID")
     if slurm_job:

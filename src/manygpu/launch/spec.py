@@ -22,6 +22,10 @@ def _std_spec(flag: str, value: str | None) -> None:
         )
 
 
+AGREED_ID = "manygpu-agreed"
+"""Run id meaning: the store's host draws a random one, the other nodes read it."""
+
+
 @dataclass(frozen=True, kw_only=True)
 class TorchrunOptions:
     """torchrun's flags with torchrun's meaning, for scripts launched as with torchrun."""
