@@ -229,6 +229,30 @@ def test_hung_rank_ends_within_timeout(tmp_path: Path) -> None:
     assert_gone(tmp_path)
 
 
+@pytest.mark.slow
+def test_a_worker_stuck_at_exit_is_ended_and_counts_as_a_success(tmp_path: Path) -> None:
+    """Rank 1 hangs in an atexit handler holding the GIL, after its script returned:
+    it is ended MANYGPU_EXIT_GRACE seconds later with its stacks shown, the job
+    succeeds, and the script's non-daemon threads still finished their work."""
+    start = time.monotonic()
+    res = manygpu(
+        "launch",
+        "--nproc-per-node",
+        "2",
+        str(SCRIPTS / "hangs_at_exit.py"),
+        str(tmp_path),
+        env={"MANYGPU_EXIT_GRACE": "3"},
+    )
+    elapsed = time.monotonic() - start
+    assert res.returncode == 0, res.stderr
+    assert elapsed < 60, f"took {elapsed:.1f}s"
+    assert "rank 1: the script returned, but the process was still running 3s later" in res.stderr
+    assert "sleep" in res.stderr or "<lambda>" in res.stderr  # the stuck thread's stack
+    assert "rank 0: the script returned" not in res.stderr
+    assert sorted(p.name for p in tmp_path.glob("thread-*")) == ["thread-0", "thread-1"]
+    assert_gone(tmp_path)
+
+
 def _one_line_error(res: subprocess.CompletedProcess[str], *needles: str) -> None:
     assert res.returncode == 2, (res.returncode, res.stderr)
     lines = [ln for ln in res.stderr.splitlines() if ln.strip()]

@@ -160,6 +160,17 @@ def test_bad_timeout_in_the_environment(monkeypatch: pytest.MonkeyPatch) -> None
             _parallel(strategy="single")
 
 
+def test_exit_grace_from_the_environment() -> None:
+    from manygpu.runtime.env import DEFAULT_EXIT_GRACE_S, exit_grace_s
+
+    assert exit_grace_s({}) == DEFAULT_EXIT_GRACE_S
+    assert exit_grace_s({"MANYGPU_EXIT_GRACE": "0"}) == 0.0
+    assert exit_grace_s({"MANYGPU_EXIT_GRACE": "2.5"}) == 2.5
+    for raw in ("abc", "-1", "inf"):
+        with pytest.raises(UsageError, match="MANYGPU_EXIT_GRACE"):
+            exit_grace_s({"MANYGPU_EXIT_GRACE": raw})
+
+
 def test_checkpointer_bad_counts_and_a_file_for_a_directory(tmp_path: Path) -> None:
     from manygpu.checkpoint import Checkpointer
 

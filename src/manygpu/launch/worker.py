@@ -13,9 +13,10 @@ import contextlib
 import os
 import runpy
 import sys
+import threading
 import traceback
 
-from manygpu.launch import blame
+from manygpu.launch import blame, exit_timer
 from manygpu.runtime import env as envmod
 
 
@@ -82,18 +83,34 @@ def _default_group_timeout() -> None:
 
 # Run by the guardian (a fresh, tiny interpreter): wait for the worker to go,
 # then kill what is left of its process group (the script's own children).
+# The worker writes one byte to the pipe when its script has returned; a worker
+# that still lived a grace period later was ended by its exit timer: say so.
 _GUARD = """
-import os, signal, sys, time
-worker, group = int(sys.argv[1]), int(sys.argv[2])
+import os, select, signal, sys, time
+worker, group, pipe = map(int, sys.argv[1:4])
+grace = float(sys.argv[4])
 for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
     signal.signal(sig, signal.SIG_IGN)
+returned = None
 while os.getppid() == worker:
-    time.sleep(0.5)
+    if returned is None and select.select([pipe], [], [], 0.5)[0]:
+        returned = time.monotonic() if os.read(pipe, 1) else float("inf")
+    elif returned is not None:
+        time.sleep(0.5)
+if returned is not None and time.monotonic() - returned >= grace - 0.5 > 0:
+    sys.stderr.write(
+        "manygpu: rank %s: the script returned, but the process was still running %gs later "
+        "(stuck at exit; every thread's stack is above); it was ended and counts as a success "
+        "(MANYGPU_EXIT_GRACE sets the wait)\\n" % (os.environ.get("RANK", "?"), grace)
+    )
 try:
     os.killpg(group, signal.SIGKILL)
 except OSError:
     pass
 """
+
+# Write end of the pipe to the guardian (-1: no guardian).
+_RETURNED_FD = -1
 
 
 def _guard_descendants() -> None:
@@ -105,14 +122,33 @@ def _guard_descendants() -> None:
     (ignoring the usual stop signals) waits for the worker to go and then
     kills the group, stragglers included.
     """
+    global _RETURNED_FD
     if not sys.platform.startswith("linux") or os.getpgid(0) != os.getpid():
         return
     worker = os.getpid()
+    grace = envmod.exit_grace_s(envmod.current())
+    read_fd, _RETURNED_FD = os.pipe()
     if os.fork() == 0:
         try:
-            os.execv(sys.executable, [sys.executable, "-S", "-c", _GUARD, str(worker), str(worker)])
+            os.set_inheritable(read_fd, True)
+            argv = [str(worker), str(worker), str(read_fd), str(grace)]
+            os.execv(sys.executable, [sys.executable, "-S", "-c", _GUARD, *argv])
         finally:
             os._exit(0)
+    os.close(read_fd)
+
+
+def _finish() -> None:
+    """The script has returned: wait for its threads as Python would, then arm the exit timer."""
+    _release_group()
+    for thread in threading.enumerate():
+        if thread is not threading.current_thread() and not thread.daemon:
+            thread.join()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    if exit_timer.arm(envmod.exit_grace_s(envmod.current())) and _RETURNED_FD >= 0:
+        with contextlib.suppress(OSError):
+            os.write(_RETURNED_FD, b"r")
 
 
 def main() -> None:
@@ -121,12 +157,13 @@ def main() -> None:
     _default_group_timeout()
     try:
         run(sys.argv[1:])
-        _release_group()
+        _finish()
     except KeyboardInterrupt:
         raise
     except SystemExit as exc:
         code = _exit_code(exc.code)
         if code == 0:
+            _finish()
             raise
         blame.write(kind="exit", code=code, consequence=False)
         if isinstance(exc.code, str):

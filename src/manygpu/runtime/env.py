@@ -49,15 +49,29 @@ def get_str(env: Environ, *names: str) -> str | None:
 
 def timeout_s(env: Environ) -> float:
     """Collective timeout: ``MANYGPU_TIMEOUT`` seconds, else the default."""
-    raw = env.get("MANYGPU_TIMEOUT")
+    return _seconds(env, "MANYGPU_TIMEOUT", DEFAULT_TIMEOUT_S, zero_ok=False)
+
+
+DEFAULT_EXIT_GRACE_S = 10.0
+"""How long a worker may take to exit once its script has returned."""
+
+
+def exit_grace_s(env: Environ) -> float:
+    """``MANYGPU_EXIT_GRACE`` seconds (0 turns the exit timer off), else the default."""
+    return _seconds(env, "MANYGPU_EXIT_GRACE", DEFAULT_EXIT_GRACE_S, zero_ok=True)
+
+
+def _seconds(env: Environ, name: str, default: float, *, zero_ok: bool) -> float:
+    raw = env.get(name)
     if not raw:
-        return DEFAULT_TIMEOUT_S
+        return default
     try:
         value = float(raw)
     except ValueError:
         value = float("nan")
-    if not math.isfinite(value) or value <= 0:
-        raise UsageError(f"MANYGPU_TIMEOUT={raw!r} is not a number of seconds > 0; fix or unset it")
+    if not math.isfinite(value) or value < 0 or (value == 0 and not zero_ok):
+        bound = ">= 0" if zero_ok else "> 0"
+        raise UsageError(f"{name}={raw!r} is not a number of seconds {bound}; fix or unset it")
     return value
 
 
