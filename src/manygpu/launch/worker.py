@@ -83,8 +83,9 @@ def _default_group_timeout() -> None:
 
 # Run by the guardian (a fresh, tiny interpreter): wait for the worker to go,
 # then kill what is left of its process group (the script's own children).
-# The worker writes one byte to the pipe when its script has returned; a worker
-# that still lived a grace period later was ended by its exit timer: say so.
+# The worker writes one byte to the pipe when its script has returned and its
+# exit timer is armed; just before the timer ends a worker stuck at exit, the
+# guardian says so (while the launcher still reads the worker's output).
 _GUARD = """
 import os, select, signal, sys, time
 worker, group, pipe = map(int, sys.argv[1:4])
@@ -96,13 +97,16 @@ while os.getppid() == worker:
     if returned is None and select.select([pipe], [], [], 0.5)[0]:
         returned = time.monotonic() if os.read(pipe, 1) else float("inf")
     elif returned is not None:
-        time.sleep(0.5)
-if returned is not None and time.monotonic() - returned >= grace - 0.5 > 0:
-    sys.stderr.write(
-        "manygpu: rank %s: the script returned, but the process was still running %gs later "
-        "(stuck at exit; every thread's stack is above); it was ended and counts as a success "
-        "(MANYGPU_EXIT_GRACE sets the wait)\\n" % (os.environ.get("RANK", "?"), grace)
-    )
+        if time.monotonic() - returned >= grace - 0.25:
+            rank = os.environ.get("RANK", "?")
+            sys.stderr.write(
+                "manygpu: rank %s: the script returned, but the process was still running "
+                "%gs later (stuck at exit; every thread's stack is above); ending it, as a "
+                "success (MANYGPU_EXIT_GRACE sets the wait)\\n" % (rank, grace)
+            )
+            sys.stderr.flush()
+            returned = float("inf")
+        time.sleep(0.1)
 try:
     os.killpg(group, signal.SIGKILL)
 except OSError:
