@@ -9,7 +9,8 @@ from manygpu.bench.comm import ALGOS, OPS, SweepConfig
 from manygpu.bench.comm_worker import parse_size
 from manygpu.cli import bench_train
 from manygpu.cli.launch import add_launch_options, launch_job
-from manygpu.cli.parser import OneLineParser, nonnegative_int
+from manygpu.cli.parser import OneLineParser
+from manygpu.flags import nonnegative_int
 
 
 def add_parser(sub: Any) -> None:

@@ -16,8 +16,8 @@ from manygpu.bench import models, report, train_report
 from manygpu.bench.train import RunStats
 from manygpu.bench.train_worker import config_from
 from manygpu.cli.launch import add_launch_options, launch_job
-from manygpu.cli.parser import positive_float, positive_int
 from manygpu.errors import UsageError
+from manygpu.flags import positive_float, positive_int
 from manygpu.runtime.device import cpu_count
 
 DESCRIPTION = """Train a model for a few steps on 1, 2, ... N workers (one job per count,

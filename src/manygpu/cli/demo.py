@@ -7,10 +7,10 @@ from typing import Any
 
 import torch
 
-from manygpu.cli.parser import positive_int
 from manygpu.core.config import PRECISIONS
 from manygpu.core.data import per_rank_batch
 from manygpu.errors import UsageError
+from manygpu.flags import positive_int
 from manygpu.launch import LaunchRequest, launch, resolve
 from manygpu.runtime import env as envmod
 from manygpu.strategies import available, get_strategy

@@ -19,7 +19,6 @@ from rich.console import Console
 
 from manygpu.bench.comm_worker import parse_size
 from manygpu.cli.launch import add_launch_options, launch_job
-from manygpu.cli.parser import positive_float
 from manygpu.doctor import probes
 from manygpu.doctor.checks import run_checks
 from manygpu.doctor.crosscheck import check_live
@@ -27,6 +26,7 @@ from manygpu.doctor.live import DEFAULT_OP_TIMEOUT_S
 from manygpu.doctor.report import DoctorReport, render
 from manygpu.doctor.result import CheckResult, fail
 from manygpu.errors import UsageError
+from manygpu.flags import positive_float
 
 MAX_NBYTES = 1 << 30
 RENDEZVOUS_TIMEOUT_S = 120.0

@@ -1,67 +1,83 @@
-"""An argparse parser whose errors are one line and exit code 2."""
+"""An argparse parser whose errors are one line and exit code 2, and flags from dataclasses.
+
+Building the parser must stay cheap (``manygpu --help`` answers in well under a
+second), so nothing here, and nothing a subcommand's ``add_parser`` imports,
+may import torch: help texts that list names only a heavy module knows are
+filled in when help is shown (:meth:`OneLineParser.help_later`).
+"""
 
 from __future__ import annotations
 
 import argparse
-import math
 import sys
-from typing import NoReturn
+from collections.abc import Callable, Iterable
+from typing import Any, NoReturn
+
+from manygpu.flags import flagged
 
 
 class OneLineParser(argparse.ArgumentParser):
     """Prints ``manygpu <cmd>: error: ...`` on one line instead of usage + error."""
 
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._help_later: list[tuple[argparse.Action, Callable[[], str]]] = []
+
     def error(self, message: str) -> NoReturn:
         print(f"{self.prog}: error: {message} (see {self.prog} --help)", file=sys.stderr)
         raise SystemExit(2)
 
+    def help_later(self, action: argparse.Action, text: Callable[[], str]) -> None:
+        """Give ``action`` the help ``text()``, computed only when help is printed.
 
-def positive_int(text: str) -> int:
-    """argparse type: an integer (range checked by the spec, with a better message)."""
-    try:
-        return int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+        For lists that live in modules importing torch (strategy names,
+        all-reduce algorithms): building the parser must not import them.
+        """
+        self._help_later.append((action, text))
 
-
-def positive_float(text: str) -> float:
-    """argparse type: a finite number greater than zero (inf and nan are refused)."""
-    value = finite_float(text)
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"{text!r} must be greater than 0")
-    return value
+    def format_help(self) -> str:
+        for action, text in self._help_later:
+            action.help = text()
+        self._help_later.clear()
+        return super().format_help()
 
 
-def finite_float(text: str) -> float:
-    """argparse type: a finite number."""
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
-    if not math.isfinite(value):
-        raise argparse.ArgumentTypeError(f"{text!r} is not a finite number")
-    return value
+def add_flags(
+    parser: argparse.ArgumentParser, cls: type[Any], only: Iterable[str] | None = None
+) -> None:
+    """Add the command-line flags declared on dataclass ``cls`` (all, or those named ``only``).
+
+    The destination of each flag is its field's name, so :func:`given_flags`
+    can build the dataclass back from the namespace.
+    """
+    names = None if only is None else set(only)
+    for f, flag in flagged(cls):
+        if names is not None and f.name not in names:
+            continue
+        kwargs: dict[str, Any] = {"dest": f.name, "help": flag.help}
+        if flag.switch:
+            kwargs["action"] = "store_true"
+        else:
+            kwargs["default"] = f.default
+            if flag.parse is not None:
+                kwargs["type"] = flag.parse
+            if flag.choices is not None:
+                kwargs["choices"] = flag.choices
+            if flag.metavar is not None:
+                kwargs["metavar"] = flag.metavar
+        parser.add_argument(*flag.names, **kwargs)
 
 
-def nonnegative_float(text: str) -> float:
-    """argparse type: a finite number >= 0."""
-    value = finite_float(text)
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"{text!r} must be 0 or more")
-    return value
+def given_flags(cls: type[Any], ns: argparse.Namespace) -> dict[str, Any]:
+    """The values of ``cls``'s flags found in ``ns``, as keyword arguments for ``cls``.
 
-
-def nonnegative_int(text: str) -> int:
-    """argparse type: an integer >= 0."""
-    value = positive_int(text)
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"{text!r} must be 0 or more")
-    return value
-
-
-def fraction(text: str) -> float:
-    """argparse type: a number in (0, 1], e.g. an assumed MFU."""
-    value = positive_float(text)
-    if value > 1:
-        raise argparse.ArgumentTypeError(f"{text!r} is a fraction: give a number in (0, 1]")
-    return value
+    Flags a command does not take are left out, so the dataclass's defaults
+    apply; each value passes through its flag's ``convert`` (which may raise a
+    ``UsageError`` naming the flag).
+    """
+    values: dict[str, Any] = {}
+    for f, flag in flagged(cls):
+        if hasattr(ns, f.name):
+            value = getattr(ns, f.name)
+            values[f.name] = flag.convert(value) if flag.convert is not None else value
+    return values

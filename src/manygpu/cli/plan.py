@@ -11,14 +11,14 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
-from manygpu.cli.parser import (
+from manygpu.errors import UsageError
+from manygpu.flags import (
     fraction,
     nonnegative_float,
     nonnegative_int,
     positive_float,
     positive_int,
 )
-from manygpu.errors import UsageError
 from manygpu.plan import hardware
 from manygpu.plan.desc import ModelDesc, transformer
 from manygpu.plan.recommend import Plan, recommend

@@ -11,11 +11,12 @@ import importlib.util
 import os
 import shutil
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import fields
+from typing import Any
 
 from manygpu.errors import UsageError
 from manygpu.launch.netcheck import split_endpoint
-from manygpu.launch.spec import AGREED_ID, LaunchSpec, TorchrunOptions
+from manygpu.launch.spec import AGREED_ID, JobOptions, LaunchRequest, LaunchSpec
 from manygpu.runtime import env as envmod
 from manygpu.runtime.cluster import DEFAULT_PORT, slurm_master
 from manygpu.runtime.device import threads_per_process
@@ -23,32 +24,6 @@ from manygpu.runtime.env import Environ
 
 CPU_DEFAULT_PROCS = 2
 """Processes started on a machine without GPUs when the user names none."""
-
-
-@dataclass(frozen=True, kw_only=True)
-class LaunchRequest:
-    """The launch options as typed; ``None`` means "not given"."""
-
-    entry: str
-    is_module: bool = False
-    args: tuple[str, ...] = ()
-    gpus: str | None = None
-    nproc_per_node: int | None = None
-    nnodes: str | None = None
-    node_rank: int | None = None
-    master_addr: str | None = None
-    master_port: int | None = None
-    rdzv_endpoint: str | None = None
-    rdzv_backend: str | None = None
-    rdzv_id: str | None = None
-    local_addr: str | None = None
-    rdzv_conf: str | None = None
-    max_restarts: int = 0
-    term_timeout_s: int = 120
-    timeout_s: float | None = None
-    log_dir: str | None = None
-    standalone: bool = False
-    torchrun: TorchrunOptions = field(default_factory=TorchrunOptions)
 
 
 def parse_gpus(text: str, env: Environ, cuda_count: int) -> tuple[str, ...]:
@@ -176,9 +151,7 @@ def resolve(req: LaunchRequest, env: Environ, cuda_count: int) -> LaunchSpec:
         req, env, multi=max_nodes > 1, elastic=min_nodes != max_nodes
     )
     return LaunchSpec(
-        entry=req.entry,
-        is_module=req.is_module,
-        args=req.args,
+        **_as_given(req),
         nproc_per_node=nproc,
         gpus=gpus,
         min_nodes=min_nodes,
@@ -188,14 +161,14 @@ def resolve(req: LaunchRequest, env: Environ, cuda_count: int) -> LaunchSpec:
         rdzv_endpoint=endpoint,
         rdzv_id=req.rdzv_id or _default_run_id(env, multi_node=max_nodes > 1),
         local_addr=req.local_addr or ("127.0.0.1" if max_nodes == 1 else None),
-        max_restarts=req.max_restarts,
-        shutdown_grace_s=req.term_timeout_s,
-        timeout_s=req.timeout_s,
-        log_dir=req.log_dir,
         rdzv_conf=parse_rdzv_conf(req.rdzv_conf),
-        extra_env=_worker_env(env, nproc, gpus, single_node=max_nodes == 1),
-        torchrun=req.torchrun,
+        extra_env=_worker_env(env, nproc, gpus, single_node=max_nodes == 1) | req.worker_env,
     )
+
+
+def _as_given(req: LaunchRequest) -> dict[str, Any]:
+    """The options the launcher uses as typed (:class:`JobOptions`), by field name."""
+    return {f.name: getattr(req, f.name) for f in fields(JobOptions)}
 
 
 def _check_entry(req: LaunchRequest) -> None:

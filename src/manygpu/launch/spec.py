@@ -1,12 +1,22 @@
-"""What to launch, as one validated, frozen dataclass (the CLI only fills it in)."""
+"""What to launch, as validated, frozen dataclasses; the launch options are declared here once.
+
+Each option names its command-line flags on its field (:mod:`manygpu.flags`);
+the CLI builds its arguments, and the request back from them, by field name.
+:class:`LaunchRequest` holds the options as typed; resolving it
+(:mod:`manygpu.launch.resolve`) gives a :class:`LaunchSpec`. The options the
+launcher uses as given (:class:`JobOptions`, :class:`TorchrunOptions`) are
+shared by the request and the spec, so a new one of those is one field.
+Plain data: importing this module must stay cheap (it builds ``manygpu --help``).
+"""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
 from manygpu.errors import UsageError
+from manygpu.flags import nonnegative_int, option, positive_float, positive_int, switch
 
-RDZV_BACKENDS = ("static", "c10d")
+RDZV_BACKENDS = ("c10d", "static")
 START_METHODS = ("spawn", "fork", "forkserver")
 
 
@@ -22,6 +32,16 @@ def _std_spec(flag: str, value: str | None) -> None:
         )
 
 
+def parse_ranks(text: str | None) -> tuple[int, ...] | None:
+    """``"0,2"`` -> (0, 2) for --local-ranks-filter."""
+    if text is None:
+        return None
+    parts = [t.strip() for t in text.split(",")]
+    if not all(p.isascii() and p.isdigit() for p in parts):
+        raise UsageError(f"--local-ranks-filter {text!r}: give local ranks like 0 or 0,2")
+    return tuple(int(p) for p in parts)
+
+
 AGREED_ID = "manygpu-agreed"
 """Run id meaning: the store's host draws a random one, the other nodes read it."""
 
@@ -30,19 +50,42 @@ AGREED_ID = "manygpu-agreed"
 class TorchrunOptions:
     """torchrun's flags with torchrun's meaning, for scripts launched as with torchrun."""
 
-    no_python: bool = False
+    no_python: bool = switch(
+        "--no-python", "--no_python", help="run SCRIPT as an executable, not with python"
+    )
     """Run the entry as an executable, not with Python (--no-python)."""
-    tee: str | None = None
+    run_path: bool = switch(
+        "--run-path",
+        "--run_path",
+        help="run SCRIPT with runpy.run_path (what manygpu does anyway)",
+    )
+    """Accepted for torchrun's --run-path; scripts always run with ``runpy.run_path``."""
+    tee: str | None = option("-t", "--tee", help="also log these streams: 0-3 or per rank 0:1,1:2")
     """Also write these streams to the log files: 0-3 or per rank "0:1,1:2" (--tee)."""
-    redirects: str | None = None
+    redirects: str | None = option(
+        "-r", "--redirects", help="log these streams only: 0-3 or per rank 0:1,1:2"
+    )
     """Send these streams to the log files only (--redirects)."""
-    local_ranks_filter: tuple[int, ...] | None = None
+    local_ranks_filter: tuple[int, ...] | None = option(
+        "--local-ranks-filter",
+        "--local_ranks_filter",
+        help="show only these local ranks' output, e.g. 0 or 0,2",
+        convert=parse_ranks,
+    )
     """Show only these local ranks' output on the console (--local-ranks-filter)."""
-    monitor_interval: float = 0.1
+    monitor_interval: float = option(
+        "--monitor-interval",
+        "--monitor_interval",
+        default=0.1,
+        parse=positive_float,
+        help="seconds between worker checks",
+    )
     """Seconds between the agent's checks of its workers (--monitor-interval)."""
-    role: str = "worker"
+    role: str = option("--role", default="worker", help="the workers' role name")
     """The workers' role name (--role)."""
-    start_method: str = "spawn"
+    start_method: str = option(
+        "--start-method", "--start_method", default="spawn", choices=START_METHODS
+    )
     """How the agent starts workers (--start-method)."""
 
     def __post_init__(self) -> None:
@@ -60,8 +103,12 @@ class TorchrunOptions:
 
 
 @dataclass(frozen=True, kw_only=True)
-class LaunchSpec:
-    """A job: which program, how many processes, where they meet."""
+class JobOptions:
+    """What the launcher uses as given: the program, restarts, timeouts, logs.
+
+    Shared by :class:`LaunchRequest` and :class:`LaunchSpec` (resolving copies
+    them over by name); checked by the spec.
+    """
 
     entry: str
     """Script path, or module name when ``is_module``."""
@@ -69,6 +116,93 @@ class LaunchSpec:
     """Run ``entry`` like ``python -m entry``."""
     args: tuple[str, ...] = ()
     """Arguments passed to the program."""
+    max_restarts: int = option("--max-restarts", "--max_restarts", default=0, parse=positive_int)
+    """Restart the workers this many times after a failure."""
+    timeout_s: float | None = option(
+        "--timeout",
+        parse=positive_float,
+        help=(
+            "seconds before a stuck collective fails (manygpu's own, and every process "
+            "group a script creates without timeout=; default: 180 for manygpu's, torch's "
+            "30 min for others) or nodes stop waiting for each other (default 300)"
+        ),
+    )
+    """Rendezvous and collective timeout; exported to workers as ``MANYGPU_TIMEOUT``."""
+    log_dir: str | None = option("--log-dir", "--log_dir", help="keep workers' logs here")
+    """Where workers' logs go (a temporary folder when ``None``)."""
+    shutdown_grace_s: int = option(
+        "--term-timeout",
+        default=120,
+        parse=nonnegative_int,
+        metavar="TERM_TIMEOUT_S",
+        help="seconds stopped workers get between SIGTERM and SIGKILL, e.g. to "
+        "save a checkpoint on preemption (default 120)",
+    )
+    """Seconds between SIGTERM and SIGKILL when stopping workers: the time a
+    preempted job has to save (keep it below Slurm's KillWait / --signal lead)."""
+    torchrun: TorchrunOptions = field(default_factory=TorchrunOptions)
+    """torchrun's own flags (tee, redirects, --no-python ...)."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class Placement:
+    """Where the workers run and how many, as typed; ``None`` means "not given"."""
+
+    gpus: str | None = option(
+        "--gpus", help="GPUs to use, e.g. 0,1 or all (sets CUDA_VISIBLE_DEVICES)"
+    )
+    """GPU indices as typed (``"0,1"`` or ``"all"``)."""
+    nproc_per_node: int | None = option(
+        "--nproc-per-node",
+        "--nproc_per_node",
+        parse=positive_int,
+        help="workers on this node (default: GPUs, or 2 on CPU)",
+    )
+    """Workers on this node."""
+    nnodes: str | None = option("--nnodes", help="nodes: N, or MIN:MAX for an elastic job")
+    """Nodes: ``"N"``, or ``"MIN:MAX"`` for an elastic job."""
+    node_rank: int | None = option("--node-rank", "--node_rank", parse=positive_int)
+    """This node's index (static rendezvous)."""
+    master_addr: str | None = option(
+        "--master-addr", "--master_addr", help="address of node 0 (static rendezvous)"
+    )
+    """Address of node 0."""
+    master_port: int | None = option("--master-port", "--master_port", parse=positive_int)
+    """Port of node 0's store."""
+    rdzv_endpoint: str | None = option(
+        "--rdzv-endpoint", "--rdzv_endpoint", help="HOST:PORT of the c10d rendezvous (elastic jobs)"
+    )
+    """``HOST:PORT`` of the rendezvous store."""
+    rdzv_backend: str | None = option("--rdzv-backend", "--rdzv_backend", choices=RDZV_BACKENDS)
+    """``"c10d"`` or ``"static"``; ``None`` picks by the node count."""
+    rdzv_id: str | None = option("--rdzv-id", "--rdzv_id", help="job id shared by all nodes")
+    """Job id shared by all nodes; ``None`` draws a fresh one."""
+    rdzv_conf: str | None = option(
+        "--rdzv-conf",
+        "--rdzv_conf",
+        help="rendezvous settings KEY=VALUE,... (e.g. last_call_timeout=5)",
+    )
+    """Rendezvous settings as typed, ``KEY=VALUE,...``."""
+    local_addr: str | None = option(
+        "--local-addr", "--local_addr", help="address this node announces to the others"
+    )
+    """Address this node announces to the others."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class LaunchRequest(JobOptions, Placement):
+    """The launch options as typed; ``None`` means "not given"."""
+
+    standalone: bool = switch("--standalone", help="one node, private rendezvous (the default)")
+    """torchrun --standalone: one node and a private rendezvous (checked, then our default)."""
+    worker_env: dict[str, str] = field(default_factory=dict)
+    """Variables for the workers on top of manygpu's (e.g. a launched tool's configuration)."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class LaunchSpec(JobOptions):
+    """A job: which program, how many processes, where they meet."""
+
     nproc_per_node: int = 1
     """Worker processes on this node."""
     gpus: tuple[str, ...] | None = None
@@ -87,21 +221,10 @@ class LaunchSpec:
     """Job id shared by every node of the job."""
     local_addr: str | None = None
     """Address this node announces to the others (``MASTER_ADDR`` of its workers)."""
-    max_restarts: int = 0
-    """Restart the workers this many times after a failure."""
-    timeout_s: float | None = None
-    """Rendezvous and collective timeout; exported to workers as ``MANYGPU_TIMEOUT``."""
-    shutdown_grace_s: int = 120
-    """Seconds between SIGTERM and SIGKILL when stopping workers: the time a
-    preempted job has to save (keep it below Slurm's KillWait / --signal lead)."""
-    log_dir: str | None = None
-    """Where workers' logs go (a temporary folder when ``None``)."""
     rdzv_conf: dict[str, str] = field(default_factory=dict)
     """Extra rendezvous settings, as torchrun's ``--rdzv-conf`` (e.g. last_call_timeout)."""
     extra_env: dict[str, str] = field(default_factory=dict)
     """Variables set for the workers (e.g. ``OMP_NUM_THREADS``)."""
-    torchrun: TorchrunOptions = field(default_factory=TorchrunOptions)
-    """torchrun's own flags (tee, redirects, --no-python ...)."""
 
     def __post_init__(self) -> None:
         if self.nproc_per_node < 1:
