@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -14,6 +16,8 @@ from ckpt_job import build, train
 from manygpu import Parallel
 from manygpu.checkpoint import CheckpointError, TrainState, formats, layout
 from manygpu.checkpoint.export import export_safetensors, inspect
+from manygpu.checkpoint.preemption import PreemptionNotice
+from manygpu.errors import UsageError
 
 
 def _run(
@@ -134,3 +138,47 @@ def test_cli_inspect_export_and_errors(tmp_path: Path) -> None:
     res = subprocess.run([*cli, "inspect", str(tmp_path / "nope")], capture_output=True, text=True)
     assert res.returncode == 2 and len(res.stderr.strip().splitlines()) == 1
     assert "does not exist" in res.stderr
+
+
+def test_parallel_names_what_a_checkpoint_holds(tmp_path: Path) -> None:
+    from torch import nn
+
+    from manygpu.checkpoint import Checkpointer
+
+    with Parallel(strategy="single", seed=7) as par:
+        model = nn.Linear(2, 2)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        prepared, prepared_opt = par.prepare(model, opt)
+        parts = par.checkpoint_parts(prepared, prepared_opt)
+        assert parts.format is formats.FULL and parts.model is par.unwrap(prepared)
+        assert parts.optimizer is opt  # the optimizer holding the state, not our wrapper
+        assert (parts.seed, parts.strategy, parts.precision) == (7, "single", "fp32")
+        ckpt = Checkpointer(par, tmp_path, model=prepared, optimizer=prepared_opt, format="dcp")
+        assert ckpt.parts.format is formats.DCP and ckpt.format == "dcp"
+        assert parts.format is formats.FULL  # the job's answer is left as it was
+        with pytest.raises(UsageError, match="unknown checkpoint format 'zip'; choose full or dcp"):
+            Checkpointer(par, tmp_path, model=prepared, format="zip")
+
+
+def test_saving_leaves_the_state_alone(tmp_path: Path) -> None:
+    with Parallel(strategy="single") as par:
+        _, _, _, loader, ckpt = build(par, tmp_path, every=0)
+        loader.set_epoch(3)
+        state = TrainState(step=2, epoch=0, extra={"best": 1.5})
+        final = ckpt.save(state)
+        assert state == TrainState(step=2, epoch=0, extra={"best": 1.5})
+        meta = layout.read_meta(final)
+        assert meta["epoch"] == 3 and meta["extra"] == {"best": 1.5}  # the loader's epoch
+        assert ckpt.resume().epoch == 3
+
+
+def test_a_sigterm_is_remembered_until_the_step_boundary() -> None:
+    notice = PreemptionNotice()
+    previous = signal.getsignal(signal.SIGTERM)
+    try:
+        notice.listen()
+        assert not notice.agreed(device=torch.device("cpu"), world_size=1, timeout_s=5.0)
+        os.kill(os.getpid(), signal.SIGTERM)  # handled: the process goes on
+        assert notice.agreed(device=torch.device("cpu"), world_size=1, timeout_s=5.0)
+    finally:
+        signal.signal(signal.SIGTERM, previous)

@@ -9,7 +9,7 @@ from typing import Any
 import torch
 
 from manygpu.checkpoint import formats, layout
-from manygpu.checkpoint.layout import CheckpointError
+from manygpu.errors import CheckpointError
 
 
 def locate(path: Path) -> Path:

@@ -11,37 +11,63 @@ Both load without running code from the checkpoint: ``weights_only=True``
 for our files, and :mod:`.safe_dcp` for DCP's metadata and non-tensor items.
 Which format a directory holds is decided by its files (:func:`detect`), never
 by a field of ``meta.json`` that anyone can edit.
+
+Each format is an object (:data:`FULL`, :data:`DCP`) behind one small
+interface, :class:`Format`, so a strategy names the one it needs and the
+checkpointer never branches on a name. ``torch.distributed.checkpoint`` is
+imported only when DCP is used: naming a format must stay cheap.
 """
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
 from torch import nn
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
-from manygpu.checkpoint.layout import CheckpointError
-from manygpu.checkpoint.safe_dcp import safe_load
+from manygpu.errors import CheckpointError, UsageError
 
 MODEL, OPTIM, EXTRAS, SHARDS = "model.pt", "optim.pt", "extras.pt", "shards"
 
 
-@dataclass
-class Parts:
-    """What a checkpoint holds besides counters and RNGs."""
+def _whole_already(optimizer: torch.optim.Optimizer) -> None:
+    """The default for :attr:`Parts.consolidate`: replicated state is whole everywhere."""
 
+
+@dataclass(frozen=True, kw_only=True)
+class Parts:
+    """Everything a checkpoint saves and loads besides counters and RNGs.
+
+    :meth:`manygpu.Parallel.checkpoint_parts` builds it, so the checkpointer
+    never reaches into the strategy, the precision plugin or the config: what
+    to save is the job's answer, how to write it is the :class:`Format`'s.
+    """
+
+    format: Format
+    """How the state reaches disk (the strategy's choice unless the user names one)."""
     model: nn.Module
     """The user's (unwrapped) module."""
     wrapped: nn.Module
     """The module as the strategy wrapped it (DCP reads sharding from it)."""
     optimizer: torch.optim.Optimizer | None = None
+    """The optimizer that holds the state (inside manygpu's accumulation wrapper)."""
     scheduler: Any = None
+    """An LR scheduler (anything with ``state_dict``/``load_state_dict``); the user's."""
     scaler: torch.amp.GradScaler | None = None
+    """fp16's loss scaler, whose scale must survive a resume."""
+    consolidate: Callable[[torch.optim.Optimizer], None] = _whole_already
+    """Makes ``optimizer.state_dict()`` whole on the main rank (collective; ZeRO needs it)."""
+    seed: int | None = None
+    """The job's seed: RNG streams for a new world size are derived from it on resume."""
+    strategy: str = ""
+    """The strategy's registered name, recorded in ``meta.json``."""
+    precision: str = "fp32"
+    """The job's precision, recorded in ``meta.json``."""
 
     def extras(self) -> dict[str, Any]:
         out: dict[str, Any] = {}
@@ -131,6 +157,8 @@ def read_full(directory: Path, parts: Parts) -> None:
 
 
 def _dcp_state(parts: Parts) -> dict[str, Any]:
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
     optimizers = [parts.optimizer] if parts.optimizer is not None else []
     model_sd, optim_sd = get_state_dict(parts.wrapped, optimizers)
     state: dict[str, Any] = {"model": model_sd}
@@ -141,6 +169,8 @@ def _dcp_state(parts: Parts) -> dict[str, Any]:
 
 def write_dcp(directory: Path, parts: Parts, group: Any = None) -> None:
     """Every rank writes its shards into ``directory/shards`` (collective over ``group``)."""
+    import torch.distributed.checkpoint as dcp
+
     dcp.save(
         _dcp_state(parts),
         checkpoint_id=str(directory / SHARDS),
@@ -153,6 +183,10 @@ def write_dcp(directory: Path, parts: Parts, group: Any = None) -> None:
 
 def read_dcp(directory: Path, parts: Parts, group: Any = None) -> None:
     """Load DCP shards into ``parts``, resharding to this world size (collective)."""
+    from torch.distributed.checkpoint.state_dict import set_state_dict
+
+    from manygpu.checkpoint.safe_dcp import safe_load
+
     state = _dcp_state(parts)
     safe_load(
         state,
@@ -168,3 +202,77 @@ def read_dcp(directory: Path, parts: Parts, group: Any = None) -> None:
         optim_state_dict=state.get("optim", {}),
     )
     parts.load_extras(_load(directory / EXTRAS))
+
+
+class Format(ABC):
+    """How model and optimizer state reach disk (one instance per format)."""
+
+    name: ClassVar[str]
+    """``"full"`` or ``"dcp"``: what :func:`detect` returns and ``meta.json`` records."""
+    writes_in_background: ClassVar[bool] = False
+    """Whether the main rank can write files in a thread after a CPU snapshot."""
+
+    @abstractmethod
+    def write(
+        self, directory: Path, parts: Parts, *, group: Any, main: bool, copy: bool
+    ) -> dict[str, Any]:
+        """This rank's part of a save (every rank calls it: it may be collective).
+
+        Returns the files the main rank still has to write (name -> state), so
+        that writing can happen in the background; ``copy`` snapshots them to CPU.
+        """
+
+    @abstractmethod
+    def read(self, directory: Path, parts: Parts, *, group: Any) -> None:
+        """Load ``directory`` into ``parts`` (every rank calls it)."""
+
+    def __repr__(self) -> str:
+        return f"<checkpoint format {self.name!r}>"
+
+
+class FullFormat(Format):
+    """One whole copy, written by the main rank; for replicated strategies."""
+
+    name = "full"
+    writes_in_background = True
+
+    def write(
+        self, directory: Path, parts: Parts, *, group: Any, main: bool, copy: bool
+    ) -> dict[str, Any]:
+        if parts.optimizer is not None:
+            parts.consolidate(parts.optimizer)  # collective: before the main rank reads it
+        return full_snapshot(parts, copy=copy) if main else {}
+
+    def read(self, directory: Path, parts: Parts, *, group: Any) -> None:
+        read_full(directory, parts)
+
+
+class DcpFormat(Format):
+    """Shards written by every rank in parallel; needed for sharded strategies."""
+
+    name = "dcp"
+
+    def write(
+        self, directory: Path, parts: Parts, *, group: Any, main: bool, copy: bool
+    ) -> dict[str, Any]:
+        write_dcp(directory, parts, group=group)
+        return {}
+
+    def read(self, directory: Path, parts: Parts, *, group: Any) -> None:
+        read_dcp(directory, parts, group=group)
+
+
+FULL: Format = FullFormat()
+DCP: Format = DcpFormat()
+_BY_NAME = {fmt.name: fmt for fmt in (FULL, DCP)}
+
+
+def as_format(value: Format | str) -> Format:
+    """The format object for ``value`` (a name such as a user's ``format="dcp"``, or a format)."""
+    if isinstance(value, Format):
+        return value
+    found = _BY_NAME.get(value)
+    if found is None:
+        choices = " or ".join(_BY_NAME)
+        raise UsageError(f"unknown checkpoint format {value!r}; choose {choices}")
+    return found

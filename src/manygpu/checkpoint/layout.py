@@ -18,7 +18,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from manygpu.errors import CheckpointError as CheckpointError  # re-exported
+# The old home of CheckpointError (now manygpu.errors): kept importable from here.
+from manygpu.errors import CheckpointError as CheckpointError
 
 META = "meta.json"
 PREFIX = "step-"

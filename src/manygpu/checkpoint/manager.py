@@ -4,20 +4,17 @@ Saves model, optimizer, LR scheduler, grad scaler, step, the data loader's
 position inside its epoch, and every rank's RNGs; resume is exact (the same
 losses and final parameters as an uninterrupted run, bitwise on CPU fp32).
 Saves every ``every`` steps, keeps the newest ``keep``, and on SIGTERM (a
-preemption) saves at the next step boundary and exits cleanly.
+preemption, see :mod:`.preemption`) saves at the next step boundary and exits
+cleanly. What to save comes from :meth:`manygpu.Parallel.checkpoint_parts`;
+how to write it, from the parts' :class:`~.formats.Format`.
 """
 
 from __future__ import annotations
 
-import logging
-import os
 import shutil
-import signal
-import subprocess
-import sys
 import threading
 import warnings
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import datetime, timedelta, timezone
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -25,24 +22,13 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 
-from manygpu import comm
 from manygpu.checkpoint import formats, layout, rng
-from manygpu.checkpoint.layout import CheckpointError
-from manygpu.errors import UsageError
-from manygpu.runtime import env as envmod
+from manygpu.checkpoint.preemption import PreemptionNotice, exit_now, requeue_slurm_job
+from manygpu.errors import CheckpointError, UsageError
 
 if TYPE_CHECKING:
     from manygpu.core.data import PreparedLoader
     from manygpu.core.parallel import Parallel
-
-
-def _exit_now(code: int) -> None:
-    """Exit at once after flushing: a preempted job must not risk the C++ teardown
-    of backend threads (seen to abort with SIGABRT) turning a clean stop into a crash."""
-    logging.shutdown()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)
 
 
 @dataclass
@@ -99,20 +85,13 @@ class Checkpointer:
         self.root = Path(directory)
         if self.root.exists() and not self.root.is_dir():
             raise UsageError(f"checkpoint directory {self.root} is a file; give a directory")
-        inner_opt = getattr(optimizer, "optimizer", optimizer)  # PreparedOptimizer -> torch's
-        self.parts = formats.Parts(
-            model=par.unwrap(model),
-            wrapped=model,
-            optimizer=inner_opt,
-            scheduler=scheduler,
-            scaler=par.precision.scaler,
+        parts = par.checkpoint_parts(model, optimizer)
+        self.parts = replace(
+            parts, scheduler=scheduler, format=formats.as_format(format or parts.format)
         )
         self.loader = loader
         self.every, self.keep = every, keep
-        self.format = format or par.strategy.checkpoint_format
-        if self.format not in ("full", "dcp"):
-            raise UsageError(f"unknown checkpoint format {self.format!r}; choose full or dcp")
-        self.async_save = async_save and self.format == "full"
+        self.async_save = async_save and self.parts.format.writes_in_background
         self.requeue = requeue
         # Checkpoint coordination waits on the main rank's disk work (writing,
         # fsync, hashing), which can outlast the training timeout: a gloo group
@@ -125,13 +104,14 @@ class Checkpointer:
         )
         self._pending: threading.Thread | None = None
         self._error: BaseException | None = None
-        self._preempted = False
-        if handle_signals and threading.current_thread() is threading.main_thread():
-            signal.signal(signal.SIGTERM, self._on_sigterm)
-            # Restart interrupted system calls: a gloo/NCCL thread blocked in recv
-            # must not see EINTR (it would abort the process) just because a
-            # preemption notice arrived.
-            signal.siginterrupt(signal.SIGTERM, False)
+        self._preemption = PreemptionNotice()
+        if handle_signals:
+            self._preemption.listen()
+
+    @property
+    def format(self) -> str:
+        """The name of the format this checkpointer writes (``"full"`` or ``"dcp"``)."""
+        return self.parts.format.name
 
     # -- saving -----------------------------------------------------------------
     def save(self, state: TrainState) -> Path:
@@ -151,12 +131,9 @@ class Checkpointer:
                     "must be on a filesystem shared by every node"
                 )
             torch.save(rng.capture(), tmp / f"rng-rank{self.par.rank}.pt")
-            if self.format == "dcp":
-                formats.write_dcp(tmp, self.parts, group=self._group)
-            if self.format == "full" and self.parts.optimizer is not None:
-                self.par.strategy.consolidate_optimizer(self.parts.optimizer)
-            if self.format == "full" and self.par.is_main:
-                files = formats.full_snapshot(self.parts, copy=self.async_save)
+            files = self.parts.format.write(
+                tmp, self.parts, group=self._group, main=self.par.is_main, copy=self.async_save
+            )
             failure = None
         except Exception as exc:  # every rank must hear of it, or the others hang
             failure = f"rank {self.par.rank}: {layout.write_failure(exc, tmp)}"
@@ -243,22 +220,27 @@ class Checkpointer:
             raise CheckpointError(f"saving the checkpoint failed: {error}") from error
 
     def _meta(self, state: TrainState) -> dict[str, Any]:
-        position = None
-        if self.loader is not None:
-            position = self.loader.state_dict()
-            state.epoch = position["epoch"]
-            position |= {"world": self.par.world_size, "batch_size": self.loader.batch_size or 0}
+        """``meta.json``'s content for ``state`` (which is left as it is)."""
+        epoch, position = state.epoch, None
+        if self.loader is not None:  # the loader knows the epoch it is really in
+            where = self.loader.state_dict()
+            epoch = where["epoch"]
+            position = where | {
+                "world": self.par.world_size,
+                "batch_size": self.loader.batch_size or 0,
+            }
         from manygpu import __version__
 
         return {
             "step": state.step,
-            "epoch": state.epoch,
-            "extra": state.extra,
+            "epoch": epoch,
+            # A copy: an asynchronous save writes it while the loop goes on.
+            "extra": dict(state.extra),
             "loader": position,
             "world_size": self.par.world_size,
-            "strategy": self.par.strategy_name,
-            "format": self.format,
-            "precision": self.par.config.precision,
+            "strategy": self.parts.strategy,
+            "format": self.parts.format.name,
+            "precision": self.parts.precision,
             "manygpu": __version__,
             "torch": torch.__version__,
             "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
@@ -267,17 +249,17 @@ class Checkpointer:
     # -- the loop hook ----------------------------------------------------------
     def after_step(self, state: TrainState) -> None:
         """Call after each optimizer step: periodic saves, and save-and-exit on SIGTERM."""
-        flag = torch.tensor([1 if self._preempted else 0], device=self.par.device)
-        if self.par.world_size > 1:  # ranks may see the signal at different steps
-            comm.all_reduce(flag, "max", timeout_s=self.par.timeout_s)
-        if flag.item():
+        par = self.par
+        if self._preemption.agreed(
+            device=par.device, world_size=par.world_size, timeout_s=par.timeout_s
+        ):
             self.save(state)
             self.wait()
-            self.par.print(f"manygpu: preempted: saved step {state.step} to {self.root}; exiting")
-            if self.requeue and self.par.is_main:
-                self._slurm_requeue()
-            self.par.close()
-            _exit_now(0)
+            par.print(f"manygpu: preempted: saved step {state.step} to {self.root}; exiting")
+            if self.requeue and par.is_main:
+                requeue_slurm_job()
+            par.close()
+            exit_now(0)
         if self.every and state.step % self.every == 0:
             self.save(state)
 
@@ -305,10 +287,7 @@ class Checkpointer:
         path = Path(value)
         meta = layout.read_meta(path)
         # The files decide the format, not meta.json (which anyone can edit).
-        if formats.detect(path) == "dcp":
-            formats.read_dcp(path, self.parts, group=self._group)
-        else:
-            formats.read_full(path, self.parts)
+        formats.as_format(formats.detect(path)).read(path, self.parts, group=self._group)
         self._restore_rng(path, meta)
         state = TrainState(
             step=int(meta["step"]), epoch=int(meta["epoch"]), extra=dict(meta.get("extra") or {})
@@ -345,7 +324,7 @@ class Checkpointer:
             rng.restore(torch.load(file, weights_only=True))
             return
         # Another world size: no saved stream belongs to this rank; derive one.
-        self.par.seed_everything((self.par.config.seed or 0) + 1000 * int(meta["step"]))
+        self.par.seed_everything((self.parts.seed or 0) + 1000 * int(meta["step"]))
 
     def _restore_loader(self, saved: dict[str, int]) -> int:
         assert self.loader is not None
@@ -367,14 +346,6 @@ class Checkpointer:
     def close(self) -> None:
         """Wait for a pending save."""
         self.wait()
-
-    def _on_sigterm(self, signum: int, frame: object) -> None:
-        self._preempted = True
-
-    def _slurm_requeue(self) -> None:
-        job = envmod.get_str(envmod.current(), "SLURM_JOB_ID")
-        if job:
-            subprocess.run(["scontrol", "requeue", job], check=False, timeout=30)
 
 
 def _check_counts(every: Any, keep: Any) -> None:

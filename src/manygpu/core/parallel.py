@@ -10,7 +10,7 @@ from __future__ import annotations
 import contextlib
 import random
 from collections.abc import Iterable, Iterator
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import numpy as np
 import torch
@@ -36,6 +36,9 @@ from manygpu.runtime.device import choose_backend, choose_device, set_cpu_thread
 from manygpu.runtime.process_group import init_distributed, teardown
 from manygpu.strategies import MeshSpec, Strategy, StrategyOptions, get_strategy
 from manygpu.warn import warn_user
+
+if TYPE_CHECKING:
+    from manygpu.checkpoint.formats import Parts
 
 T = TypeVar("T")
 
@@ -313,6 +316,31 @@ class Parallel:
     def unwrap(self, model: nn.Module) -> nn.Module:
         """The user's module inside the strategy's wrapper."""
         return self.strategy.unwrap(model)
+
+    def checkpoint_parts(
+        self, model: nn.Module, optimizer: torch.optim.Optimizer | None = None
+    ) -> Parts:
+        """What a checkpoint of the prepared ``model`` and ``optimizer`` saves and loads.
+
+        The checkpointer asks this one question instead of reaching into the
+        strategy (format, unwrapping, optimizer consolidation), the precision
+        plugin (the grad scaler) and the config (the seed).
+        """
+        # Imported here: `import manygpu` must not pay for the checkpoint package.
+        from manygpu.checkpoint.formats import Parts, as_format
+
+        inner = optimizer.optimizer if isinstance(optimizer, PreparedOptimizer) else optimizer
+        return Parts(
+            format=as_format(self.strategy.checkpoint_format),
+            model=self.unwrap(model),
+            wrapped=model,
+            optimizer=inner,
+            scaler=self.precision.scaler,
+            consolidate=self.strategy.consolidate_optimizer,
+            seed=self.config.seed,
+            strategy=self.strategy_name,
+            precision=self.config.precision,
+        )
 
     def print(self, *objects: Any, **kwargs: Any) -> None:
         """Print on the main process only."""
