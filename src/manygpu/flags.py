@@ -16,6 +16,8 @@ from collections.abc import Callable
 from dataclasses import Field, dataclass, field, fields
 from typing import Any
 
+from manygpu.errors import UsageError
+
 METADATA_KEY = "manygpu.flag"
 """Key of a field's :class:`Flag` in ``dataclasses.field(metadata=...)``."""
 
@@ -125,3 +127,15 @@ def fraction(text: str) -> float:
     if value > 1:
         raise argparse.ArgumentTypeError(f"{text!r} is a fraction: give a number in (0, 1]")
     return value
+
+
+def parse_size(text: str) -> int:
+    """``"64M"`` -> 67108864; K, M, G are powers of 1024."""
+    units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
+    clean = text.strip().upper().removesuffix("B")
+    try:
+        if clean and clean[-1] in units:
+            return int(float(clean[:-1]) * units[clean[-1]])
+        return int(clean)
+    except ValueError:
+        raise UsageError(f"{text!r} is not a size; write e.g. 8, 64K, 1M or 1G") from None

@@ -8,8 +8,8 @@ import pytest
 
 from manygpu.bench import report
 from manygpu.bench.comm import CommRow, SweepConfig, bus_factor
-from manygpu.bench.comm_worker import parse_size
 from manygpu.errors import UsageError
+from manygpu.flags import parse_size
 
 
 def _row(nbytes: int, time_us: float, algorithm: str = "ring") -> CommRow:

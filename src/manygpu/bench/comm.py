@@ -12,7 +12,7 @@ from __future__ import annotations
 import statistics
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 
 import torch
 import torch.distributed as dist
@@ -40,15 +40,21 @@ class SweepConfig:
     """What to measure."""
 
     ops: tuple[str, ...] = ("all_reduce",)
+    """Collectives to sweep, from :data:`OPS`."""
     algorithms: tuple[str, ...] = ALGOS
     """All-reduce implementations; other ops use the backend's only."""
     min_bytes: int = 8
+    """Smallest message; sizes double from here."""
     max_bytes: int = 64 << 20
+    """Largest message."""
     dtype: str = "float32"
+    """Element type, a ``torch`` dtype's name."""
     iters: int = 0
     """Timed iterations per size; 0 adapts to the size (more for small messages)."""
     warmup: int = 2
+    """Untimed iterations per size first (connections, allocator)."""
     timeout_s: float = 120.0
+    """How long one collective may take before it fails, naming the rank."""
 
     def __post_init__(self) -> None:
         bad = [op for op in self.ops if op not in OPS]
@@ -63,6 +69,10 @@ class SweepConfig:
             )
         if self.dtype not in ("float32", "float64", "float16", "bfloat16", "int32", "int64"):
             raise UsageError(f"unsupported dtype {self.dtype!r}")
+        if self.iters < 0 or self.warmup < 0:
+            raise UsageError(f"iterations must be 0 or more, got {self.iters} and {self.warmup}")
+        if not 0 < self.timeout_s < float("inf"):
+            raise UsageError(f"timeout must be a number of seconds > 0, got {self.timeout_s}")
 
     def sizes(self) -> list[int]:
         out, size = [], self.min_bytes
@@ -75,6 +85,22 @@ class SweepConfig:
         if self.iters:
             return self.iters
         return 20 if nbytes < (1 << 20) else 10 if nbytes < (32 << 20) else 3
+
+
+@dataclass(frozen=True, kw_only=True)
+class CommBenchConfig:
+    """What ``manygpu bench comm`` asks of every rank: the sweep and where results go."""
+
+    sweep: SweepConfig = field(default_factory=SweepConfig)
+    """What to measure."""
+    json_path: str = "bench/results/comm.json"
+    """Rank 0 writes the rows, fits and machine here."""
+    plot: str = ""
+    """Also a busbw-vs-size PNG here (empty: none)."""
+    label: str = ""
+    """A name for this run in the table's title and the JSON."""
+    command: str = ""
+    """The command line that asked for the run, recorded in the JSON."""
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -1,8 +1,11 @@
-"""The per-rank program of ``manygpu bench comm`` (started by ``manygpu launch``)."""
+"""The per-rank program of ``manygpu bench comm`` (started by ``manygpu launch``).
+
+Its configuration is the :class:`~manygpu.bench.comm.CommBenchConfig` the
+command built and handed over (:mod:`manygpu.runtime.handoff`).
+"""
 
 from __future__ import annotations
 
-import argparse
 import sys
 from pathlib import Path
 
@@ -10,57 +13,16 @@ import torch.distributed as dist
 
 from manygpu import Parallel
 from manygpu.bench import report
-from manygpu.bench.comm import SweepConfig, memcpy_gbs, sweep
-from manygpu.errors import UsageError
+from manygpu.bench.comm import CommBenchConfig, memcpy_gbs, sweep
+from manygpu.runtime import handoff
 
 
-def parse_size(text: str) -> int:
-    """``"64M"`` -> 67108864; K, M, G are powers of 1024."""
-    units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
-    clean = text.strip().upper().removesuffix("B")
-    try:
-        if clean and clean[-1] in units:
-            return int(float(clean[:-1]) * units[clean[-1]])
-        return int(clean)
-    except ValueError:
-        raise UsageError(f"{text!r} is not a size; write e.g. 8, 64K, 1M or 1G") from None
-
-
-def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="manygpu.bench.comm_worker")
-    p.add_argument("--ops", default="all_reduce")
-    p.add_argument("--algorithms", default="native,ring,ps,tree")
-    p.add_argument("--min-bytes", default="8")
-    p.add_argument("--max-bytes", default="64M")
-    p.add_argument("--dtype", default="float32")
-    p.add_argument("--iters", type=int, default=0)
-    p.add_argument("--warmup", type=int, default=2)
-    p.add_argument("--json", default="bench/results/comm.json")
-    p.add_argument("--plot", default="")
-    p.add_argument("--label", default="")
-    return p.parse_args(argv)
-
-
-def config_from(ns: argparse.Namespace) -> SweepConfig:
-    return SweepConfig(
-        ops=tuple(filter(None, ns.ops.split(","))),
-        algorithms=tuple(filter(None, ns.algorithms.split(","))),
-        min_bytes=parse_size(ns.min_bytes),
-        max_bytes=parse_size(ns.max_bytes),
-        dtype=ns.dtype,
-        iters=ns.iters,
-        warmup=ns.warmup,
-    )
-
-
-def main(argv: list[str] | None = None) -> int:
-    ns = parse_args(argv)
-    cfg = config_from(ns)
+def main(config: CommBenchConfig) -> int:
+    """Sweep on every rank; rank 0 prints and writes the views. Exit code 1: a wrong result."""
+    cfg, label = config.sweep, config.label
     with Parallel(strategy="ddp", timeout_s=cfg.timeout_s) as par:
         backend = dist.get_backend()
-        title = (
-            f"{ns.label + ': ' if ns.label else ''}{par.world_size} ranks, {backend}, {cfg.dtype}"
-        )
+        title = f"{label + ': ' if label else ''}{par.world_size} ranks, {backend}, {cfg.dtype}"
         rows = sweep(
             cfg,
             progress=lambda r: par.print(
@@ -79,8 +41,8 @@ def main(argv: list[str] | None = None) -> int:
             memcpy = memcpy_gbs()
             par.print(f"local limit: a 256 MB memcpy runs at {memcpy:.2f} GB/s")
             payload = {
-                "command": " ".join(sys.argv),
-                "label": ns.label,
+                "command": config.command,
+                "label": label,
                 "backend": backend,
                 "world_size": par.world_size,
                 "machine": report.machine_info(),
@@ -88,13 +50,13 @@ def main(argv: list[str] | None = None) -> int:
                 "rows": [r.as_dict() for r in rows],
                 "fits": {k: vars(v) for k, v in fitted.items()},
             }
-            report.write_json(Path(ns.json), payload)
-            if ns.plot:
-                report.plot(rows, Path(ns.plot), title)
-            par.print(f"wrote {ns.json}" + (f" and {ns.plot}" if ns.plot else ""))
+            report.write_json(Path(config.json_path), payload)
+            if config.plot:
+                report.plot(rows, Path(config.plot), title)
+            par.print(f"wrote {config.json_path}" + (f" and {config.plot}" if config.plot else ""))
         wrong = any(r.wrong for r in rows)
     return 1 if wrong else 0
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(main(handoff.received(CommBenchConfig)))

@@ -26,7 +26,7 @@ from __future__ import annotations
 import statistics
 import time
 from collections.abc import Iterator
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 
 import torch
 from torch.utils.data import DataLoader, TensorDataset
@@ -68,6 +68,24 @@ class TrainBenchConfig:
             raise UsageError(f"peak TFLOP/s must be > 0, got {self.peak_tflops}")
         if self.precision not in ("fp32", "bf16", "fp16"):
             raise UsageError(f"unknown precision {self.precision!r}; choose fp32, bf16 or fp16")
+
+
+@dataclass(frozen=True, kw_only=True)
+class TrainJob:
+    """One job of ``manygpu bench train``, as its command hands it to every worker."""
+
+    bench: TrainBenchConfig = field(default_factory=TrainBenchConfig)
+    """What every job of the benchmark runs."""
+    threads: int = 0
+    """CPU threads per worker, the same at every worker count (0: keep torch's choice)."""
+    out: str
+    """Rank 0 writes this job's :class:`RunStats` here as JSON."""
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.threads, int) or self.threads < 0:
+            raise UsageError(f"--threads must be 0 or more, got {self.threads!r}")
+        if not self.out:
+            raise UsageError("a bench train job needs a file for its results")
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -1,12 +1,13 @@
 """The per-rank program of ``manygpu bench train`` (started by ``manygpu launch``).
 
-Rank 0 writes its job's :class:`~manygpu.bench.train.RunStats` as JSON to
-``--out``; the command that launched the jobs assembles the scaling table.
+Its configuration is the :class:`~manygpu.bench.train.TrainJob` the command
+built and handed over (:mod:`manygpu.runtime.handoff`). Rank 0 writes its
+job's :class:`~manygpu.bench.train.RunStats` as JSON to the job's ``out``; the
+command that launched the jobs assembles the scaling table.
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 from pathlib import Path
@@ -15,49 +16,22 @@ import torch
 
 from manygpu import Parallel
 from manygpu.bench import models
-from manygpu.bench.train import TrainBenchConfig, measure
+from manygpu.bench.train import TrainJob, measure
+from manygpu.runtime import handoff
 
 
-def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="manygpu.bench.train_worker")
-    p.add_argument("--model", default="resnet")
-    p.add_argument("--batch", type=int, default=32)
-    p.add_argument("--steps", type=int, default=20)
-    p.add_argument("--warmup", type=int, default=5)
-    p.add_argument("--block", type=int, default=5)
-    p.add_argument("--precision", default="fp32")
-    p.add_argument("--strategy", default="")
-    p.add_argument("--threads", type=int, default=0, help="CPU threads per worker (0: keep)")
-    p.add_argument("--peak-tflops", type=float, default=0.0)
-    p.add_argument("--out", required=True)
-    return p.parse_args(argv)
-
-
-def config_from(ns: argparse.Namespace) -> TrainBenchConfig:
-    return TrainBenchConfig(
-        model=ns.model,
-        batch=ns.batch,
-        steps=ns.steps,
-        warmup=ns.warmup,
-        block=ns.block,
-        precision=ns.precision,
-        strategy=ns.strategy or None,
-        peak_tflops=ns.peak_tflops or None,
-    )
-
-
-def main(argv: list[str] | None = None) -> int:
-    ns = parse_args(argv)
-    cfg = config_from(ns)
+def main(job: TrainJob) -> int:
+    """Measure this job on every rank; rank 0 writes the stats."""
+    cfg = job.bench
     with Parallel(strategy=cfg.strategy, precision=cfg.precision, timeout_s=600) as par:
-        if ns.threads and par.device.type == "cpu":
+        if job.threads and par.device.type == "cpu":
             # The same threads per worker at every worker count: per-worker scaling.
-            torch.set_num_threads(ns.threads)
+            torch.set_num_threads(job.threads)
         torch.manual_seed(0)  # the same initial model on every rank
         workload = models.build(cfg.model)
         stats = measure(par, workload, cfg)
         if par.is_main:
-            out = Path(ns.out)
+            out = Path(job.out)
             out.parent.mkdir(parents=True, exist_ok=True)
             out.write_text(json.dumps(stats.as_dict(), indent=2))
         par.print(
@@ -69,4 +43,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(main(handoff.received(TrainJob)))

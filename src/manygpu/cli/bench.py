@@ -3,14 +3,16 @@
 from __future__ import annotations
 
 import argparse
-from typing import Any
+import sys
+from typing import TYPE_CHECKING, Any
 
-from manygpu.bench.comm import ALGOS, OPS, SweepConfig
-from manygpu.bench.comm_worker import parse_size
 from manygpu.cli import bench_train
 from manygpu.cli.launch import add_launch_options, launch_job
 from manygpu.cli.parser import OneLineParser
-from manygpu.flags import nonnegative_int
+from manygpu.flags import nonnegative_int, parse_size
+
+if TYPE_CHECKING:
+    from manygpu.bench.comm import CommBenchConfig
 
 
 def add_parser(sub: Any) -> None:
@@ -26,10 +28,9 @@ def add_parser(sub: Any) -> None:
         "time, algbw, busbw and #wrong; write JSON and optionally a PNG plot.",
     )
     add_launch_options(c)
-    c.add_argument("--ops", default="all_reduce", help=f"comma list of: {', '.join(OPS)}")
-    c.add_argument(
-        "--algorithms", default=",".join(ALGOS), help=f"all-reduce algorithms: {', '.join(ALGOS)}"
-    )
+    c.help_later(c.add_argument("--ops", default="all_reduce"), _ops_help)
+    # No default here: the algorithms' names live with their code, which imports torch.
+    c.help_later(c.add_argument("--algorithms"), _algorithms_help)
     c.add_argument("--min-bytes", default="8", help="smallest message, e.g. 8, 1K, 1M")
     c.add_argument("--max-bytes", default="64M", help="largest message (doubling from min)")
     c.add_argument("--dtype", default="float32")
@@ -42,35 +43,41 @@ def add_parser(sub: Any) -> None:
     bench_train.add_kind(kinds)
 
 
-def run_comm(ns: argparse.Namespace) -> int:
-    # Validate here, so bad input fails in a second instead of inside every worker.
-    SweepConfig(
+def _ops_help() -> str:
+    from manygpu.bench.comm import OPS
+
+    return f"comma list of: {', '.join(OPS)}"
+
+
+def _algorithms_help() -> str:
+    from manygpu.bench.comm import ALGOS
+
+    return f"all-reduce algorithms: {', '.join(ALGOS)}"
+
+
+def comm_config(ns: argparse.Namespace) -> CommBenchConfig:
+    """The :class:`~manygpu.bench.comm.CommBenchConfig` of ``ns``; bad input fails here,
+    in a second, instead of inside every worker."""
+    from manygpu.bench.comm import ALGOS, CommBenchConfig, SweepConfig
+
+    algorithms = ",".join(ALGOS) if ns.algorithms is None else ns.algorithms
+    sweep = SweepConfig(
         ops=tuple(ns.ops.split(",")),
-        algorithms=tuple(ns.algorithms.split(",")),
+        algorithms=tuple(algorithms.split(",")),
         min_bytes=parse_size(ns.min_bytes),
         max_bytes=parse_size(ns.max_bytes),
         dtype=ns.dtype,
+        iters=ns.iters,
+        warmup=ns.warmup,
     )
-    args = (
-        "--ops",
-        ns.ops,
-        "--algorithms",
-        ns.algorithms,
-        "--min-bytes",
-        ns.min_bytes,
-        "--max-bytes",
-        ns.max_bytes,
-        "--dtype",
-        ns.dtype,
-        "--iters",
-        str(ns.iters),
-        "--warmup",
-        str(ns.warmup),
-        "--json",
-        ns.json,
-        "--plot",
-        ns.plot,
-        "--label",
-        ns.label,
+    command = " ".join(["manygpu", *sys.argv[1:]])
+    return CommBenchConfig(
+        sweep=sweep, json_path=ns.json, plot=ns.plot, label=ns.label, command=command
     )
-    return launch_job(ns, "manygpu.bench.comm_worker", True, args)
+
+
+def run_comm(ns: argparse.Namespace) -> int:
+    from manygpu.runtime import handoff
+
+    env = handoff.worker_env(comm_config(ns))
+    return launch_job(ns, "manygpu.bench.comm_worker", True, (), worker_env=env)

@@ -8,17 +8,15 @@ import json
 import sys
 import tempfile
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
-
-from manygpu.bench import models, report, train_report
-from manygpu.bench.train import RunStats
-from manygpu.bench.train_worker import config_from
 from manygpu.cli.launch import add_launch_options, launch_job
 from manygpu.errors import UsageError
 from manygpu.flags import positive_float, positive_int
-from manygpu.runtime.device import cpu_count
+
+if TYPE_CHECKING:
+    from manygpu.bench import train_report
+    from manygpu.bench.train import TrainBenchConfig
 
 DESCRIPTION = """Train a model for a few steps on 1, 2, ... N workers (one job per count,
 under the launcher) and report samples/s, speed-up, scaling efficiency and each
@@ -81,45 +79,66 @@ def parse_workers(text: str, gpus: int) -> list[int]:
     return sorted(counts)
 
 
-def _validate(ns: argparse.Namespace) -> tuple[list[int], int]:
+def bench_config(ns: argparse.Namespace) -> TrainBenchConfig:
+    """What every job runs, from the options (validated on construction)."""
+    from manygpu.bench.train import TrainBenchConfig
+
+    return TrainBenchConfig(
+        model=ns.model,
+        batch=ns.batch,
+        steps=ns.steps,
+        warmup=ns.warmup,
+        block=ns.block,
+        precision=ns.precision,
+        strategy=ns.strategy or None,
+        peak_tflops=ns.peak_tflops or None,
+    )
+
+
+def _validate(ns: argparse.Namespace) -> tuple[list[int], TrainBenchConfig, int]:
     """Fail in a second, before any job starts: counts, config, the model's factory."""
+    import torch
+
+    from manygpu.bench import models
+    from manygpu.runtime.device import cpu_count
+
     if ns.nproc_per_node is not None:
         raise UsageError(
             "bench train sets the workers per job itself; use --workers, not --nproc-per-node"
         )
     gpus = torch.cuda.device_count() if ns.gpus is None else len(ns.gpus.split(","))
     counts = parse_workers(ns.workers, gpus)
-    config_from(ns)  # validates here, so bad input fails before any worker starts
+    config = bench_config(ns)
     if ns.strategy:
         from manygpu.strategies import get_strategy
 
         get_strategy(ns.strategy)
     models.resolve(ns.model)
     threads = ns.threads or (max(1, cpu_count() // max(counts)) if gpus == 0 else 0)
-    return counts, threads
-
-
-def _worker_args(ns: argparse.Namespace, threads: int, out: Path) -> tuple[str, ...]:
-    args = ["--model", ns.model, "--batch", str(ns.batch), "--steps", str(ns.steps)]
-    args += ["--warmup", str(ns.warmup), "--block", str(ns.block), "--precision", ns.precision]
-    args += ["--strategy", ns.strategy, "--threads", str(threads), "--out", str(out)]
-    if ns.peak_tflops:
-        args += ["--peak-tflops", str(ns.peak_tflops)]
-    return tuple(args)
+    return counts, config, threads
 
 
 def run_train(ns: argparse.Namespace) -> int:
-    counts, threads = _validate(ns)
+    from manygpu.bench import train_report
+    from manygpu.bench.train import RunStats, TrainJob
+    from manygpu.runtime import handoff
+
+    counts, config, threads = _validate(ns)
     runs: list[RunStats] = []
     with tempfile.TemporaryDirectory(prefix="manygpu-bench-train-") as tmp:
-        for count in counts:
+        jobs = {
+            n: TrainJob(bench=config, threads=threads, out=str(Path(tmp) / f"run-{n}.json"))
+            for n in counts
+        }  # built before the first job starts, so bad input fails at once
+        for count, job in jobs.items():
             print(f"bench train: {ns.model} on {count} worker(s) per node", flush=True)
-            job = copy.copy(ns)
-            job.nproc_per_node = count
-            out = Path(tmp) / f"run-{count}.json"
-            rc = launch_job(job, "manygpu.bench.train_worker", True, _worker_args(ns, threads, out))
+            options = copy.copy(ns)
+            options.nproc_per_node = count
+            env = handoff.worker_env(job)
+            rc = launch_job(options, "manygpu.bench.train_worker", True, (), worker_env=env)
             if rc != 0:
                 return rc
+            out = Path(job.out)
             if out.exists():  # only node 0 holds rank 0's file
                 runs.append(RunStats(**json.loads(out.read_text())))
     if not runs:
@@ -132,6 +151,8 @@ def run_train(ns: argparse.Namespace) -> int:
 
 def write_views(ns: argparse.Namespace, rows: list[train_report.ScalingRow]) -> None:
     """JSON, markdown and PNG next to each other unless paths were given."""
+    from manygpu.bench import report, train_report
+
     json_path = Path(ns.json)
     md_path = Path(ns.markdown) if ns.markdown else json_path.with_suffix(".md")
     png_path = Path(ns.plot) if ns.plot else json_path.with_suffix(".png")

@@ -5,15 +5,9 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-import torch
-
-from manygpu.core.config import PRECISIONS
-from manygpu.core.data import per_rank_batch
-from manygpu.errors import UsageError
+from manygpu.cli.launch import launch_spec, resolve_request
 from manygpu.flags import positive_int
-from manygpu.launch import LaunchRequest, launch, resolve
-from manygpu.runtime import env as envmod
-from manygpu.strategies import available, get_strategy
+from manygpu.launch.spec import LaunchRequest
 
 
 def add_parser(sub: Any) -> None:
@@ -25,40 +19,47 @@ def add_parser(sub: Any) -> None:
     )
     p.add_argument("--workers", type=positive_int, help="processes (default: GPUs, or 2 on CPU)")
     p.add_argument("--epochs", type=positive_int, default=6)
-    p.add_argument("--strategy", default="ddp", help=f"one of: {', '.join(available())}")
-    p.add_argument("--precision", default="fp32", help=f"one of: {', '.join(PRECISIONS)}")
+    p.help_later(p.add_argument("--strategy", default="ddp"), _strategy_help)
+    p.help_later(p.add_argument("--precision", default="fp32"), _precision_help)
     p.add_argument("--global-batch-size", type=positive_int, default=64)
     p.add_argument("--lr", type=float, default=2e-3)
     p.add_argument("--json", help="also write the results to this JSON file")
     p.set_defaults(run=run)
 
 
+def _strategy_help() -> str:
+    from manygpu.strategies import available
+
+    return f"one of: {', '.join(available())}"
+
+
+def _precision_help() -> str:
+    from manygpu.core.config import PRECISIONS
+
+    return f"one of: {', '.join(PRECISIONS)}"
+
+
 def run(ns: argparse.Namespace) -> int:
-    if ns.precision not in PRECISIONS:
-        raise UsageError(
-            f"unknown precision {ns.precision!r}; choose one of {', '.join(PRECISIONS)}"
-        )
-    if ns.epochs < 1:
-        raise UsageError(f"--epochs must be at least 1, got {ns.epochs}")
-    strategy = get_strategy(ns.strategy)
-    workers = ns.workers if strategy.multi_process else 1
-    args = [
-        "--epochs",
-        str(ns.epochs),
-        "--strategy",
-        ns.strategy,
-        "--precision",
-        ns.precision,
-        "--global-batch-size",
-        str(ns.global_batch_size),
-        "--lr",
-        str(ns.lr),
-    ]
-    if ns.json:
-        args += ["--json", ns.json]
-    request = LaunchRequest(
-        entry="manygpu.demo.train", is_module=True, args=tuple(args), nproc_per_node=workers
+    from manygpu.core.data import per_rank_batch
+    from manygpu.demo.config import DemoConfig
+    from manygpu.runtime import handoff
+    from manygpu.strategies import get_strategy
+
+    config = DemoConfig(
+        epochs=ns.epochs,
+        global_batch_size=ns.global_batch_size,
+        lr=ns.lr,
+        strategy=ns.strategy,
+        precision=ns.precision,
+        json_path=ns.json,
     )
-    spec = resolve(request, envmod.current(), torch.cuda.device_count())
-    per_rank_batch(ns.global_batch_size, spec.nproc_per_node, split=True)
-    return launch(spec)
+    workers = ns.workers if get_strategy(config.strategy).multi_process else 1
+    request = LaunchRequest(
+        entry="manygpu.demo.train",
+        is_module=True,
+        nproc_per_node=workers,
+        worker_env=handoff.worker_env(config),
+    )
+    spec = resolve_request(request)
+    per_rank_batch(config.global_batch_size, spec.nproc_per_node, split=True)
+    return launch_spec(spec)

@@ -10,23 +10,18 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 import tempfile
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from rich.console import Console
-
-from manygpu.bench.comm_worker import parse_size
 from manygpu.cli.launch import add_launch_options, launch_job
-from manygpu.doctor import probes
-from manygpu.doctor.checks import run_checks
-from manygpu.doctor.crosscheck import check_live
-from manygpu.doctor.live import DEFAULT_OP_TIMEOUT_S
-from manygpu.doctor.report import DoctorReport, render
-from manygpu.doctor.result import CheckResult, fail
+from manygpu.doctor.config import DEFAULT_OP_TIMEOUT_S, LiveConfig
 from manygpu.errors import UsageError
-from manygpu.flags import positive_float
+from manygpu.flags import parse_size, positive_float
+
+if TYPE_CHECKING:
+    from manygpu.doctor.report import DoctorReport
+    from manygpu.doctor.result import CheckResult
 
 MAX_NBYTES = 1 << 30
 RENDEZVOUS_TIMEOUT_S = 120.0
@@ -64,13 +59,18 @@ def add_parser(sub: Any) -> None:
     p.set_defaults(run=run)
 
 
-def _worker_args(ns: argparse.Namespace, nbytes: int, fmt: str, out: str) -> tuple[str, ...]:
-    args = ["--format", fmt, "--nbytes", str(nbytes), "--op-timeout", str(ns.op_timeout)]
-    if out:
-        args += ["--out", out]
-    if ns.no_live:
-        args.append("--no-live")
-    return tuple(args)
+def live_config(ns: argparse.Namespace, nbytes: int, fmt: str, out: str) -> LiveConfig:
+    """What every launched rank of the doctor runs."""
+    return LiveConfig(
+        format=fmt, out=out, nbytes=nbytes, op_timeout_s=ns.op_timeout, live=not ns.no_live
+    )
+
+
+def _launch_live(ns: argparse.Namespace, config: LiveConfig) -> int:
+    from manygpu.runtime import handoff
+
+    env = handoff.worker_env(config)
+    return launch_job(ns, "manygpu.doctor.live", True, (), worker_env=env)
 
 
 def validate(ns: argparse.Namespace) -> int:
@@ -93,12 +93,11 @@ def run(ns: argparse.Namespace) -> int:
         # should be reported in minutes, not after the launcher's 15.
         ns.timeout_s = RENDEZVOUS_TIMEOUT_S
     if ns.all_ranks:
-        return launch_job(
-            ns,
-            "manygpu.doctor.live",
-            True,
-            _worker_args(ns, nbytes, "json" if ns.json else "text", ""),
-        )
+        return _launch_live(ns, live_config(ns, nbytes, "json" if ns.json else "text", ""))
+    from manygpu.doctor import probes
+    from manygpu.doctor.checks import run_checks
+    from manygpu.doctor.report import DoctorReport
+
     facts = probes.gather()
     checks = run_checks(facts)
     report = DoctorReport(nodes=[facts], checks=checks)
@@ -111,11 +110,13 @@ def run(ns: argparse.Namespace) -> int:
 
 def local_live(ns: argparse.Namespace, nbytes: int) -> tuple[Any, list[CheckResult]]:
     """The live test on this machine's workers, through the real launcher."""
+    from manygpu.doctor.crosscheck import check_live
+    from manygpu.doctor.report import DoctorReport
+    from manygpu.doctor.result import fail
+
     with tempfile.TemporaryDirectory(prefix="manygpu-doctor-") as tmp:
         out = Path(tmp) / "report.json"
-        code = launch_job(
-            ns, "manygpu.doctor.live", True, _worker_args(ns, nbytes, "none", str(out))
-        )
+        code = _launch_live(ns, live_config(ns, nbytes, "none", str(out)))
         if code != 0 or not out.is_file():
             return None, [
                 fail(
@@ -132,15 +133,9 @@ def local_live(ns: argparse.Namespace, nbytes: int) -> tuple[Any, list[CheckResu
 
 
 def show(report: DoctorReport, *, as_json: bool) -> None:
+    from manygpu.doctor.report import render, terminal_console
+
     if as_json:
         print(json.dumps(report.to_dict(), indent=2))
         return
-    render(report, console())
-
-
-def console() -> Console:
-    """A terminal's own width; 120 columns in a pipe or a log (rich would use 80)."""
-    out = Console(file=sys.stdout, highlight=False)
-    if not out.is_terminal:
-        out = Console(file=sys.stdout, highlight=False, width=120)
-    return out
+    render(report, terminal_console())

@@ -1,13 +1,14 @@
 """The demo's worker: run by ``manygpu demo`` once per device via ``manygpu launch``.
 
-Trains :class:`SimpleCNN` on the digits with the chosen strategy, reports loss
+Trains :class:`SimpleCNN` on the digits with the strategy of the
+:class:`~manygpu.demo.config.DemoConfig` the command handed over
+(:mod:`manygpu.runtime.handoff`), reports loss
 and held-out accuracy per epoch on the main process, then measures one worker
 alone on the same per-worker batch to state the speed-up and scaling efficiency.
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import time
 from dataclasses import asdict, dataclass, field
@@ -18,8 +19,10 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from manygpu import Parallel
 from manygpu.core.data import PreparedLoader
+from manygpu.demo.config import DemoConfig
 from manygpu.demo.data import digits
 from manygpu.demo.model import SimpleCNN
+from manygpu.runtime import handoff
 
 
 @dataclass
@@ -49,18 +52,6 @@ class DemoResult:
     @property
     def efficiency(self) -> float:
         return self.speedup / self.workers if self.workers else 0.0
-
-
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="manygpu.demo.train")
-    p.add_argument("--epochs", type=int, default=6)
-    p.add_argument("--global-batch-size", type=int, default=64)
-    p.add_argument("--lr", type=float, default=2e-3)
-    p.add_argument("--strategy", default=None)
-    p.add_argument("--precision", default="fp32")
-    p.add_argument("--image-size", type=int, default=16)
-    p.add_argument("--json", default=None)
-    return p.parse_args(argv)
 
 
 def evaluate(par: Parallel, model: torch.nn.Module, loader: PreparedLoader) -> float:
@@ -132,25 +123,25 @@ def single_worker_rate(
     return timed * batch / (time.perf_counter() - start)
 
 
-def main(argv: list[str] | None = None) -> DemoResult:
-    args = parse_args(argv)
-    with Parallel(strategy=args.strategy, precision=args.precision, split_batches=True) as par:
-        train_set, test_set = digits(args.image_size)
-        model = SimpleCNN(args.image_size)
-        opt = torch.optim.Adam(model.parameters(), lr=args.lr)
+def main(config: DemoConfig) -> DemoResult:
+    """Train, evaluate and compare with one worker; the results on every rank."""
+    with Parallel(strategy=config.strategy, precision=config.precision, split_batches=True) as par:
+        train_set, test_set = digits(config.image_size)
+        model = SimpleCNN(config.image_size)
+        opt = torch.optim.Adam(model.parameters(), lr=config.lr)
         train = DataLoader(
-            train_set, batch_size=args.global_batch_size, shuffle=True, drop_last=True
+            train_set, batch_size=config.global_batch_size, shuffle=True, drop_last=True
         )
         model, opt, train = par.prepare(model, opt, train)
         test = par.prepare_loader(DataLoader(test_set, batch_size=256), train=False)
         result = DemoResult(
             strategy=par.strategy_name,
-            precision=args.precision,
+            precision=config.precision,
             workers=par.world_size,
             device=str(par.device),
             threads_per_worker=torch.get_num_threads(),
-            global_batch=args.global_batch_size,
-            epochs=args.epochs,
+            global_batch=config.global_batch_size,
+            epochs=config.epochs,
         )
         par.print(
             f"[bold]manygpu demo[/]: {par.strategy_name} on {par.world_size} worker(s) "
@@ -158,23 +149,23 @@ def main(argv: list[str] | None = None) -> DemoResult:
             f"{len(train_set)} training / {len(test_set)} held-out digits"
         )
         timed_s, timed_samples = 0.0, 0
-        for epoch in range(1, args.epochs + 1):
+        for epoch in range(1, config.epochs + 1):
             loss, seconds, samples = train_epoch(par, model, opt, train, epoch)
             acc = evaluate(par, model, test)
             result.losses.append(loss)
             result.accuracies.append(acc)
-            if epoch > 1 or args.epochs == 1:  # epoch 1 includes warm-up
+            if epoch > 1 or config.epochs == 1:  # epoch 1 includes warm-up
                 timed_s, timed_samples = timed_s + seconds, timed_samples + samples
             par.print(
                 f"epoch {epoch:2d}  loss {loss:.4f}  held-out accuracy {acc:.2%}  "
                 f"({samples / seconds:,.0f} samples/s)"
             )
         result.samples_per_s = timed_samples / timed_s
-        per_worker = args.global_batch_size // par.world_size
+        per_worker = config.global_batch_size // par.world_size
         steps = min(2 * len(train), 100)  # ~1-2 s: enough to average out noise
-        rate = single_worker_rate(par, train_set, per_worker, steps, args.image_size)
+        rate = single_worker_rate(par, train_set, per_worker, steps, config.image_size)
         result.single_worker_samples_per_s = float(par.reduce(torch.tensor([rate]), "max"))
-        report(par, result, args.json)
+        report(par, result, config.json_path)
     return result
 
 
@@ -193,4 +184,4 @@ def report(par: Parallel, result: DemoResult, json_path: str | None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    main(handoff.received(DemoConfig))

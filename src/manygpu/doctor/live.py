@@ -2,14 +2,15 @@
 
 Every rank gathers its facts; rank 0 collects them, and all ranks run a short
 all-reduce and a timed exchange between every pair of ranks, each bounded by
-``--op-timeout``, so a broken link is named instead of hanging. Rank 0 then
+``--op-timeout``, so a broken link is named instead of hanging. The options
+come as the :class:`~manygpu.doctor.config.LiveConfig` the command built and
+handed over (:mod:`manygpu.runtime.handoff`). Rank 0 then
 checks every node, compares them, prints the report, and writes it as JSON.
 Every rank exits with the report's exit code, so every node's launcher agrees.
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import sys
@@ -23,26 +24,16 @@ from manygpu import Parallel, comm
 from manygpu.comm.common import first_line
 from manygpu.doctor import probes
 from manygpu.doctor.checks import run_checks
+from manygpu.doctor.config import LiveConfig
 from manygpu.doctor.crosscheck import check_consistency, check_live
 from manygpu.doctor.facts import Facts, LiveResults, PairResult
-from manygpu.doctor.report import DoctorReport, render
+from manygpu.doctor.report import DoctorReport, render, terminal_console
 from manygpu.doctor.result import CheckResult, fail
 from manygpu.errors import CollectiveTimeoutError
+from manygpu.runtime import handoff
 
-DEFAULT_NBYTES = 4 << 20
-DEFAULT_OP_TIMEOUT_S = 20.0
 REPEATS = 3
 """Timed exchanges per pair; the best one counts (the link's capacity, not noise)."""
-
-
-def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="manygpu.doctor.live")
-    p.add_argument("--format", choices=("text", "json", "none"), default="text")
-    p.add_argument("--out", default="", help="rank 0 writes the report here as JSON")
-    p.add_argument("--nbytes", type=int, default=DEFAULT_NBYTES)
-    p.add_argument("--op-timeout", type=float, default=DEFAULT_OP_TIMEOUT_S)
-    p.add_argument("--no-live", action="store_true", help="facts and checks only")
-    return p.parse_args(argv)
 
 
 def pairs(world_size: int) -> list[tuple[int, int]]:
@@ -168,8 +159,9 @@ def build_report(
     return DoctorReport(nodes=[f for _, f in nodes], checks=checks, live=live)
 
 
-def run(ns: argparse.Namespace) -> int:
-    timeout_s = ns.op_timeout
+def run(config: LiveConfig) -> int:
+    """Probe, test and report on every rank; the report's exit code on every rank."""
+    timeout_s = config.op_timeout_s
     # The group's timeout bounds the object collectives; each test has its own.
     with Parallel(strategy="ddp", timeout_s=max(2 * timeout_s, 30.0)) as par:
         facts = probes.gather(full=par.local_rank == 0)
@@ -179,13 +171,13 @@ def run(ns: argparse.Namespace) -> int:
         live: LiveResults | None = None
         extra: list[CheckResult] = []
         failed = False
-        if not ns.no_live:
-            live, extra, failed = live_test(par, ns.nbytes, timeout_s)
+        if config.live:
+            live, extra, failed = live_test(par, config.nbytes, timeout_s)
         code = 0
         if par.is_main:
             report = build_report(per_rank, live, node_ids)
             report.checks += extra
-            code = emit(report, ns)
+            code = emit(report, config)
         try:
             code = int(comm.broadcast_object(code))
         except CollectiveTimeoutError:
@@ -233,24 +225,22 @@ def live_test(
     return live, extra, failed
 
 
-def emit(report: DoctorReport, ns: argparse.Namespace) -> int:
+def emit(report: DoctorReport, config: LiveConfig) -> int:
     """Print and write the report on rank 0; the job's exit code."""
     data = report.to_dict()
-    if ns.out:
-        Path(ns.out).write_text(json.dumps(data, indent=2) + "\n")
-    if ns.format == "json":
+    if config.out:
+        Path(config.out).write_text(json.dumps(data, indent=2) + "\n")
+    if config.format == "json":
         print(json.dumps(data, indent=2), flush=True)
-    elif ns.format == "text":
-        from manygpu.cli.doctor import console
-
-        render(report, console())
-    # A silent run reports through --out; the caller judges it.
-    return 0 if ns.format == "none" else report.exit_code
+    elif config.format == "text":
+        render(report, terminal_console())
+    # A silent run reports through its file; the caller judges it.
+    return 0 if config.format == "none" else report.exit_code
 
 
-def main(argv: list[str] | None = None) -> int:
-    return run(parse_args(argv))
+def main(config: LiveConfig) -> int:
+    return run(config)
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(main(handoff.received(LiveConfig)))

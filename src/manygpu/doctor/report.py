@@ -8,6 +8,7 @@ their fixes, most severe first.
 from __future__ import annotations
 
 import dataclasses
+import sys
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -215,6 +216,14 @@ def checks_table(checks: list[CheckResult]) -> Table:
         host = [c.host] if multi else []
         table.add_row(status, c.name, *host, c.message, c.fix)
     return table
+
+
+def terminal_console() -> Console:
+    """A terminal's own width; 120 columns in a pipe or a log (rich would use 80)."""
+    out = Console(file=sys.stdout, highlight=False)
+    if not out.is_terminal:
+        out = Console(file=sys.stdout, highlight=False, width=120)
+    return out
 
 
 def render(report: DoctorReport, console: Console) -> None:

@@ -75,6 +75,15 @@ def _seconds(env: Environ, name: str, default: float, *, zero_ok: bool) -> float
     return value
 
 
+TOOL_CONFIG = "MANYGPU_TOOL_CONFIG"
+"""Where a launched tool's command hands its workers their configuration (JSON)."""
+
+
+def tool_config(env: Environ) -> str | None:
+    """The configuration a tool's command handed this worker, ``None`` when none did."""
+    return env.get(TOOL_CONFIG) or None
+
+
 def debug_enabled(env: Environ) -> bool:
     """``MANYGPU_DEBUG=1`` turns on cross-rank consistency checks."""
     return env.get("MANYGPU_DEBUG", "0").lower() in {"1", "true", "yes", "on"}

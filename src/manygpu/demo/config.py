@@ -1,0 +1,49 @@
+"""What ``manygpu demo`` trains, as its command hands it to every worker."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from manygpu.core.config import PRECISIONS
+from manygpu.errors import UsageError
+from manygpu.strategies import get_strategy
+
+MIN_IMAGE_SIZE = 6
+"""Two 3x3 convolutions and a 2x2 pool need at least this many pixels a side."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class DemoConfig:
+    """The demo's training run: checked here, once, by the command that launches it."""
+
+    epochs: int = 6
+    """Passes over the training digits."""
+    global_batch_size: int = 64
+    """Samples per step over all workers together (checked against the world at launch)."""
+    lr: float = 2e-3
+    """Adam's learning rate."""
+    strategy: str = "ddp"
+    """A registered strategy's name."""
+    precision: str = "fp32"
+    """One of ``fp32``, ``bf16``, ``fp16`` (autocast, as in :class:`~manygpu.Parallel`)."""
+    image_size: int = 16
+    """Side of the digit images in pixels (scikit-learn's 8x8, interpolated)."""
+    json_path: str | None = None
+    """Also write the results here as JSON."""
+
+    def __post_init__(self) -> None:
+        # The order of the checks is the order the command always reported them in.
+        if self.precision not in PRECISIONS:
+            raise UsageError(
+                f"unknown precision {self.precision!r}; choose one of {', '.join(PRECISIONS)}"
+            )
+        if self.epochs < 1:
+            raise UsageError(f"--epochs must be at least 1, got {self.epochs}")
+        get_strategy(self.strategy)  # an unknown name: one line listing the known ones
+        if not 0 < self.lr < math.inf:
+            raise UsageError(f"--lr must be a number > 0, got {self.lr}")
+        if self.image_size < MIN_IMAGE_SIZE:
+            raise UsageError(
+                f"image size must be at least {MIN_IMAGE_SIZE} pixels, got {self.image_size}"
+            )
