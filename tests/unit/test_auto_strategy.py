@@ -43,3 +43,19 @@ def test_tight_memory_means_sharding(monkeypatch: pytest.MonkeyPatch) -> None:
 def test_nothing_plain_fits_is_a_clear_error(monkeypatch: pytest.MonkeyPatch) -> None:
     with pytest.raises(UsageError, match=r"fits no strategy|only 'pipeline'|only 'tensor'"):
         _choose(0.01, world=2, monkeypatch=monkeypatch)
+
+
+def test_the_chosen_strategy_checks_the_job_not_the_provisional_one(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """If the planner's pick cannot run this job, prepare says why in that strategy's words."""
+    from manygpu.core import parallel
+
+    def choose(model: nn.Module, **kw: object) -> str:
+        return "pipeline"  # needs a loss function, which this job does not give
+
+    monkeypatch.setattr(parallel, "choose_strategy", choose)
+    with Parallel(strategy="auto", device="cpu") as par:
+        with pytest.raises(UsageError, match=r"PipelineOptions\(loss_fn=\.\.\.\)"):
+            par.prepare(make_model())
+        assert par.strategy_name == "single"  # nothing was swapped in

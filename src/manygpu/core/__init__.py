@@ -1,6 +1,22 @@
-"""The Python API: :class:`Parallel` and its configuration."""
+"""The one object users hold: :class:`Parallel`, with its configuration (imported on use)."""
 
-from manygpu.core.config import ParallelConfig
-from manygpu.core.parallel import Parallel
+from typing import TYPE_CHECKING
 
-__all__ = ["Parallel", "ParallelConfig"]
+from manygpu import _lazy
+
+if TYPE_CHECKING:
+    from manygpu.core.config import ParallelConfig
+    from manygpu.core.parallel import Parallel
+
+__getattr__, __dir__ = _lazy.exports(
+    __name__,
+    {
+        "Parallel": "manygpu.core.parallel",
+        "ParallelConfig": "manygpu.core.config",
+    },
+)
+
+__all__ = [
+    "Parallel",
+    "ParallelConfig",
+]

@@ -14,7 +14,8 @@ from manygpu.strategies import (
     MeshSpec,
     PipelineOptions,
     TensorOptions,
-    get_strategy,
+    card,
+    default_strategy,
     strategy_for_mesh,
 )
 
@@ -75,7 +76,7 @@ class ParallelConfig:
                 "e.g. mesh={'dp': 2, 'tp': -1}"
             )
         if self.strategy not in (None, "hybrid", "auto"):
-            get_strategy(self.strategy)  # raises with the list of names
+            card(self.strategy)  # raises with the list of names
         if self.precision not in PRECISIONS:
             raise UsageError(
                 f"unknown precision {self.precision!r}; choose one of {', '.join(PRECISIONS)}"
@@ -92,10 +93,8 @@ class ParallelConfig:
 
     def resolved_strategy(self, world_size: int) -> str:
         """The strategy name actually used for a job of ``world_size``."""
-        if self.strategy == "auto":
-            return "ddp" if world_size > 1 else "single"  # until the model is known
-        if self.strategy not in (None, "hybrid"):
+        if self.strategy not in (None, "hybrid", "auto"):
             return self.strategy
-        if isinstance(self.mesh, MeshSpec):
+        if self.strategy != "auto" and isinstance(self.mesh, MeshSpec):
             return strategy_for_mesh(self.mesh)
-        return "ddp" if world_size > 1 else "single"
+        return default_strategy(world_size)  # for "auto": until the model is known

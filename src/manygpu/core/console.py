@@ -4,18 +4,12 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Iterable, Iterator
-from typing import Any, TypeVar
+from functools import cached_property
+from typing import TYPE_CHECKING, Any, TypeVar
 
-from rich.console import Console
-from rich.progress import (
-    BarColumn,
-    MofNCompleteColumn,
-    Progress,
-    TaskID,
-    TextColumn,
-    TimeElapsedColumn,
-    TimeRemainingColumn,
-)
+if TYPE_CHECKING:
+    from rich.console import Console
+    from rich.progress import Progress, TaskID
 
 T = TypeVar("T")
 
@@ -26,8 +20,14 @@ class MainConsole:
     def __init__(self, is_main: bool, rank: int) -> None:
         self.is_main = is_main
         self.rank = rank
-        self._console = Console(file=sys.stdout, highlight=False, soft_wrap=True)
         self._live: tuple[Progress, TaskID] | None = None
+
+    @cached_property
+    def _console(self) -> Console:
+        """rich, loaded when something is first printed (not by ``import manygpu``)."""
+        from rich.console import Console
+
+        return Console(file=sys.stdout, highlight=False, soft_wrap=True)
 
     def print(self, *objects: Any, **kwargs: Any) -> None:
         """``print`` on the main process only."""
@@ -41,6 +41,15 @@ class MainConsole:
         if not self.is_main or not self._console.is_terminal:
             yield from items
             return
+        from rich.progress import (
+            BarColumn,
+            MofNCompleteColumn,
+            Progress,
+            TextColumn,
+            TimeElapsedColumn,
+            TimeRemainingColumn,
+        )
+
         if total is None and hasattr(items, "__len__"):
             total = len(items)  # type: ignore[arg-type]
         columns = (

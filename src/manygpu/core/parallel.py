@@ -12,7 +12,6 @@ import random
 from collections.abc import Iterable, Iterator
 from typing import TYPE_CHECKING, Any, TypeVar
 
-import numpy as np
 import torch
 from torch import nn
 from torch.utils.data import DataLoader
@@ -359,6 +358,8 @@ class Parallel:
         """
         value = seed + self.strategy.data_shard()[0]
         random.seed(value)
+        import numpy as np  # imported here: not every job needs it loaded
+
         np.random.seed(value % 2**32)
         torch.manual_seed(value)
 
@@ -398,7 +399,15 @@ class Parallel:
             timeout_s=self.timeout_s,
         )
         if name != self.strategy_name:
-            self.strategy = get_strategy(name)(self._ctx, self._strategy_options())
+            # The chosen strategy's own checks and group needs, not the provisional one's.
+            chosen, options = get_strategy(name), self._strategy_options()
+            chosen.validate_world(self.cluster, options)
+            if chosen.needs_process_group and not self._ctx.owns_group and self.world_size == 1:
+                self._ctx = init_distributed(
+                    self.cluster, device=self.device, backend=self._ctx.backend,
+                    timeout_s=self.timeout_s, force=True,
+                )  # fmt: skip
+            self.strategy = chosen(self._ctx, options)
             self.strategy_name = name
         self.print(f"manygpu: strategy='auto' chose {name!r}")
 

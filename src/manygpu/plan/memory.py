@@ -20,11 +20,12 @@ from dataclasses import dataclass
 
 from manygpu.errors import UsageError
 from manygpu.plan.desc import ModelDesc
+from manygpu.strategies.costs import Split
+from manygpu.strategies.registry import card
 
 OPTIMIZER_STATE_BYTES = {"adam": 8, "adamw": 8, "sgd-momentum": 4, "sgd": 0}
 """fp32 state bytes per parameter (Adam: m and v; SGD: the momentum buffer)."""
 PRECISIONS = ("fp32", "bf16", "fp16")
-STRATEGIES = ("single", "ddp", "zero1", "zero2", "fsdp", "pipeline", "tensor", "model")
 
 
 @dataclass(frozen=True)
@@ -86,28 +87,25 @@ def estimate(
     ``batch`` is per device (a pipeline / tensor replica trains ``stages x batch``);
     ``stages``: pipeline / tensor / model ways; ``microbatches``: the pipeline's.
     """
-    if strategy not in STRATEGIES:
-        raise UsageError(f"unknown strategy {strategy!r}; choose {', '.join(STRATEGIES)}")
+    model = card(strategy).memory  # raises for unknown names, listing the known ones
     if world < 1 or stages < 1 or batch < 1:
         raise UsageError("world size, stages and batch must be >= 1")
     b = bytes_per_param(precision, optimizer)
     p = float(desc.parameters)
     act = desc.activation_bytes_per_sample * batch * (1.0 if precision == "fp32" else 0.5)
-    w, g, o = p * b.weights, p * b.grads, p * b.optimizer
-    if strategy == "zero1":
-        o /= world
-    elif strategy == "zero2":
-        g, o = g / world, o / world
-    elif strategy == "fsdp":
-        gathered = 2 * desc.largest_layer_parameters * b.weights  # this unit + the prefetched one
-        w, g, o = w / world + gathered, g / world, o / world
-    elif strategy == "model":  # one process's batch, its layers spread over the devices
-        w, g, o, act = w / stages, g / stages, o / stages, act / stages
-    elif strategy == "pipeline":  # a replica of `stages` devices trains stages x batch
-        w, g, o = w / stages, g / stages, o / stages
+    divisor = {"whole": 1, "world": world, "ways": stages}
+
+    def split(nbytes: float, how: Split) -> float:
+        return nbytes / divisor[how]
+
+    w = split(p * b.weights, model.weights)
+    g = split(p * b.grads, model.grads)
+    o = split(p * b.optimizer, model.optimizer)
+    if model.gathered_unit:  # this unit + the prefetched one, whole
+        w += 2 * desc.largest_layer_parameters * b.weights
+    if model.activations == "ways":  # one process's batch, its layers spread over the devices
+        act /= stages
+    elif model.activations == "in_flight":
         # 1F1B keeps at most `stages` micro-batches in flight, each of 1/stages of the layers.
-        in_flight = min(stages, microbatches) / max(microbatches, 1)
-        act = act * in_flight
-    elif strategy == "tensor":  # stages x batch samples, activations split over the ways
-        w, g, o = w / stages, g / stages, o / stages
+        act *= min(stages, microbatches) / max(microbatches, 1)
     return MemoryEstimate(strategy=strategy, params=w, grads=g, optimizer=o, activations=act)

@@ -28,6 +28,8 @@ from manygpu.errors import UsageError
 from manygpu.plan.desc import ModelDesc
 from manygpu.plan.hardware import Cluster
 from manygpu.plan.memory import bytes_per_param
+from manygpu.strategies.costs import CommModel
+from manygpu.strategies.registry import card
 
 BACKWARD_FRACTION = 2.0 / 3.0
 
@@ -116,48 +118,56 @@ def estimate(
     n = cluster.world_size if world is None else world
     if n < 1 or batch < 1 or stages < 1 or n % stages:
         raise UsageError(f"need world >= 1 divisible by stages >= 1, got {n} and {stages}")
+    model = card(strategy).comm
     # `batch` is per device: a pipeline / tensor replica of `stages` devices takes stages x batch.
-    replica = batch * stages if strategy in ("pipeline", "tensor") else batch
+    replica = batch * stages if model.replica == "ways" else batch
     one = desc.compute_s(replica, cluster.peak_tflops, mfu)
     gb = bytes_per_param("fp32" if precision == "fp32" else "bf16", "sgd")
     grad = desc.parameters * (gb.grads if grad_bytes is None else grad_bytes)
-    weights = desc.parameters * gb.weights
-    if strategy in ("single", "model"):
+    if model.replica == "one_process":
         return StepEstimate(
             strategy=strategy, world=n, replica_devices=n, batch=batch, compute_s=one,
             comm_s=0.0, exposed_s=0.0, ideal_s=one / n,
         )  # fmt: skip
-    if strategy in ("pipeline", "tensor"):
+    if model.split != "none":
         return _model_parallel(desc, cluster, strategy, one, n, stages, replica, microbatches,
                                grad / stages, bucket_mb, precision)  # fmt: skip
-    bw, lat = cluster.ring_link(n)
-    fwd, bwd = one * (1 - BACKWARD_FRACTION), one * BACKWARD_FRACTION
-    k, chunk = _buckets(grad, bucket_mb)
-    ar = ring_allreduce_s(chunk, n, bw, lat)
-    if strategy in ("ddp", "dp"):
-        comm, exposed = k * ar, exposed_s(ar, k, bwd, cluster.overlap)
-    elif strategy == "zero1":  # DDP's all-reduce, then the updated shards are gathered
-        gather = ring_gather_s(weights, n, bw, lat)
-        comm, exposed = k * ar + gather, exposed_s(ar, k, bwd, cluster.overlap) + gather
-    elif strategy in ("zero2", "fsdp"):
-        rs = ring_gather_s(chunk, n, bw, lat)
-        ag = ring_gather_s(weights / k, n, bw, lat)
-        if strategy == "zero2":  # gather before forward, reduce-scatter in backward
-            comm = k * (rs + ag)
-            exposed = exposed_s(ag, k, fwd, cluster.overlap) + exposed_s(
-                rs, k, bwd, cluster.overlap
-            )
-        else:  # fsdp gathers again for backward
-            comm = k * (rs + 2 * ag)
-            exposed = exposed_s(ag, k, fwd, cluster.overlap) + exposed_s(
-                rs + ag, k, bwd, cluster.overlap
-            )
-    else:
-        raise UsageError(f"no step model for strategy {strategy!r}")
+    comm, exposed = _data_parallel(model, cluster, n, one, grad, desc.parameters * gb.weights,
+                                   bucket_mb)  # fmt: skip
     return StepEstimate(
         strategy=strategy, world=n, replica_devices=1, batch=batch, compute_s=one,
         comm_s=comm, exposed_s=exposed, ideal_s=one,
     )  # fmt: skip
+
+
+def _data_parallel(
+    model: CommModel,
+    cluster: Cluster,
+    n: int,
+    one: float,
+    grad: float,
+    weights: float,
+    bucket_mb: float,
+) -> tuple[float, float]:
+    """(all, exposed) seconds of a data-parallel step: gradients in k buckets,
+    weight gathers before forward (and again before backward), ZeRO-1's gather after."""
+    bw, lat = cluster.ring_link(n)
+    fwd, bwd = one * (1 - BACKWARD_FRACTION), one * BACKWARD_FRACTION
+    k, chunk = _buckets(grad, bucket_mb)
+    if model.grads == "all_reduce":
+        grads = ring_allreduce_s(chunk, n, bw, lat)
+    else:
+        grads = ring_gather_s(chunk, n, bw, lat) if model.grads == "reduce_scatter" else 0.0
+    gather = ring_gather_s(weights / k, n, bw, lat)
+    comm = k * (grads + model.weight_gathers * gather)
+    in_backward = grads + (gather if model.weight_gathers >= 2 else 0.0)
+    exposed = exposed_s(in_backward, k, bwd, cluster.overlap)
+    if model.weight_gathers >= 1:
+        exposed += exposed_s(gather, k, fwd, cluster.overlap)
+    if model.gather_after_step:  # the updated shards, gathered after the optimizer step
+        whole = ring_gather_s(weights, n, bw, lat)
+        comm, exposed = comm + whole, exposed + whole
+    return comm, exposed
 
 
 def _model_parallel(
@@ -175,7 +185,7 @@ def _model_parallel(
 ) -> StepEstimate:
     """Pipeline (1F1B bubble) or tensor (Megatron's 4 all-reduces per layer), then DP."""
     dp = n // ways
-    if strategy == "pipeline":
+    if card(strategy).comm.split == "pipeline":
         m = microbatches or min(4 * ways, batch)  # micro-batches of at least one sample
         compute = one / ways * (m + ways - 1) / m  # the bubble: (P - 1) idle slots of M + P - 1
         inner = 0.0  # point-to-point activations between stages: small, not modelled

@@ -1,7 +1,7 @@
 """Pick a strategy: the fastest predicted one whose memory fits, simplest on a near-tie.
 
-``recommend`` is what ``strategy="auto"`` calls. It returns a plain strategy
-name among single / ddp / zero1 / zero2 / fsdp / model / pipeline / tensor and
+``recommend`` is what ``strategy="auto"`` calls. It returns a registered
+strategy name (the candidates and their costs come from the registry's cards) and
 the sizes (data-parallel, pipeline or tensor ways) with every candidate's
 numbers, so the choice can be shown and checked.
 """
@@ -16,9 +16,8 @@ from manygpu.errors import UsageError
 from manygpu.plan import memory, perf
 from manygpu.plan.desc import ModelDesc
 from manygpu.plan.hardware import Cluster
+from manygpu.strategies.registry import StrategyCard, card, cards
 
-SIMPLEST_FIRST = ("single", "ddp", "zero1", "zero2", "fsdp", "model", "tensor", "pipeline")
-"""Tie-break order: fewer moving parts first."""
 NEAR_TIE = 0.02
 """Candidates within 2% of the best throughput count as equally fast."""
 
@@ -62,14 +61,12 @@ def _candidates(
     optimizer: str,
     mfu: float,
 ) -> list[Candidate]:
-    if world == 1:
-        options = [("single", 1)]
-        options += [("model", w) for w in range(2, cluster.gpus_per_node + 1)]
-    else:
-        options = [(s, 1) for s in ("ddp", "zero1", "zero2", "fsdp")]
-        splits = [w for w in (2, 4, 8, 16, 32, 64) if w <= world and world % w == 0]
-        options += [("tensor", w) for w in splits if w <= cluster.gpus_per_node]
-        options += [("pipeline", w) for w in splits]
+    options = [
+        (c.name, ways)
+        for c in cards()
+        if c.plan_ways != "never" and c.one_process == (world == 1)
+        for ways in _ways(c, world, cluster.gpus_per_node)
+    ]
     out = []
     for strategy, ways in options:
         mem = memory.estimate(desc, strategy, world=world, batch=batch, precision=precision,
@@ -77,13 +74,25 @@ def _candidates(
                               microbatches=min(4 * ways, ways * batch))  # fmt: skip
         try:
             step = perf.estimate(desc, cluster, strategy, batch=batch, precision=precision,
-                                 world=world if strategy != "model" else ways, stages=ways,
+                                 world=ways if card(strategy).one_process else world, stages=ways,
                                  mfu=mfu)  # fmt: skip
         except UsageError:
             step = None
         out.append(Candidate(strategy=strategy, ways=ways, memory=mem, step=step,
                              fits=mem.fits(cluster.memory_gb)))  # fmt: skip
     return out
+
+
+def _ways(entry: StrategyCard, world: int, gpus_per_node: int) -> list[int]:
+    """The model-split sizes the planner tries for one strategy (see ``plan_ways``)."""
+    splits = [w for w in (2, 4, 8, 16, 32, 64) if w <= world and world % w == 0]
+    return {
+        "one": [1],
+        "local_devices": list(range(2, gpus_per_node + 1)),
+        "node_divisors": [w for w in splits if w <= gpus_per_node],
+        "divisors": splits,
+        "never": [],
+    }[entry.plan_ways]
 
 
 def recommend(
@@ -118,14 +127,17 @@ def recommend(
         )
     chosen = _choose(fitting)
     step = chosen.step
-    dp = world // chosen.ways if chosen.strategy != "model" else 1
-    why = "fits in memory" if chosen.strategy in ("single", "ddp") else "the fastest that fits"
+    chosen_card = card(chosen.strategy)
+    dp = 1 if chosen_card.one_process else world // chosen.ways
+    simplest = min(cands, key=_simplicity).strategy
+    why = "fits in memory" if chosen.strategy == simplest else "the fastest that fits"
+    split = chosen_card.comm.split
     return Plan(
         strategy=chosen.strategy,
         world_size=world,
         data_parallel=dp,
-        pipeline_parallel=chosen.ways if chosen.strategy == "pipeline" else 1,
-        tensor_parallel=chosen.ways if chosen.strategy == "tensor" else 1,
+        pipeline_parallel=chosen.ways if split == "pipeline" else 1,
+        tensor_parallel=chosen.ways if split == "tensor" else 1,
         memory_per_device_gb=chosen.memory.total / 1e9,
         step_s=step.step_s if step else float("nan"),
         efficiency=step.efficiency if step else float("nan"),
@@ -139,10 +151,15 @@ def recommend(
 def _choose(fitting: list[Candidate]) -> Candidate:
     timed = [c for c in fitting if c.step is not None]
     if not timed:  # nothing could be timed (no FLOPs known): choose by simplicity
-        return min(fitting, key=lambda c: (SIMPLEST_FIRST.index(c.strategy), c.ways))
+        return min(fitting, key=_simplicity)
     best = max(c.step.samples_per_s for c in timed if c.step)
     near = [c for c in timed if c.step and c.step.samples_per_s >= best * (1 - NEAR_TIE)]
-    return min(near, key=lambda c: (SIMPLEST_FIRST.index(c.strategy), c.ways))
+    return min(near, key=_simplicity)
+
+
+def _simplicity(c: Candidate) -> tuple[int, int]:
+    """Tie-break order: fewer moving parts first (the cards' ranks), then fewer ways."""
+    return card(c.strategy).simplicity, c.ways
 
 
 def _bare(model: nn.Module) -> ModelDesc:

@@ -1,22 +1,13 @@
 """Strategies: how a model, its optimizer and its data are spread over ranks.
 
-Importing this package registers the built-in strategies.
+Every strategy is listed in :mod:`.registry` and imported when it is looked
+up (:func:`get_strategy`), so this package costs no more than torch itself.
 """
 
-from manygpu.strategies import (  # noqa: F401  (registration)
-    ddp,
-    dp,
-    fsdp,
-    model,
-    pipeline,
-    single,
-    tensor,
-    zero,
-)
 from manygpu.strategies.base import Strategy, StrategyOptions
 from manygpu.strategies.mesh import MeshSpec, strategy_for_mesh
 from manygpu.strategies.options import DDPOptions, FSDPOptions, PipelineOptions, TensorOptions
-from manygpu.strategies.registry import available, get_strategy, register
+from manygpu.strategies.registry import available, card, default_strategy, get_strategy, register
 
 __all__ = [
     "DDPOptions",
@@ -27,6 +18,8 @@ __all__ = [
     "StrategyOptions",
     "TensorOptions",
     "available",
+    "card",
+    "default_strategy",
     "get_strategy",
     "register",
     "strategy_for_mesh",

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
-from typing import ClassVar
+from typing import TYPE_CHECKING, ClassVar
 
 import torch
 from torch import nn
@@ -19,6 +19,9 @@ from manygpu.runtime.cluster import ClusterInfo
 from manygpu.runtime.process_group import DistContext
 from manygpu.strategies.mesh import MeshSpec, check_dims
 from manygpu.strategies.options import DDPOptions, FSDPOptions, PipelineOptions, TensorOptions
+
+if TYPE_CHECKING:
+    from manygpu.strategies.registry import StrategyCard
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -47,15 +50,17 @@ class Strategy(ABC):
     """How one process takes part in training."""
 
     name: ClassVar[str]
-    """Registry name, e.g. ``"ddp"``."""
+    """Registry name, e.g. ``"ddp"`` (set by :func:`~.registry.register`)."""
+    card: ClassVar[StrategyCard]
+    """What the planner knows of this strategy: costs, loop, checkpoint format."""
     needs_process_group: ClassVar[bool] = False
     """Create a group even for one process (DDP cannot work without one)."""
     shards_data: ClassVar[bool] = False
     """Whether each rank sees a different part of the data."""
-    checkpoint_format: ClassVar[str] = "full"
-    """``"full"`` (main rank writes one copy: replicated state) or ``"dcp"`` (sharded)."""
-    multi_process: ClassVar[bool] = True
-    """Whether a job of this strategy runs one process per device (else one in all)."""
+    checkpoint_format: ClassVar[str]
+    """From the card: ``"full"`` (one copy from the main rank) or ``"dcp"`` (shards)."""
+    multi_process: ClassVar[bool]
+    """From the card: one process per device (else one process drives them all)."""
 
     def __init__(self, ctx: DistContext, options: StrategyOptions) -> None:
         self.ctx = ctx

@@ -21,8 +21,6 @@ from manygpu.warn import warn_user
 class DataParallelStrategy(Strategy):
     """Single-process data parallelism over all visible GPUs."""
 
-    multi_process = False
-
     @classmethod
     def validate_world(cls, cluster: ClusterInfo, options: StrategyOptions) -> None:
         super().validate_world(cluster, options)

@@ -19,24 +19,15 @@ from __future__ import annotations
 
 from typing import ClassVar
 
-import torch
 from torch import nn
-from torch.distributed.fsdp import FSDPModule
 
-from manygpu.errors import UsageError
-from manygpu.strategies.base import MeshStrategy, Strategy
-from manygpu.strategies.mesh import data_dims, fsdp_kwargs, shard_data_dims
 from manygpu.strategies.registry import register
-
-
-class ReplacingMeshStrategy(MeshStrategy):
-    """A mesh strategy whose wrapping replaces parameters (FSDP2 shards, DTensors)."""
-
-    def setup_optimizer(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
-        return check_optimizer_after_prepare(self, optimizer)
-
-    def set_grad_sync(self, module: nn.Module, enabled: bool) -> None:
-        set_fsdp_grad_sync(module, enabled)
+from manygpu.strategies.sharded import (
+    ReplacingMeshStrategy,
+    data_dims,
+    fsdp_kwargs,
+    shard_data_dims,
+)
 
 
 @register("fsdp")
@@ -45,7 +36,6 @@ class FSDPStrategy(ReplacingMeshStrategy):
 
     needs_process_group = True
     shards_data = True
-    checkpoint_format = "dcp"
     reshard_after_forward = True
     mesh_dims = ("dp", "fsdp")
     default_mesh: ClassVar[dict[str, int]] = {"fsdp": -1}
@@ -66,7 +56,7 @@ class FSDPStrategy(ReplacingMeshStrategy):
             children=opts.shard_children,
             block_classes=tuple(opts.block_classes),  # type: ignore[arg-type]
         )
-        remember_sharded(self, module)
+        self.remember_prepared(module)
         return module
 
 
@@ -75,32 +65,3 @@ class Zero2Strategy(FSDPStrategy):
     """ZeRO-2 through FSDP2: parameters stay gathered between forward and backward."""
 
     reshard_after_forward = False
-
-
-def remember_sharded(strategy: Strategy, module: nn.Module) -> None:
-    """Note the parameters a wrapper produced, to check the optimizer against them."""
-    strategy._prepared_params = {id(p) for p in module.parameters()}  # type: ignore[attr-defined]
-
-
-def check_optimizer_after_prepare(
-    strategy: Strategy, optimizer: torch.optim.Optimizer
-) -> torch.optim.Optimizer:
-    """Refuse an optimizer that holds parameters from before the model was prepared.
-
-    Sharding and splitting replace (or drop) parameters: an optimizer built
-    before holds the old tensors and would silently train nothing.
-    """
-    known: set[int] = getattr(strategy, "_prepared_params", set())
-    for group in optimizer.param_groups:
-        if any(id(p) not in known for p in group["params"]):
-            raise UsageError(
-                f"strategy {strategy.name!r} replaces the model's parameters: create the "
-                "optimizer after model = par.prepare(model), from model.parameters()"
-            )
-    return optimizer
-
-
-def set_fsdp_grad_sync(module: nn.Module, enabled: bool) -> None:
-    """Skip (or resume) FSDP2's gradient reduce-scatter for accumulation."""
-    if isinstance(module, FSDPModule):
-        module.set_requires_gradient_sync(enabled)

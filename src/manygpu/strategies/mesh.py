@@ -1,5 +1,8 @@
 """Parallelism as data: sizes per named mesh dimension, validated, then a ``DeviceMesh``.
 
+Plain data (torch's mesh is built on demand); the FSDP2 calls that use a
+mesh live in :mod:`.sharded`.
+
 A job's ranks form a grid with up to four named dimensions, outermost first:
 
 - ``pp``: pipeline stages (one stage per coordinate),
@@ -18,21 +21,12 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass, fields, replace
-from typing import Any
-
-import torch
-from torch import nn
-from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-from torch.distributed.fsdp import (
-    CPUOffloadPolicy,
-    MixedPrecisionPolicy,
-    OffloadPolicy,
-    fully_shard,
-)
+from typing import TYPE_CHECKING
 
 from manygpu.errors import UsageError
-from manygpu.strategies.fsdp_units import shard_units
-from manygpu.strategies.options import FSDPOptions
+
+if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
 
 MESH_DIMS: tuple[str, ...] = ("pp", "dp", "fsdp", "tp")
 DATA_DIMS: tuple[str, ...] = ("dp", "fsdp")
@@ -127,6 +121,8 @@ class MeshSpec:
         extra = [f"{n}({sizes[n]})" for n in MESH_DIMS if n not in names and sizes[n] != 1]
         if extra:
             raise UsageError(f"this strategy has no use for mesh dimension(s) {', '.join(extra)}")
+        from torch.distributed.device_mesh import init_device_mesh
+
         return init_device_mesh(
             device_type, tuple(sizes[n] for n in names), mesh_dim_names=tuple(names)
         )
@@ -152,53 +148,3 @@ def strategy_for_mesh(spec: MeshSpec) -> str:
     if sizes["fsdp"] != 1:
         return "fsdp"
     return "ddp"
-
-
-def data_dims(spec: MeshSpec) -> tuple[str, ...]:
-    """The data dimensions FSDP2 spans: none, ``("fsdp",)``, or both (HSDP).
-
-    ``dp`` alone becomes (dp, fsdp=1): HSDP with shards of one rank, i.e.
-    replication with all-reduced gradients, the way DDP would do it.
-    """
-    if spec.dp > 1:
-        return DATA_DIMS
-    return ("fsdp",) if spec.fsdp > 1 else ()
-
-
-def fsdp_kwargs(
-    opts: FSDPOptions, device: torch.device, *, reshard_after_forward: bool
-) -> dict[str, Any]:
-    """``fully_shard`` keyword arguments from our options.
-
-    CPU offload pins host memory only with a GPU (pinning needs one); on a CPU
-    job the offload path still runs, which keeps it testable here.
-    """
-    offload = CPUOffloadPolicy(pin_memory=device.type == "cuda")
-    dtypes = {None: None, "fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-    return {
-        "mp_policy": MixedPrecisionPolicy(
-            param_dtype=dtypes[opts.param_dtype], reduce_dtype=dtypes[opts.reduce_dtype]
-        ),
-        "offload_policy": offload if opts.cpu_offload else OffloadPolicy(),
-        "reshard_after_forward": reshard_after_forward,
-    }
-
-
-def shard_data_dims(
-    module: nn.Module,
-    dp_mesh: DeviceMesh,
-    kwargs: dict[str, Any],
-    *,
-    children: bool,
-    block_classes: tuple[Any, ...] = (),
-) -> nn.Module:
-    """FSDP2 over the data dimensions: each block (see :mod:`.fsdp_units`), then the root.
-
-    With a 2-D (dp, fsdp) mesh this is HSDP (with fsdp=1, plain replication);
-    with 1-D fsdp it is ZeRO-3. It works on parameters that are already
-    DTensors on a ``tp`` dimension (2-D FSDP + TP), which DDP does not.
-    """
-    units = shard_units(module, block_classes) if children else []
-    for unit in [*units, module]:
-        fully_shard(unit, mesh=dp_mesh, **kwargs)
-    return module

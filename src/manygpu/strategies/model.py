@@ -46,8 +46,6 @@ def _stage_devices(count: int, local_rank: int = 0) -> list[torch.device]:
 class ModelParallelStrategy(Strategy):
     """Split an ``nn.Sequential`` over the visible devices (2 CPU stages without GPUs)."""
 
-    multi_process = False
-
     @classmethod
     def validate_world(cls, cluster: ClusterInfo, options: StrategyOptions) -> None:
         mesh = options.mesh

@@ -30,14 +30,15 @@ from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGP
 from manygpu import comm
 from manygpu.comm.common import describe, wait
 from manygpu.errors import UsageError
-from manygpu.strategies.base import MeshStrategy, StrategyOptions
-from manygpu.strategies.fsdp import (
-    check_optimizer_after_prepare,
-    remember_sharded,
-    set_fsdp_grad_sync,
-)
-from manygpu.strategies.mesh import data_dims, fsdp_kwargs, shard_data_dims
+from manygpu.strategies.base import StrategyOptions
 from manygpu.strategies.registry import register
+from manygpu.strategies.sharded import (
+    ReplacingMeshStrategy,
+    data_dims,
+    fsdp_kwargs,
+    set_fsdp_grad_sync,
+    shard_data_dims,
+)
 from manygpu.strategies.splitting import (
     balanced_cuts,
     layer_times,
@@ -49,12 +50,11 @@ _SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}
 
 
 @register("pipeline")
-class PipelineStrategy(MeshStrategy):
+class PipelineStrategy(ReplacingMeshStrategy):
     """Pipeline parallelism over the ``pp`` mesh dimension (optionally x dp / fsdp)."""
 
     needs_process_group = True
     shards_data = True
-    checkpoint_format = "dcp"
     mesh_dims = ("pp", "dp", "fsdp")
     default_mesh: ClassVar[dict[str, int]] = {"pp": -1}
     _pp_group: Any = None  # set by setup_module
@@ -114,7 +114,7 @@ class PipelineStrategy(MeshStrategy):
             opts.loss_fn,
         )
         wrapped.timeout_s = self.ctx.timeout_s
-        remember_sharded(self, wrapped)
+        self.remember_prepared(wrapped)
         return wrapped
 
     def _stage_starts(self, module: nn.Sequential, stages: int) -> list[int]:
@@ -128,9 +128,6 @@ class PipelineStrategy(MeshStrategy):
         # Every rank timed every layer; cut on the mean so all ranks agree on the cuts.
         times = comm.all_reduce(times.to(self.ctx.device), "mean", timeout_s=self.ctx.timeout_s)
         return balanced_cuts(times.cpu().tolist(), stages)
-
-    def setup_optimizer(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
-        return check_optimizer_after_prepare(self, optimizer)
 
     def grad_norm_group(self) -> object | None:
         # Each stage holds different layers: the model's norm sums over stages.

@@ -14,8 +14,6 @@ from manygpu.strategies.registry import register
 class SingleDevice(Strategy):
     """Plain training on this process's device."""
 
-    multi_process = False
-
     @classmethod
     def validate_world(cls, cluster: ClusterInfo, options: StrategyOptions) -> None:
         super().validate_world(cluster, options)

@@ -26,9 +26,13 @@ from torch.distributed.tensor.parallel import (
 )
 
 from manygpu.errors import UsageError
-from manygpu.strategies.fsdp import ReplacingMeshStrategy, remember_sharded
-from manygpu.strategies.mesh import data_dims, fsdp_kwargs, shard_data_dims
 from manygpu.strategies.registry import register
+from manygpu.strategies.sharded import (
+    ReplacingMeshStrategy,
+    data_dims,
+    fsdp_kwargs,
+    shard_data_dims,
+)
 
 # Leaf names of common layers (Llama, GPT-2/NeoX, BERT-style, torch's MLPs).
 # Fused q/k/v projections (c_attn, qkv) are left out on purpose: a colwise
@@ -52,7 +56,6 @@ class TensorParallelStrategy(ReplacingMeshStrategy):
 
     needs_process_group = True
     shards_data = True
-    checkpoint_format = "dcp"
     mesh_dims = ("dp", "fsdp", "tp")
     default_mesh: ClassVar[dict[str, int]] = {"tp": -1}
 
@@ -67,7 +70,7 @@ class TensorParallelStrategy(ReplacingMeshStrategy):
         if len(names) > 1:
             kwargs = fsdp_kwargs(self.options.fsdp, self.ctx.device, reshard_after_forward=True)
             shard_data_dims(module, mesh[names[:-1]], kwargs, children=False)
-        remember_sharded(self, module)
+        self.remember_prepared(module)
         return module
 
 

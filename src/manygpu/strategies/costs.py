@@ -1,0 +1,49 @@
+"""What a strategy costs, as data: which state it splits, and what it sends per step.
+
+Each registered strategy carries one :class:`MemoryModel` and one
+:class:`CommModel` (see :mod:`.registry`). The planner (:mod:`manygpu.plan`)
+turns them into bytes and seconds with one formula for every strategy, so a
+new strategy brings its costs with it instead of new branches in the planner.
+Plain data, no torch: the planner imports it without any strategy's engine.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+Split = Literal["whole", "world", "ways"]
+"""How a piece of state is divided on one device: not at all, over every
+data-parallel rank (ZeRO / FSDP), or over the model-split ways (pipeline stages,
+tensor shards, model-parallel devices)."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class MemoryModel:
+    """Bytes per device, from the ZeRO paper's per-parameter accounting."""
+
+    weights: Split = "whole"
+    grads: Split = "whole"
+    optimizer: Split = "whole"
+    """Optimizer state, fp32 master weights included."""
+    activations: Literal["whole", "ways", "in_flight"] = "whole"
+    """``in_flight``: a 1F1B pipeline keeps at most ``stages`` micro-batches alive."""
+    gathered_unit: bool = False
+    """FSDP also holds one gathered unit and the prefetched next one, whole."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class CommModel:
+    """The collectives of one training step."""
+
+    replica: Literal["one_process", "device", "ways"] = "device"
+    """What holds one model replica: one process over all its devices (single,
+    model), one device (data parallelism), or ``ways`` devices (pipeline, tensor)."""
+    grads: Literal["none", "all_reduce", "reduce_scatter"] = "all_reduce"
+    """How gradients are combined over the data-parallel ranks, in buckets."""
+    weight_gathers: int = 0
+    """All-gathers of the weights per step: before forward (1), again before backward (2)."""
+    gather_after_step: bool = False
+    """ZeRO-1: the updated optimizer shards are gathered back into whole weights."""
+    split: Literal["none", "pipeline", "tensor"] = "none"
+    """Inside a replica: a pipeline's bubble, or tensor parallelism's per-layer all-reduces."""
