@@ -7,11 +7,6 @@ import json
 from pathlib import Path
 from typing import Any
 
-from rich.console import Console
-from rich.table import Table
-
-from manygpu.checkpoint.export import export_safetensors, inspect
-from manygpu.checkpoint.layout import CheckpointError
 from manygpu.cli.parser import OneLineParser
 from manygpu.errors import UsageError
 
@@ -37,6 +32,12 @@ def _existing(path: str) -> Path:
 
 
 def run_inspect(ns: argparse.Namespace) -> int:
+    from rich.console import Console
+    from rich.table import Table
+
+    from manygpu.checkpoint.export import inspect
+    from manygpu.errors import CheckpointError
+
     try:
         info = inspect(_existing(ns.path))
     except CheckpointError as exc:
@@ -69,6 +70,9 @@ def run_inspect(ns: argparse.Namespace) -> int:
 
 
 def run_export(ns: argparse.Namespace) -> int:
+    from manygpu.checkpoint.export import export_safetensors
+    from manygpu.errors import CheckpointError
+
     try:
         summary = export_safetensors(_existing(ns.path), Path(ns.out))
     except CheckpointError as exc:

@@ -6,10 +6,7 @@ import argparse
 import json
 from dataclasses import asdict, replace
 from pathlib import Path
-from typing import Any
-
-from rich.console import Console
-from rich.table import Table
+from typing import TYPE_CHECKING, Any
 
 from manygpu.errors import UsageError
 from manygpu.flags import (
@@ -19,9 +16,13 @@ from manygpu.flags import (
     positive_float,
     positive_int,
 )
-from manygpu.plan import hardware
-from manygpu.plan.desc import ModelDesc, transformer
-from manygpu.plan.recommend import Plan, recommend
+
+if TYPE_CHECKING:
+    from rich.table import Table
+
+    from manygpu.plan.desc import ModelDesc
+    from manygpu.plan.hardware import Cluster
+    from manygpu.plan.recommend import Plan
 
 DESCRIPTION = """Estimate per-device memory (parameters, gradients, optimizer state,
 activations) and step time / scaling efficiency (alpha-beta ring all-reduce with
@@ -62,7 +63,9 @@ def add_parser(sub: Any) -> None:
     p.set_defaults(run=run)
 
 
-def build_cluster(ns: argparse.Namespace) -> hardware.Cluster:
+def build_cluster(ns: argparse.Namespace) -> Cluster:
+    from manygpu.plan import hardware
+
     if ns.cluster == "this":
         from manygpu.plan.probe import this_machine
 
@@ -81,6 +84,8 @@ def build_cluster(ns: argparse.Namespace) -> hardware.Cluster:
 
 
 def build_desc(ns: argparse.Namespace, measure_step: bool) -> ModelDesc:
+    from manygpu.plan.desc import ModelDesc, transformer
+
     if bool(ns.model) == bool(ns.params):
         raise UsageError("give either --model or --params")
     shape = {"--layers": ns.layers, "--hidden": ns.hidden, "--seq": ns.seq}
@@ -104,6 +109,8 @@ def build_desc(ns: argparse.Namespace, measure_step: bool) -> ModelDesc:
 
 
 def table(plan: Plan) -> Table:
+    from rich.table import Table
+
     out = Table(title=f"manygpu plan: {plan.world_size} device(s)")
     for name in ("strategy", "ways", "params GB", "grads GB", "optim GB", "acts GB",
                  "total GB", "fits", "step ms", "exposed comm ms", "efficiency"):  # fmt: skip
@@ -122,6 +129,10 @@ def table(plan: Plan) -> Table:
 
 
 def run(ns: argparse.Namespace) -> int:
+    from rich.console import Console
+
+    from manygpu.plan.recommend import recommend
+
     cluster = build_cluster(ns)
     # On this CPU machine a real step is the best compute estimate; GPUs use FLOPs / (peak x MFU).
     desc = build_desc(ns, measure_step=ns.cluster == "this" and cluster.overlap is False)
