@@ -21,6 +21,7 @@ from manygpu.strategies.mesh import MeshSpec, check_dims
 from manygpu.strategies.options import DDPOptions, FSDPOptions, PipelineOptions, TensorOptions
 
 if TYPE_CHECKING:
+    from manygpu.checkpoint.formats import Format
     from manygpu.strategies.registry import StrategyCard
 
 
@@ -57,8 +58,8 @@ class Strategy(ABC):
     """Create a group even for one process (DDP cannot work without one)."""
     shards_data: ClassVar[bool] = False
     """Whether each rank sees a different part of the data."""
-    checkpoint_format: ClassVar[str]
-    """From the card: ``"full"`` (one copy from the main rank) or ``"dcp"`` (shards)."""
+    checkpoint_format: ClassVar[Format]
+    """From the card: ``FULL`` (one copy from the main rank) or ``DCP`` (shards)."""
     multi_process: ClassVar[bool]
     """From the card: one process per device (else one process drives them all)."""
 

@@ -14,6 +14,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Literal
 
+from manygpu.checkpoint.formats import DCP, FULL, Format
 from manygpu.errors import UsageError
 from manygpu.strategies.costs import CommModel, MemoryModel
 
@@ -35,8 +36,8 @@ class StrategyCard:
     changes_loop: bool
     """Needs options or a loop the user must write for it (a loss function, a
     plan, outputs on another device): ``"auto"`` never picks it silently."""
-    checkpoint: Literal["full", "dcp"]
-    """``full``: one copy from the main rank (replicated state); ``dcp``: shards."""
+    checkpoint: Format
+    """``FULL``: one copy from the main rank (replicated state); ``DCP``: shards."""
     memory: MemoryModel
     comm: CommModel
     one_process: bool
@@ -50,40 +51,40 @@ class StrategyCard:
 _DP = CommModel(grads="all_reduce")
 _CARDS: tuple[StrategyCard, ...] = (
     StrategyCard(name="single", where="manygpu.strategies.single:SingleDevice", simplicity=0,
-                 changes_loop=False, checkpoint="full", memory=MemoryModel(),
+                 changes_loop=False, checkpoint=FULL, memory=MemoryModel(),
                  comm=CommModel(replica="one_process", grads="none"), one_process=True,
                  plan_ways="one"),
     StrategyCard(name="ddp", where="manygpu.strategies.ddp:DDPStrategy", simplicity=1,
-                 changes_loop=False, checkpoint="full", memory=MemoryModel(), comm=_DP,
+                 changes_loop=False, checkpoint=FULL, memory=MemoryModel(), comm=_DP,
                  one_process=False, plan_ways="one"),
     StrategyCard(name="zero1", where="manygpu.strategies.zero:Zero1Strategy", simplicity=2,
-                 changes_loop=False, checkpoint="full", memory=MemoryModel(optimizer="world"),
+                 changes_loop=False, checkpoint=FULL, memory=MemoryModel(optimizer="world"),
                  comm=CommModel(grads="all_reduce", gather_after_step=True), one_process=False,
                  plan_ways="one"),
     StrategyCard(name="zero2", where="manygpu.strategies.fsdp:Zero2Strategy", simplicity=3,
-                 changes_loop=False, checkpoint="dcp",
+                 changes_loop=False, checkpoint=DCP,
                  memory=MemoryModel(grads="world", optimizer="world"),
                  comm=CommModel(grads="reduce_scatter", weight_gathers=1), one_process=False,
                  plan_ways="one"),
     StrategyCard(name="fsdp", where="manygpu.strategies.fsdp:FSDPStrategy", simplicity=4,
-                 changes_loop=False, checkpoint="dcp",
+                 changes_loop=False, checkpoint=DCP,
                  memory=MemoryModel(weights="world", grads="world", optimizer="world",
                                     gathered_unit=True),
                  comm=CommModel(grads="reduce_scatter", weight_gathers=2), one_process=False,
                  plan_ways="one"),
     StrategyCard(name="model", where="manygpu.strategies.model:ModelParallelStrategy",
-                 simplicity=5, changes_loop=True, checkpoint="full",
+                 simplicity=5, changes_loop=True, checkpoint=FULL,
                  memory=MemoryModel(weights="ways", grads="ways", optimizer="ways",
                                     activations="ways"),
                  comm=CommModel(replica="one_process", grads="none"), one_process=True,
                  plan_ways="local_devices"),
     StrategyCard(name="tensor", where="manygpu.strategies.tensor:TensorParallelStrategy",
-                 simplicity=6, changes_loop=True, checkpoint="dcp",
+                 simplicity=6, changes_loop=True, checkpoint=DCP,
                  memory=MemoryModel(weights="ways", grads="ways", optimizer="ways"),
                  comm=CommModel(replica="ways", split="tensor"), one_process=False,
                  plan_ways="node_divisors"),
     StrategyCard(name="pipeline", where="manygpu.strategies.pipeline:PipelineStrategy",
-                 simplicity=7, changes_loop=True, checkpoint="dcp",
+                 simplicity=7, changes_loop=True, checkpoint=DCP,
                  memory=MemoryModel(weights="ways", grads="ways", optimizer="ways",
                                     activations="in_flight"),
                  comm=CommModel(replica="ways", split="pipeline"), one_process=False,
@@ -91,7 +92,7 @@ _CARDS: tuple[StrategyCard, ...] = (
     # nn.DataParallel: slower than ddp on every shape (one Python thread
     # scatters and gathers, replicas rebuilt each step); kept for the tutorials.
     StrategyCard(name="dp", where="manygpu.strategies.dp:DataParallelStrategy", simplicity=8,
-                 changes_loop=False, checkpoint="full", memory=MemoryModel(),
+                 changes_loop=False, checkpoint=FULL, memory=MemoryModel(),
                  comm=_DP, one_process=True, plan_ways="never"),
 )  # fmt: skip
 _BY_NAME = {card.name: card for card in _CARDS}
