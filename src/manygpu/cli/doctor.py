@@ -15,11 +15,11 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from manygpu.cli.launch import add_launch_options, launch_job
-from manygpu.doctor.config import DEFAULT_OP_TIMEOUT_S, LiveConfig
 from manygpu.errors import UsageError
 from manygpu.flags import parse_size, positive_float
 
 if TYPE_CHECKING:
+    from manygpu.doctor.config import LiveConfig
     from manygpu.doctor.report import DoctorReport
     from manygpu.doctor.result import CheckResult
 
@@ -48,22 +48,26 @@ def add_parser(sub: Any) -> None:
         action="store_true",
         help="run under the launcher on every rank (and node) and compare them",
     )
-    p.add_argument(
-        "--op-timeout",
-        type=positive_float,
-        default=DEFAULT_OP_TIMEOUT_S,
-        help=f"seconds each live operation may take (default {DEFAULT_OP_TIMEOUT_S:g})",
-    )
+    # No default here: it lives with the doctor's config, in a package that imports torch.
+    op_timeout = p.add_argument("--op-timeout", type=positive_float)
+    p.help_later(op_timeout, _op_timeout_help)
     p.add_argument("--p2p-bytes", default="4M", help="bytes each way per rank pair (default 4M)")
     add_launch_options(p)
     p.set_defaults(run=run)
 
 
+def _op_timeout_help() -> str:
+    from manygpu.doctor.config import DEFAULT_OP_TIMEOUT_S
+
+    return f"seconds each live operation may take (default {DEFAULT_OP_TIMEOUT_S:g})"
+
+
 def live_config(ns: argparse.Namespace, nbytes: int, fmt: str, out: str) -> LiveConfig:
     """What every launched rank of the doctor runs."""
-    return LiveConfig(
-        format=fmt, out=out, nbytes=nbytes, op_timeout_s=ns.op_timeout, live=not ns.no_live
-    )
+    from manygpu.doctor.config import LiveConfig
+
+    given = {} if ns.op_timeout is None else {"op_timeout_s": ns.op_timeout}
+    return LiveConfig(format=fmt, out=out, nbytes=nbytes, live=not ns.no_live, **given)
 
 
 def _launch_live(ns: argparse.Namespace, config: LiveConfig) -> int:
