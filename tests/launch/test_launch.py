@@ -356,6 +356,8 @@ def test_bench_comm_every_op_correct(tmp_path: Path) -> None:
     data = json.loads(out.read_text())
     rows = data["rows"]
     assert data["world_size"] == 2 and data["memcpy_gbs"] > 0
+    assert data["command"].startswith("manygpu bench comm --nproc-per-node 2")
+    assert data["sweep"]["iters"] == 2 and data["sweep"]["min_bytes"] == 64
     # 5 sizes x (4 all-reduce algorithms + 5 other ops)
     assert len(rows) == 5 * 9
     assert {r["algorithm"] for r in rows if r["op"] == "all_reduce"} == {

@@ -7,6 +7,7 @@ command built and handed over (:mod:`manygpu.runtime.handoff`).
 from __future__ import annotations
 
 import sys
+from dataclasses import asdict
 from pathlib import Path
 
 import torch.distributed as dist
@@ -42,6 +43,7 @@ def main(config: CommBenchConfig) -> int:
             par.print(f"local limit: a 256 MB memcpy runs at {memcpy:.2f} GB/s")
             payload = {
                 "command": config.command,
+                "sweep": asdict(cfg),  # every setting, defaults included (the command has some)
                 "label": label,
                 "backend": backend,
                 "world_size": par.world_size,
