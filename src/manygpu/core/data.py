@@ -19,6 +19,7 @@ from torch.utils.data import (
 )
 
 from manygpu.errors import UsageError
+from manygpu.runtime.device import move_to_device
 
 
 class ShardSampler(Sampler[int]):
@@ -59,19 +60,6 @@ class ResumableSampler(Sampler[int]):
 
     def __len__(self) -> int:
         return max(len(self.base) - self.skip_batches * self.batch_size, 0)
-
-
-def move_to_device(batch: Any, device: torch.device) -> Any:
-    """Move every tensor inside (nested) tuples, lists and dicts to ``device``."""
-    if isinstance(batch, torch.Tensor):
-        return batch.to(device, non_blocking=device.type == "cuda")
-    if isinstance(batch, dict):
-        return {k: move_to_device(v, device) for k, v in batch.items()}
-    if isinstance(batch, tuple) and hasattr(batch, "_fields"):  # namedtuple
-        return type(batch)(*(move_to_device(v, device) for v in batch))
-    if isinstance(batch, list | tuple):
-        return type(batch)(move_to_device(v, device) for v in batch)
-    return batch
 
 
 def _seed_worker(worker_id: int) -> None:

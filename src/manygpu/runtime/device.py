@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from typing import Any
 
 import torch
 
@@ -65,3 +66,16 @@ def set_cpu_threads(local_world_size: int, env: Environ) -> int:
     if not envmod.user_set_threads(env):
         torch.set_num_threads(threads_per_process(local_world_size))
     return torch.get_num_threads()
+
+
+def move_to_device(batch: Any, device: torch.device) -> Any:
+    """Move every tensor inside (nested) tuples, lists and dicts to ``device``."""
+    if isinstance(batch, torch.Tensor):
+        return batch.to(device, non_blocking=device.type == "cuda")
+    if isinstance(batch, dict):
+        return {k: move_to_device(v, device) for k, v in batch.items()}
+    if isinstance(batch, tuple) and hasattr(batch, "_fields"):  # namedtuple
+        return type(batch)(*(move_to_device(v, device) for v in batch))
+    if isinstance(batch, list | tuple):
+        return type(batch)(move_to_device(v, device) for v in batch)
+    return batch

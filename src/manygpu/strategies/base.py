@@ -62,6 +62,8 @@ class Strategy(ABC):
     """From the card: ``FULL`` (one copy from the main rank) or ``DCP`` (shards)."""
     multi_process: ClassVar[bool]
     """From the card: one process per device (else one process drives them all)."""
+    instead: ClassVar[str] = "use strategy='ddp' or launch one process"
+    """For a one-process strategy: what to do when the job has several processes."""
 
     def __init__(self, ctx: DistContext, options: StrategyOptions) -> None:
         self.ctx = ctx
@@ -74,6 +76,11 @@ class Strategy(ABC):
         Called before any process group exists, so a bad shape fails at once
         on every rank instead of hanging in a rendezvous.
         """
+        if not cls.multi_process and cluster.world_size > 1 and options.mesh is None:
+            raise UsageError(
+                f"strategy {cls.name!r} runs one process that drives its devices, but this "
+                f"job has {cluster.world_size} processes; {cls.instead}"
+            )
         if options.mesh is not None:
             raise UsageError(
                 f"strategy {cls.name!r} takes no mesh; meshes are for fsdp, tensor, pipeline "

@@ -10,9 +10,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from manygpu.errors import UsageError
-from manygpu.runtime.cluster import ClusterInfo
-from manygpu.strategies.base import Strategy, StrategyOptions
+from manygpu.strategies.base import Strategy
 from manygpu.strategies.registry import register
 from manygpu.warn import warn_user
 
@@ -21,14 +19,7 @@ from manygpu.warn import warn_user
 class DataParallelStrategy(Strategy):
     """Single-process data parallelism over all visible GPUs."""
 
-    @classmethod
-    def validate_world(cls, cluster: ClusterInfo, options: StrategyOptions) -> None:
-        super().validate_world(cluster, options)
-        if cluster.world_size > 1:
-            raise UsageError(
-                "strategy 'dp' (nn.DataParallel) runs in one process that drives every GPU, "
-                f"but this job has {cluster.world_size} processes; use strategy='ddp'"
-            )
+    instead = "use strategy='ddp' (nn.DataParallel is the one-process way)"
 
     def setup_module(self, module: nn.Module) -> nn.Module:
         warn_user(

@@ -21,9 +21,9 @@ import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from manygpu.core.data import move_to_device
 from manygpu.errors import UsageError
 from manygpu.runtime.cluster import ClusterInfo
+from manygpu.runtime.device import move_to_device
 from manygpu.strategies.base import Strategy, StrategyOptions
 from manygpu.strategies.mesh import check_dims
 from manygpu.strategies.registry import register
@@ -46,18 +46,24 @@ def _stage_devices(count: int, local_rank: int = 0) -> list[torch.device]:
 class ModelParallelStrategy(Strategy):
     """Split an ``nn.Sequential`` over the visible devices (2 CPU stages without GPUs)."""
 
+    instead = (
+        "launch one process, give mesh={'dp': -1} for DDP over model-parallel replicas, "
+        "or use 'pipeline' for one stage per process"
+    )
+
+    stage_starts: list[int]
+    """First layer of each stage (after ``setup_module``)."""
+    stage_devices: list[torch.device]
+    """The device of each stage."""
+
     @classmethod
     def validate_world(cls, cluster: ClusterInfo, options: StrategyOptions) -> None:
         mesh = options.mesh
-        if mesh is not None:
-            check_dims(cls.name, mesh, ("dp",))
-            mesh.resolve(cluster.world_size)
-        elif cluster.world_size > 1:
-            raise UsageError(
-                "strategy 'model' splits one process's model over its devices; launch one "
-                "process, give mesh={'dp': -1} for DDP over model-parallel replicas, or use "
-                "'pipeline' for one stage per process"
-            )
+        if mesh is None:
+            super().validate_world(cluster, options)
+            return
+        check_dims(cls.name, mesh, ("dp",))
+        mesh.resolve(cluster.world_size)
 
     @property
     def _replicated(self) -> bool:
@@ -83,8 +89,7 @@ class ModelParallelStrategy(Strategy):
                 layer.to(device)
             first = module[bounds[stage]]
             first.register_forward_pre_hook(_move_inputs(device))
-        module.stage_starts = starts  # type: ignore[assignment]
-        module.stage_devices = devices  # type: ignore[assignment]
+        self.stage_starts, self.stage_devices = starts, devices
         if not self._replicated:
             return module
         # A module on several devices: DDP takes device_ids=None and leaves

@@ -18,6 +18,7 @@ never collide and load into the unsplit model.
 
 from __future__ import annotations
 
+import weakref
 from collections import OrderedDict
 from collections.abc import Callable
 from typing import Any, ClassVar
@@ -30,6 +31,7 @@ from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGP
 from manygpu import comm
 from manygpu.comm.common import describe, wait
 from manygpu.errors import UsageError
+from manygpu.runtime.process_group import DistContext
 from manygpu.strategies.base import StrategyOptions
 from manygpu.strategies.registry import register
 from manygpu.strategies.sharded import (
@@ -58,6 +60,11 @@ class PipelineStrategy(ReplacingMeshStrategy):
     mesh_dims = ("pp", "dp", "fsdp")
     default_mesh: ClassVar[dict[str, int]] = {"pp": -1}
     _pp_group: Any = None  # set by setup_module
+
+    def __init__(self, ctx: DistContext, options: StrategyOptions) -> None:
+        super().__init__(ctx, options)
+        self._pipelines: list[PipelinedModel] = []
+        """The models this strategy prepared: a loss they returned has had its backward."""
 
     @classmethod
     def validate_world(cls, cluster: Any, options: StrategyOptions) -> None:
@@ -115,6 +122,7 @@ class PipelineStrategy(ReplacingMeshStrategy):
         )
         wrapped.timeout_s = self.ctx.timeout_s
         self.remember_prepared(wrapped)
+        self._pipelines.append(wrapped)
         return wrapped
 
     def _stage_starts(self, module: nn.Sequential, stages: int) -> list[int]:
@@ -141,7 +149,7 @@ class PipelineStrategy(ReplacingMeshStrategy):
         return module.stage if isinstance(module, PipelinedModel) else module
 
     def backward(self, loss: torch.Tensor) -> None:
-        if not getattr(loss, "_manygpu_pipeline_done", False):
+        if not any(p.ran_backward_for(loss) for p in self._pipelines):
             raise UsageError(
                 "with strategy 'pipeline' the model runs forward and backward together: "
                 "loss = model(x, target=y); then par.backward(loss)"
@@ -172,6 +180,11 @@ class PipelinedModel(nn.Module):
         self._make_schedule: Callable[[], Any] = lambda: None
         self._shape: tuple[Any, ...] | None = None
         self._loss_fn: Any = None
+        self._trained: weakref.ref[torch.Tensor] | None = None
+
+    def ran_backward_for(self, loss: torch.Tensor) -> bool:
+        """Whether ``loss`` is the one our last training step returned (its backward is done)."""
+        return self._trained is not None and self._trained() is loss
 
     def attach(
         self,
@@ -228,7 +241,7 @@ class PipelinedModel(nn.Module):
                 )
             self._schedule.step(*inputs, target=label, losses=losses)
             loss = self._share_loss(losses)
-            loss._manygpu_pipeline_done = True  # type: ignore[attr-defined]
+            self._trained = weakref.ref(loss)
             return loss
         self._outputs_only = target is None
         if self._outputs_only and self.is_last:
