@@ -12,9 +12,9 @@ from pathlib import Path
 
 import torch.distributed as dist
 
-from manygpu import Parallel
 from manygpu.bench import report
 from manygpu.bench.comm import CommBenchConfig, memcpy_gbs, sweep
+from manygpu.core.parallel import Parallel
 from manygpu.runtime import handoff
 
 

@@ -31,8 +31,8 @@ from dataclasses import asdict, dataclass, field
 import torch
 from torch.utils.data import DataLoader, TensorDataset
 
-from manygpu import Parallel
 from manygpu.bench.models import Workload
+from manygpu.core.parallel import Parallel
 from manygpu.errors import UsageError
 
 

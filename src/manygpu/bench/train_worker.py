@@ -14,9 +14,9 @@ from pathlib import Path
 
 import torch
 
-from manygpu import Parallel
 from manygpu.bench import models
 from manygpu.bench.train import TrainJob, measure
+from manygpu.core.parallel import Parallel
 from manygpu.runtime import handoff
 
 

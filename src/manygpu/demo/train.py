@@ -17,8 +17,8 @@ import torch
 import torch.nn.functional as F
 from torch.utils.data import DataLoader, TensorDataset
 
-from manygpu import Parallel
 from manygpu.core.data import PreparedLoader
+from manygpu.core.parallel import Parallel
 from manygpu.demo.config import DemoConfig
 from manygpu.demo.data import digits
 from manygpu.demo.model import SimpleCNN

@@ -20,8 +20,9 @@ from typing import Any
 
 import torch
 
-from manygpu import Parallel, comm
+from manygpu import comm
 from manygpu.comm.common import first_line
+from manygpu.core.parallel import Parallel
 from manygpu.doctor import probes
 from manygpu.doctor.checks import run_checks
 from manygpu.doctor.config import LiveConfig
