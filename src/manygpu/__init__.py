@@ -8,14 +8,13 @@ costs nothing beyond what is used.
 from typing import TYPE_CHECKING
 
 from manygpu import _lazy
+from manygpu._version import __version__
 
 if TYPE_CHECKING:
     from manygpu.core import Parallel, ParallelConfig
     from manygpu.errors import CollectiveTimeoutError, LaunchError, ManyGPUError, UsageError
     from manygpu.strategies import DDPOptions, FSDPOptions, MeshSpec, PipelineOptions, TensorOptions
     from manygpu.strategies import available as available_strategies
-
-__version__ = "0.1.0"
 
 _WHERE = {
     "Parallel": "manygpu.core.parallel",

@@ -229,7 +229,7 @@ class Checkpointer:
                 "world": self.par.world_size,
                 "batch_size": self.loader.batch_size or 0,
             }
-        from manygpu import __version__
+        from manygpu._version import __version__
 
         return {
             "step": state.step,

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import sys
 
-from manygpu import __version__
+from manygpu._version import __version__
 from manygpu.cli import bench, checkpoint, demo, doctor, launch, plan
 from manygpu.cli.parser import OneLineParser
 from manygpu.errors import UsageError

@@ -12,10 +12,10 @@ Exits with the first non-zero exit code; the hosts are always deleted.
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 
 from manygpu.emulate.netns import EmulatedCluster, LinkShape, netns_available
+from manygpu.runtime import env as envmod
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -33,7 +33,7 @@ def main(argv: list[str] | None = None) -> int:
     if not ok:
         print(f"python -m manygpu.emulate: error: {why}", file=sys.stderr)
         return 2
-    env = dict(os.environ, GLOO_SOCKET_IFNAME="eth0")
+    env = {**envmod.current(), "GLOO_SOCKET_IFNAME": "eth0"}
     with EmulatedCluster(ns.hosts, LinkShape(rate=ns.rate, delay=ns.delay)) as cluster:
         master = cluster.addresses[0]
         argvs = [

@@ -19,6 +19,8 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+from manygpu.runtime import env as envmod
+
 NOTE_SUFFIX = ".manygpu.json"
 
 # Words of errors that report another rank's failure (gloo, NCCL, c10d, ours).
@@ -46,7 +48,7 @@ def is_peer_failure(exc: BaseException) -> bool:
 
 def write(*, kind: str, code: int, consequence: bool) -> None:
     """Leave this worker's note next to its torch error file (if it has one)."""
-    error_file = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    error_file = envmod.error_file(envmod.current())
     if not error_file:
         return
     note = {"time_ns": time.time_ns(), "kind": kind, "code": code, "consequence": consequence}

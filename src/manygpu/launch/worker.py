@@ -22,7 +22,7 @@ from manygpu.runtime import env as envmod
 
 def _record(exc: BaseException) -> None:
     """Write ``exc`` to ``TORCHELASTIC_ERROR_FILE`` (the agent reads it)."""
-    if not os.environ.get("TORCHELASTIC_ERROR_FILE"):
+    if not envmod.error_file(envmod.current()):
         return
     from torch.distributed.elastic.multiprocessing.errors.error_handler import ErrorHandler
 

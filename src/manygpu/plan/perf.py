@@ -185,7 +185,7 @@ def _model_parallel(
 ) -> StepEstimate:
     """Pipeline (1F1B bubble) or tensor (Megatron's 4 all-reduces per layer), then DP."""
     dp = n // ways
-    if card(strategy).comm.split == "pipeline":
+    if card(strategy).comm.split == "stages":
         m = microbatches or min(4 * ways, batch)  # micro-batches of at least one sample
         compute = one / ways * (m + ways - 1) / m  # the bubble: (P - 1) idle slots of M + P - 1
         inner = 0.0  # point-to-point activations between stages: small, not modelled

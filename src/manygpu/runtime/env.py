@@ -84,6 +84,11 @@ def tool_config(env: Environ) -> str | None:
     return env.get(TOOL_CONFIG) or None
 
 
+def error_file(env: Environ) -> str | None:
+    """Where torch elastic's agent wants this worker's error (``TORCHELASTIC_ERROR_FILE``)."""
+    return get_str(env, "TORCHELASTIC_ERROR_FILE")
+
+
 def debug_enabled(env: Environ) -> bool:
     """``MANYGPU_DEBUG=1`` turns on cross-rank consistency checks."""
     return env.get("MANYGPU_DEBUG", "0").lower() in {"1", "true", "yes", "on"}

@@ -68,6 +68,16 @@ def init_distributed(
         return DistContext(
             cluster=cluster, device=device, backend=backend, timeout_s=timeout_s, owns_group=False
         )
+    _create_group(cluster, device=device, backend=backend, timeout_s=timeout_s)
+    return DistContext(
+        cluster=cluster, device=device, backend=backend, timeout_s=timeout_s, owns_group=True
+    )
+
+
+def _create_group(
+    cluster: ClusterInfo, *, device: torch.device, backend: str, timeout_s: float
+) -> None:
+    """The default group, over the store this kind of job provides."""
     timeout = dt.timedelta(seconds=timeout_s)
     device_id = device if device.type == "cuda" else None
     if cluster.world_size == 1:
@@ -106,9 +116,6 @@ def init_distributed(
             timeout=timeout,
             device_id=device_id,
         )
-    return DistContext(
-        cluster=cluster, device=device, backend=backend, timeout_s=timeout_s, owns_group=True
-    )
 
 
 def _bracket(host: str) -> str:

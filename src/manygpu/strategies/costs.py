@@ -45,5 +45,6 @@ class CommModel:
     """All-gathers of the weights per step: before forward (1), again before backward (2)."""
     gather_after_step: bool = False
     """ZeRO-1: the updated optimizer shards are gathered back into whole weights."""
-    split: Literal["none", "pipeline", "tensor"] = "none"
-    """Inside a replica: a pipeline's bubble, or tensor parallelism's per-layer all-reduces."""
+    split: Literal["none", "stages", "layer_shards"] = "none"
+    """Inside a replica: consecutive stages (a pipeline's bubble), or every layer
+    sharded (tensor parallelism's per-layer all-reduces)."""

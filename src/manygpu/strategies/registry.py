@@ -81,13 +81,13 @@ _CARDS: tuple[StrategyCard, ...] = (
     StrategyCard(name="tensor", where="manygpu.strategies.tensor:TensorParallelStrategy",
                  simplicity=6, changes_loop=True, checkpoint=DCP,
                  memory=MemoryModel(weights="ways", grads="ways", optimizer="ways"),
-                 comm=CommModel(replica="ways", split="tensor"), one_process=False,
+                 comm=CommModel(replica="ways", split="layer_shards"), one_process=False,
                  plan_ways="node_divisors"),
     StrategyCard(name="pipeline", where="manygpu.strategies.pipeline:PipelineStrategy",
                  simplicity=7, changes_loop=True, checkpoint=DCP,
                  memory=MemoryModel(weights="ways", grads="ways", optimizer="ways",
                                     activations="in_flight"),
-                 comm=CommModel(replica="ways", split="pipeline"), one_process=False,
+                 comm=CommModel(replica="ways", split="stages"), one_process=False,
                  plan_ways="divisors"),
     # nn.DataParallel: slower than ddp on every shape (one Python thread
     # scatters and gathers, replicas rebuilt each step); kept for the tutorials.

@@ -1,0 +1,185 @@
+"""The code's shape, guarded: one home per concept, one-way layers, small files.
+
+Each rule here is a habit of STYLE.md that drifted once; the failure message
+names the file, the line and what to do instead.
+"""
+
+from __future__ import annotations
+
+import ast
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from manygpu.strategies import available, card, get_strategy
+from manygpu.strategies.base import Strategy
+
+SRC = Path(__file__).resolve().parents[2] / "src" / "manygpu"
+FILES = sorted(SRC.rglob("*.py"))
+
+# Lowest first; a module may import its own layer or lower ones. Longest prefix wins.
+LAYERS: dict[str, int] = {
+    "manygpu.errors": 0,
+    "manygpu.warn": 0,
+    "manygpu.flags": 0,
+    "manygpu._lazy": 0,
+    "manygpu._version": 0,
+    "manygpu.runtime": 1,
+    "manygpu.comm": 2,
+    "manygpu.emulate": 2,
+    # How state reaches disk: below the strategies, which name their format.
+    "manygpu.checkpoint.formats": 3,
+    "manygpu.checkpoint.layout": 3,
+    "manygpu.checkpoint.safe_dcp": 3,
+    "manygpu.checkpoint.rng": 3,
+    "manygpu.strategies": 4,
+    "manygpu.plan": 5,
+    "manygpu.core": 6,
+    "manygpu.checkpoint": 7,
+    "manygpu.launch": 7,
+    "manygpu.doctor": 7,
+    "manygpu.demo": 7,
+    "manygpu.bench": 7,
+    "manygpu.cli": 8,
+    "manygpu.__main__": 8,
+    "manygpu": 9,  # the package's lazy re-exports: for users, not for the library
+}
+
+
+def _module(path: Path) -> str:
+    parts = path.relative_to(SRC.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _layer(module: str) -> int:
+    best = max((p for p in LAYERS if module == p or module.startswith(p + ".")), key=len)
+    return LAYERS[best]
+
+
+def _tree(path: Path) -> ast.Module:
+    return ast.parse(path.read_text(), filename=str(path))
+
+
+def _imports(path: Path) -> list[tuple[int, str]]:
+    """(line, module) for every manygpu import; ``from manygpu import x`` names ``x``."""
+    out = []
+    for node in ast.walk(_tree(path)):
+        if isinstance(node, ast.Import):
+            out += [(node.lineno, a.name) for a in node.names if a.name.startswith("manygpu")]
+        elif isinstance(node, ast.ImportFrom) and (node.module or "").startswith("manygpu"):
+            base = node.module or ""
+            for alias in node.names:
+                sub = f"{base}.{alias.name}"
+                is_module = (SRC.parent / sub.replace(".", "/")).exists() or (
+                    SRC.parent / (sub.replace(".", "/") + ".py")
+                ).exists()
+                out.append((node.lineno, sub if is_module else base))
+    return out
+
+
+def test_no_upward_imports() -> None:
+    wrong = []
+    for path in FILES:
+        here = _module(path)
+        for line, target in _imports(path):
+            if target == "manygpu" and path.name != "__init__.py":
+                if _layer(here) < LAYERS["manygpu"]:
+                    wrong.append(f"{here}:{line} imports the package root; import the module")
+            elif _layer(target) > _layer(here):
+                wrong.append(f"{here}:{line} imports {target} (a higher layer)")
+    assert wrong == [], "\n".join(wrong)
+
+
+def test_environment_variables_are_read_only_in_runtime_env() -> None:
+    wrong = []
+    for path in FILES:
+        if path == SRC / "runtime" / "env.py":
+            continue
+        tree = _tree(path)
+        writes = {
+            id(n.func.value)
+            for n in ast.walk(tree)
+            if isinstance(n, ast.Call)
+            and isinstance(n.func, ast.Attribute)
+            and n.func.attr == "update"  # handing variables to children is not reading
+        }
+        for node in ast.walk(tree):
+            env = isinstance(node, ast.Attribute) and node.attr in ("environ", "getenv")
+            if env and id(node) not in writes:
+                wrong.append(f"{_module(path)}:{node.lineno}")
+    assert wrong == [], "read the environment through manygpu.runtime.env: " + ", ".join(wrong)
+
+
+def _names_in(node: ast.AST, names: set[str]) -> list[str]:
+    if isinstance(node, ast.Constant) and node.value in names:
+        return [node.value]
+    if isinstance(node, ast.Tuple | ast.List | ast.Set):
+        return [e.value for e in node.elts if isinstance(e, ast.Constant) and e.value in names]
+    return []
+
+
+def test_no_strategy_names_outside_strategies() -> None:
+    """No branching on a strategy's name and no hand-kept name lists: ask the registry."""
+    names = set(available())
+    wrong = []
+    for path in FILES:
+        if (SRC / "strategies") in path.parents:
+            continue
+        for node in ast.walk(_tree(path)):
+            if isinstance(node, ast.Compare):
+                found = [n for c in [node.left, *node.comparators] for n in _names_in(c, names)]
+            elif isinstance(node, ast.Tuple | ast.List | ast.Set):
+                found = _names_in(node, names)
+                found = found if len(found) >= 2 else []
+            else:
+                continue
+            if found:
+                wrong.append(f"{_module(path)}:{node.lineno} ({', '.join(found)})")
+    assert wrong == [], "strategy names outside strategies/: " + "; ".join(wrong)
+
+
+def test_every_registered_strategy_is_complete() -> None:
+    """Adding a strategy means a card with every field, and a class behind it."""
+    for name in available():
+        entry = card(name)
+        cls = get_strategy(name)
+        assert issubclass(cls, Strategy) and cls.name == name and cls.card is entry
+        assert entry.memory is not None and entry.comm is not None
+        assert entry.checkpoint.name in ("full", "dcp")
+        assert isinstance(entry.changes_loop, bool) and isinstance(entry.one_process, bool)
+        assert cls.multi_process is not entry.one_process
+    simplicity = [card(n).simplicity for n in available()]
+    assert len(set(simplicity)) == len(simplicity), "two strategies tie on simplicity"
+
+
+def test_files_and_functions_stay_small() -> None:
+    wrong = []
+    for path in FILES:
+        text = path.read_text()
+        if text.count("\n") > 600:
+            wrong.append(f"{_module(path)}: {text.count(chr(10))} lines (max 600)")
+        for node in ast.walk(ast.parse(text)):
+            if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
+                first = node.body[0]
+                doc = isinstance(first, ast.Expr) and isinstance(first.value, ast.Constant)
+                start = (first.end_lineno or first.lineno) + 1 if doc else node.lineno
+                length = (node.end_lineno or node.lineno) - start + 1
+                if length > 60:
+                    wrong.append(f"{_module(path)}.{node.name}: {length} lines (max 60)")
+    assert wrong == [], "\n".join(wrong)
+
+
+@pytest.mark.parametrize(
+    "code",
+    [
+        "from manygpu import *; Parallel, ParallelConfig, FSDPOptions, available_strategies",
+        # Importing the package or building the CLI loads none of torch's heavy subsystems.
+        "import sys, manygpu, manygpu.core, manygpu.launch, manygpu.checkpoint; "
+        "heavy = [m for m in sys.modules if m.startswith('torch')]; assert not heavy, heavy",
+    ],
+)
+def test_the_package_imports_cleanly(code: str) -> None:
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0, res.stderr
