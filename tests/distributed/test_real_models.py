@@ -30,7 +30,6 @@ from zoo import lm_loss
 
 from manygpu import PipelineOptions
 
-pytestmark = pytest.mark.slow
 pytest.importorskip("transformers")
 
 TOL, ADAM_TOL, BF16_TOL = 1e-5, 1e-4, 5e-4

@@ -48,6 +48,7 @@ def _nccl_ddp(steps: int, batch: int) -> torch.Tensor:
         par.close()
 
 
+@pytest.mark.slow
 def test_nccl_ddp_matches_reference() -> None:
     world = torch.cuda.device_count()
     batch = 4 * world
@@ -58,6 +59,7 @@ def test_nccl_ddp_matches_reference() -> None:
         assert (params - ref).abs().max().item() < 1e-3
 
 
+@pytest.mark.slow
 def test_sync_batchnorm_matches_one_process_on_the_global_batch() -> None:
     """With SyncBatchNorm every rank normalises over the global batch: the reference's
     single forward over it (not per shard); TF32 may be on, hence 1e-3."""

@@ -80,7 +80,6 @@ def test_torchrun_script_runs_unchanged(tmp_path: Path) -> None:
         assert rec["file"] == str(SCRIPTS / "torchrun_style.py")  # absolute, as under torchrun
 
 
-@pytest.mark.slow
 def test_torchrun_flags_launch(tmp_path: Path) -> None:
     """nanoGPT's `torchrun --standalone`, tee/redirects into --log-dir, a rank filter;
     and --no-python running a program directly."""
@@ -150,7 +149,6 @@ def test_failing_rank_exit_code_propagates(tmp_path: Path) -> None:
     assert_gone(tmp_path)
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize(
     "world, failing, mode, code, words",
     [
@@ -184,7 +182,6 @@ def test_the_first_failure_in_time_is_blamed_with_its_exit_code(
     assert all(f"rank {failing} " not in ln for ln in summary[1:]), summary
 
 
-@pytest.mark.slow
 def test_timeout_covers_a_plain_torchrun_script_and_no_temp_dir_is_left(tmp_path: Path) -> None:
     """--timeout becomes the default process-group timeout of any script; the
     launcher's own log directory is removed (torch would leave torchelastic_* in TMPDIR)."""
@@ -229,7 +226,6 @@ def test_hung_rank_ends_within_timeout(tmp_path: Path) -> None:
     assert_gone(tmp_path)
 
 
-@pytest.mark.slow
 def test_a_worker_stuck_at_exit_is_ended_and_counts_as_a_success(tmp_path: Path) -> None:
     """Rank 1 hangs in an atexit handler holding the GIL, after its script returned:
     it is ended MANYGPU_EXIT_GRACE seconds later with its stacks shown, the job
@@ -278,7 +274,6 @@ def test_bad_input_gives_one_line_and_exit_2(tmp_path: Path) -> None:
     )
 
 
-@pytest.mark.slow
 def test_a_missing_peer_node_ends_within_the_wait_in_one_line(tmp_path: Path) -> None:
     start = time.monotonic()
     res = manygpu(
@@ -319,7 +314,6 @@ def test_master_port_in_use(tmp_path: Path) -> None:
     _one_line_error(res, f"master port {port}", "already in use")
 
 
-@pytest.mark.slow
 def test_demo_reaches_accuracy(tmp_path: Path) -> None:
     out = tmp_path / "demo.json"
     res = manygpu("demo", "--epochs", "5", "--json", str(out), timeout=170)

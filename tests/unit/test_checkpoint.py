@@ -1,12 +1,13 @@
-"""Checkpoints in one process: exact resume, atomicity, corruption, retention, safety, CLI."""
+"""Checkpoints in one process: exact resume, atomicity, corruption, retention, safety.
+
+The command line (inspect, export) runs in its own processes: tests/launch.
+"""
 
 from __future__ import annotations
 
 import json
 import os
 import signal
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -121,23 +122,6 @@ def test_inspect_and_export(tmp_path: Path) -> None:
     weights = load_file(str(out))
     saved = torch.load(layout.step_dir(tmp_path / "ck", 6) / formats.MODEL, weights_only=True)
     assert summary["tensors"] == 4 and all(torch.equal(weights[k], saved[k].cpu()) for k in saved)
-
-
-def test_cli_inspect_export_and_errors(tmp_path: Path) -> None:
-    _run(tmp_path / "ck", 3, every=3)
-    cli = [sys.executable, "-m", "manygpu", "checkpoint"]
-    res = subprocess.run(
-        [*cli, "inspect", str(tmp_path / "ck"), "--json"], capture_output=True, text=True
-    )
-    assert res.returncode == 0 and json.loads(res.stdout)["step"] == 3
-    out = tmp_path / "m.safetensors"
-    res = subprocess.run(
-        [*cli, "export", str(tmp_path / "ck"), str(out)], capture_output=True, text=True
-    )
-    assert res.returncode == 0 and out.is_file() and "4 tensors" in res.stdout
-    res = subprocess.run([*cli, "inspect", str(tmp_path / "nope")], capture_output=True, text=True)
-    assert res.returncode == 2 and len(res.stderr.strip().splitlines()) == 1
-    assert "does not exist" in res.stderr
 
 
 def test_parallel_names_what_a_checkpoint_holds(tmp_path: Path) -> None:

@@ -1,0 +1,40 @@
+"""bench train for real, through the CLI: one then two worker processes."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from jobs import ROOT, subprocess_env
+
+
+def test_real_run_one_then_two_processes(tmp_path: Path) -> None:
+    out = tmp_path / "train.json"
+    cmd = [sys.executable, "-m", "manygpu", "bench", "train", "--model", "demo-cnn",
+           "--workers", "1,2", "--batch", "8", "--steps", "4", "--warmup", "1", "--block", "2",
+           "--json", str(out)]  # fmt: skip
+    res = subprocess.run(cmd, capture_output=True, text=True, timeout=150,
+                         env=subprocess_env() | {"CUDA_VISIBLE_DEVICES": ""}, cwd=ROOT)  # fmt: skip
+    assert res.returncode == 0, res.stderr[-3000:]
+    data = json.loads(out.read_text())
+    one, two = data["rows"]
+    assert (one["workers"], two["workers"]) == (1, 2)
+    for row in (one, two):
+        assert row["samples_per_s"] > 0
+        assert row["flops_per_step"] > 0 and row["mfu"] is None
+        assert row["step_s"] >= row["compute_s"] > 0 and row["comm_s"] >= 0
+    # Per-worker scaling: the same CPU threads per worker at every count.
+    assert one["threads_per_worker"] == two["threads_per_worker"] >= 1
+    assert one["comm_s"] == 0.0 and two["strategy"] == "ddp"
+    speedup = two["samples_per_s"] / one["samples_per_s"]
+    assert two["speedup"] == pytest.approx(speedup) and two["efficiency"] == pytest.approx(
+        speedup / 2
+    )
+    table_rows = [
+        ln for ln in out.with_suffix(".md").read_text().splitlines() if ln[:3] in ("| 1", "| 2")
+    ]
+    assert len(table_rows) == 2
+    assert out.with_suffix(".png").read_bytes()[:4] == b"\x89PNG"
