@@ -13,7 +13,14 @@ from manygpu._version import __version__
 if TYPE_CHECKING:
     from manygpu.core import Parallel, ParallelConfig
     from manygpu.errors import CollectiveTimeoutError, LaunchError, ManyGPUError, UsageError
-    from manygpu.strategies import DDPOptions, FSDPOptions, MeshSpec, PipelineOptions, TensorOptions
+    from manygpu.strategies import (
+        CompileOptions,
+        DDPOptions,
+        FSDPOptions,
+        MeshSpec,
+        PipelineOptions,
+        TensorOptions,
+    )
     from manygpu.strategies import available as available_strategies
 
 _WHERE = {
@@ -23,6 +30,7 @@ _WHERE = {
     "LaunchError": "manygpu.errors",
     "ManyGPUError": "manygpu.errors",
     "UsageError": "manygpu.errors",
+    "CompileOptions": "manygpu.strategies.options",
     "DDPOptions": "manygpu.strategies.options",
     "FSDPOptions": "manygpu.strategies.options",
     "PipelineOptions": "manygpu.strategies.options",
@@ -46,6 +54,7 @@ def __dir__() -> list[str]:
 
 __all__ = [
     "CollectiveTimeoutError",
+    "CompileOptions",
     "DDPOptions",
     "FSDPOptions",
     "LaunchError",

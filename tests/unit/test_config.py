@@ -19,7 +19,9 @@ def test_unknown_strategy_lists_available_names() -> None:
 
 
 def test_unknown_precision() -> None:
-    with pytest.raises(UsageError, match=r"precision 'fp8'; choose one of fp32, bf16, fp16"):
+    with pytest.raises(
+        UsageError, match=r"precision 'fp8'; choose one of auto, fp32, fp32-strict, bf16, fp16"
+    ):
         ParallelConfig(precision="fp8")  # type: ignore[arg-type]
 
 

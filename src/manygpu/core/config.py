@@ -9,6 +9,7 @@ from typing import Literal
 
 from manygpu.errors import UsageError
 from manygpu.strategies import (
+    CompileOptions,
     DDPOptions,
     FSDPOptions,
     MeshSpec,
@@ -19,8 +20,8 @@ from manygpu.strategies import (
     strategy_for_mesh,
 )
 
-Precision = Literal["fp32", "bf16", "fp16"]
-PRECISIONS: tuple[str, ...] = ("fp32", "bf16", "fp16")
+Precision = Literal["auto", "fp32", "fp32-strict", "bf16", "fp16"]
+PRECISIONS: tuple[str, ...] = ("auto", "fp32", "fp32-strict", "bf16", "fp16")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -32,8 +33,12 @@ class ParallelConfig:
     dimensions), or ``"auto"`` (the planner picks the simplest strategy whose
     memory fits, when the model is prepared); ``None`` picks ``"hybrid"`` when a mesh is given, else
     ``"ddp"`` when launched with several processes and ``"single"`` otherwise."""
-    precision: Precision = "fp32"
-    """``"bf16"`` autocasts to bfloat16; ``"fp16"`` also scales the loss."""
+    precision: Precision = "auto"
+    """``"auto"``: bf16 autocast on GPUs with bf16 (compute capability >= 8.0),
+    fp16 with loss scaling on older GPUs, fp32 on the CPU. ``"bf16"`` autocasts
+    to bfloat16; ``"fp16"`` also scales the loss; weights and optimizer state
+    stay fp32 in each. On CUDA, matmuls and convolutions left in fp32 use TF32
+    unless ``"fp32-strict"``."""
     grad_accum_steps: int = 1
     """Micro-batches per optimizer step; sync only on the last one."""
     seed: int | None = 0
@@ -62,6 +67,14 @@ class ParallelConfig:
     mesh: MeshSpec | Mapping[str, int] | None = None
     """Sizes per named dimension (``pp``, ``dp``, ``fsdp``, ``tp``), e.g.
     ``{"dp": 2, "tp": -1}``; ``-1`` is inferred from the world size."""
+    channels_last: bool | None = None
+    """Store 4-D weights and image batches channels_last (NHWC), which convolution
+    kernels on GPUs run fastest on. ``None``: on for a model with ``nn.Conv2d``
+    on CUDA; ``True`` also on the CPU; ``False``: off."""
+    compile: bool | CompileOptions = False
+    """``torch.compile`` the prepared model where its strategy needs it (after
+    DDP wrapping, per FSDP2 block, per pipeline stage); ``CompileOptions`` sets
+    mode, fullgraph and dynamic."""
     debug: bool | None = None
     """Check before each collective of :meth:`Parallel.reduce` / ``gather`` /
     ``barrier`` that every rank calls the same one (shape, dtype); ``None``
@@ -81,6 +94,15 @@ class ParallelConfig:
             raise UsageError(
                 f"unknown precision {self.precision!r}; choose one of {', '.join(PRECISIONS)}"
             )
+        if self.channels_last is not None and not isinstance(self.channels_last, bool):
+            raise UsageError(
+                f"channels_last takes True, False or None (automatic), not {self.channels_last!r}"
+            )
+        if not isinstance(self.compile, bool | CompileOptions):
+            raise UsageError(
+                f"compile takes True, False or a CompileOptions(mode=..., fullgraph=..., "
+                f"dynamic=...), not {self.compile!r}"
+            )
         if not isinstance(self.grad_accum_steps, int) or self.grad_accum_steps < 1:
             raise UsageError(
                 f"grad_accum_steps must be an integer >= 1, got {self.grad_accum_steps!r}"
@@ -90,6 +112,13 @@ class ParallelConfig:
             isinstance(t, bool) or not isinstance(t, int | float) or not math.isfinite(t) or t <= 0
         ):
             raise UsageError(f"timeout_s must be a finite number of seconds > 0, got {t!r}")
+
+    @property
+    def compile_options(self) -> CompileOptions | None:
+        """What ``compile`` asks for as options (``True``: torch's defaults), or ``None``."""
+        if isinstance(self.compile, CompileOptions):
+            return self.compile
+        return CompileOptions() if self.compile else None
 
     def resolved_strategy(self, world_size: int) -> str:
         """The strategy name actually used for a job of ``world_size``."""

@@ -62,6 +62,24 @@ class ResumableSampler(Sampler[int]):
         return max(len(self.base) - self.skip_batches * self.batch_size, 0)
 
 
+def batch_to_channels_last(batch: Any) -> Any:
+    """Every 4-D floating tensor inside (nested) tuples, lists and dicts as channels_last.
+
+    Image batches (N, C, H, W) only: labels, token ids and masks keep their layout.
+    """
+    if isinstance(batch, torch.Tensor):
+        if batch.dim() == 4 and batch.is_floating_point():
+            return batch.contiguous(memory_format=torch.channels_last)
+        return batch
+    if isinstance(batch, dict):
+        return {k: batch_to_channels_last(v) for k, v in batch.items()}
+    if isinstance(batch, tuple) and hasattr(batch, "_fields"):  # namedtuple
+        return type(batch)(*(batch_to_channels_last(v) for v in batch))
+    if isinstance(batch, list | tuple):
+        return type(batch)(batch_to_channels_last(v) for v in batch)
+    return batch
+
+
 def _seed_worker(worker_id: int) -> None:
     """DataLoader seeds torch per worker; seed numpy and random from it too."""
     seed = torch.initial_seed() % 2**32
@@ -165,8 +183,12 @@ class PreparedLoader:
         device: torch.device,
         on_last_batch: Callable[[], None] | None = None,
         generator_seed: int | None = None,
+        channels_last: Callable[[], bool] | None = None,
     ) -> None:
         self.loader = loader
+        # Asked per epoch, not fixed here: the model that decides may be
+        # prepared after its loader.
+        self._channels_last = channels_last
         self._generator_seed = generator_seed
         self.device = device
         self.epoch = 0
@@ -216,6 +238,7 @@ class PreparedLoader:
             # this process has run: a resumed epoch gets the same ones.
             self.loader.generator.manual_seed(self._generator_seed + epoch)
         total = len(self.loader)
+        channels_last = self._channels_last is not None and self._channels_last()
         try:
             for index, batch in enumerate(self.loader):
                 if index == total - 1 and self._on_last_batch is not None:
@@ -224,7 +247,10 @@ class PreparedLoader:
                     self._on_last_batch()
                 last = index == total - 1  # then a resume starts the next epoch
                 self._position = (epoch + 1, 0) if last else (epoch, skipped + index + 1)
-                yield move_to_device(batch, self.device)
+                batch = move_to_device(batch, self.device)
+                # On the device, after the copy: the layout change is one cheap kernel
+                # there, and the host-to-device copy stays one contiguous block.
+                yield batch_to_channels_last(batch) if channels_last else batch
         finally:
             if isinstance(sampler, ResumableSampler):
                 sampler.skip_batches = 0  # only the resumed epoch starts late

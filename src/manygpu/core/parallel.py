@@ -27,7 +27,23 @@ from manygpu.core.config import ParallelConfig
 from manygpu.core.console import MainConsole
 from manygpu.core.data import PreparedLoader, rebuild_loader
 from manygpu.core.optimizer import PreparedOptimizer
-from manygpu.core.precision import PrecisionPlugin
+from manygpu.core.precision import (
+    PrecisionChoice,
+    PrecisionPlugin,
+    announcement,
+    apply_tf32,
+    cuda_facts,
+    resolve_precision,
+)
+from manygpu.core.speed import (
+    check_compiler,
+    fused_step_applies,
+    has_conv2d,
+    param_device_types,
+    to_channels_last,
+    use_fused_step,
+    wants_channels_last,
+)
 from manygpu.errors import CollectiveTimeoutError, UsageError
 from manygpu.runtime import env as envmod
 from manygpu.runtime.cluster import ClusterInfo, detect_cluster
@@ -81,10 +97,17 @@ class Parallel:
         self.cluster = cluster if cluster is not None else detect_cluster(environ)
         self.strategy_name = self.config.resolved_strategy(self.cluster.world_size)
         strategy_cls = get_strategy(self.strategy_name)
+        device = choose_device(self.cluster.local_rank, self.config.device)
+        capability, self._device_name = cuda_facts(device)
+        self.precision_choice: PrecisionChoice = resolve_precision(
+            self.config.precision, device_type=device.type, capability=capability,
+            refused=strategy_cls.refused_precisions,
+        )  # fmt: skip
+        """What ``precision=`` became on this device (``"auto"`` resolved)."""
         options = self._strategy_options()
         strategy_cls.validate_world(self.cluster, options)
+        strategy_cls.validate_features(options)
         self.timeout_s = self.config.timeout_s or envmod.timeout_s(environ)
-        device = choose_device(self.cluster.local_rank, self.config.device)
         if device.type == "cuda":
             torch.cuda.set_device(device)
         else:
@@ -96,11 +119,10 @@ class Parallel:
             timeout_s=self.timeout_s,
             force=strategy_cls.needs_process_group,
         )
-        self.strategy: Strategy = strategy_cls(
-            self._ctx,
-            options,
-        )
-        self.precision = PrecisionPlugin(self.config.precision, device)
+        self.strategy: Strategy = strategy_cls(self._ctx, options)
+        self.precision = PrecisionPlugin(self.precision_choice.precision, device)
+        self._restore_tf32 = apply_tf32(self.precision_choice)
+        self._channels_last = False  # set when a prepared model runs channels_last
         self._accumulator = Accumulator(self.config.grad_accum_steps)
         self._models: list[nn.Module] = []
         self._model_inputs: list[nn.Module] = []  # what users passed: a second prepare is refused
@@ -108,6 +130,9 @@ class Parallel:
         self._auto_batch = 32  # per-device batch the planner assumes for "auto"
         self._optimizers: list[PreparedOptimizer] = []
         self.console = MainConsole(self.is_main, self.rank)
+        said = announcement(self.precision_choice, self._device_name)
+        if said is not None:
+            self.print(said)
         if self.config.seed is not None:
             self.seed_everything(self.config.seed)
 
@@ -168,7 +193,12 @@ class Parallel:
         return prepared[0] if len(prepared) == 1 else tuple(prepared)
 
     def prepare_model(self, model: nn.Module) -> nn.Module:
-        """Place and wrap ``model`` for the strategy; forward runs under autocast."""
+        """Place and wrap ``model`` for the strategy; forward runs under autocast.
+
+        With ``channels_last`` its 4-D weights are stored NHWC (where the
+        strategy keeps whole weights) and the prepared loaders convert image
+        batches; with ``compile`` the strategy compiles it where it needs to.
+        """
         if any(model is m for m in [*self._models, *self._model_inputs]):
             raise UsageError(
                 "this model was already prepared: call par.prepare(model) once and keep "
@@ -179,9 +209,17 @@ class Parallel:
         # Every replica (and every shard's source) must start from rank 0's
         # weights, whatever each rank's seed did to the model built after it.
         broadcast_module_state(model, device=self.device, timeout_s=self.timeout_s)
+        if self._use_channels_last(model):
+            self._channels_last = True
+            if self.strategy.channels_last_weights:
+                to_channels_last(model)  # in place: the user's module stays the one we hold
         wrapped = self.strategy.setup_module(model)
         self.precision.wrap_forward(wrapped)
         self.strategy.set_grad_sync(wrapped, self._accumulator.next_is_boundary)
+        compile_options = self.config.compile_options
+        if compile_options is not None:
+            check_compiler(self.device)
+            self.strategy.compile_module(wrapped, compile_options)
         self._models.append(wrapped)
         self._model_inputs.append(model)
         return wrapped
@@ -198,6 +236,8 @@ class Parallel:
                 "keep using the optimizer it returned"
             )
         self._optimizer_inputs.append(optimizer)
+        if fused_step_applies(optimizer, param_device_types(optimizer)):
+            use_fused_step(optimizer)  # before the strategy: ZeRO-1 rebuilds from its defaults
         inner = self.strategy.setup_optimizer(optimizer)
         prepared = PreparedOptimizer(inner, self._accumulator, self.precision)
         self._optimizers.append(prepared)
@@ -228,7 +268,13 @@ class Parallel:
             if loader.generator is not None
             else ((self.config.seed or 0) * 1_000_003 + shard_index * 10_007)
         )
-        return PreparedLoader(rebuilt, self.device, on_last_batch=hook, generator_seed=seed)
+        return PreparedLoader(
+            rebuilt,
+            self.device,
+            on_last_batch=hook,
+            generator_seed=seed,
+            channels_last=lambda: self._channels_last,
+        )
 
     # -- the training step -----------------------------------------------------
     def backward(self, loss: torch.Tensor) -> None:
@@ -338,7 +384,7 @@ class Parallel:
             consolidate=self.strategy.consolidate_optimizer,
             seed=self.config.seed,
             strategy=self.strategy_name,
-            precision=self.config.precision,
+            precision=self.precision_choice.precision,
         )
 
     def print(self, *objects: Any, **kwargs: Any) -> None:
@@ -372,6 +418,7 @@ class Parallel:
         if self.world_size > 1 and comm.common.active() and debug_requested(self.config.debug):
             check_end(timeout_s=self.timeout_s)
         self.strategy.teardown()
+        self._restore_tf32()
         teardown(self._ctx)
 
     def __enter__(self) -> Parallel:
@@ -382,7 +429,8 @@ class Parallel:
 
     def __repr__(self) -> str:
         return (
-            f"Parallel(strategy={self.strategy_name!r}, precision={self.config.precision!r}, "
+            f"Parallel(strategy={self.strategy_name!r}, "
+            f"precision={self.precision_choice.precision!r}, "
             f"rank={self.rank}/{self.world_size}, device={self.device})"
         )
 
@@ -394,7 +442,7 @@ class Parallel:
             world=self.world_size,
             local_world=self.cluster.local_world_size,
             device=self.device,
-            precision=self.config.precision,
+            precision=self.precision_choice.precision,
             batch=self._auto_batch,
             timeout_s=self.timeout_s,
         )
@@ -402,6 +450,7 @@ class Parallel:
             # The chosen strategy's own checks and group needs, not the provisional one's.
             chosen, options = get_strategy(name), self._strategy_options()
             chosen.validate_world(self.cluster, options)
+            chosen.validate_features(options)
             if chosen.needs_process_group and not self._ctx.owns_group and self.world_size == 1:
                 self._ctx = init_distributed(
                     self.cluster, device=self.device, backend=self._ctx.backend,
@@ -420,8 +469,19 @@ class Parallel:
             pipeline=cfg.pipeline,
             tensor=cfg.tensor,
             mesh=cfg.mesh if isinstance(cfg.mesh, MeshSpec) else None,
-            precision=cfg.precision,
+            precision=self.precision_choice.precision,
             grad_accum_steps=cfg.grad_accum_steps,
+            compile=cfg.compile_options,
+            channels_last=cfg.channels_last,
+        )
+
+    def _use_channels_last(self, model: nn.Module) -> bool:
+        """Whether ``model`` runs channels_last: the config's choice, or automatic."""
+        return wants_channels_last(
+            self.config.channels_last,
+            has_conv=has_conv2d(model),
+            device_type=self.device.type,
+            allowed=self.strategy.channels_last_refusal is None,
         )
 
     def _set_grad_sync(self, enabled: bool) -> None:

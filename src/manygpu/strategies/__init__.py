@@ -6,10 +6,17 @@ up (:func:`get_strategy`), so this package costs no more than torch itself.
 
 from manygpu.strategies.base import Strategy, StrategyOptions
 from manygpu.strategies.mesh import MeshSpec, strategy_for_mesh
-from manygpu.strategies.options import DDPOptions, FSDPOptions, PipelineOptions, TensorOptions
+from manygpu.strategies.options import (
+    CompileOptions,
+    DDPOptions,
+    FSDPOptions,
+    PipelineOptions,
+    TensorOptions,
+)
 from manygpu.strategies.registry import available, card, default_strategy, get_strategy, register
 
 __all__ = [
+    "CompileOptions",
     "DDPOptions",
     "FSDPOptions",
     "MeshSpec",

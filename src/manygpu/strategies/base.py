@@ -18,7 +18,14 @@ from manygpu.errors import UsageError
 from manygpu.runtime.cluster import ClusterInfo
 from manygpu.runtime.process_group import DistContext
 from manygpu.strategies.mesh import MeshSpec, check_dims
-from manygpu.strategies.options import DDPOptions, FSDPOptions, PipelineOptions, TensorOptions
+from manygpu.strategies.options import (
+    CompileOptions,
+    DDPOptions,
+    FSDPOptions,
+    PipelineOptions,
+    TensorOptions,
+    compile_in_place,
+)
 
 if TYPE_CHECKING:
     from manygpu.checkpoint.formats import Format
@@ -45,6 +52,10 @@ class StrategyOptions:
     """The job's precision, for strategies that must refuse one."""
     grad_accum_steps: int = 1
     """The job's accumulation, for strategies that must refuse it."""
+    compile: CompileOptions | None = None
+    """``torch.compile`` settings when the job compiles its model (``None``: it does not)."""
+    channels_last: bool | None = None
+    """The job's channels_last setting (``None``: automatic), for strategies that refuse it."""
 
 
 class Strategy(ABC):
@@ -64,6 +75,16 @@ class Strategy(ABC):
     """From the card: one process per device (else one process drives them all)."""
     instead: ClassVar[str] = "use strategy='ddp' or launch one process"
     """For a one-process strategy: what to do when the job has several processes."""
+    refused_precisions: ClassVar[frozenset[str]] = frozenset()
+    """Precisions this strategy cannot train in: ``precision="auto"`` never picks them."""
+    channels_last_weights: ClassVar[bool] = True
+    """Whether 4-D weights may be stored channels_last. Where not (FSDP2 shards
+    only contiguous parameters), channels_last converts the input batches alone:
+    a channels_last input is enough for cuDNN to pick its NHWC kernels."""
+    channels_last_refusal: ClassVar[str | None] = None
+    """Why ``channels_last=True`` cannot work here and what to do, or ``None``."""
+    compile_refusal: ClassVar[str | None] = None
+    """Why ``compile=True`` cannot work here and what to do, or ``None``."""
 
     def __init__(self, ctx: DistContext, options: StrategyOptions) -> None:
         self.ctx = ctx
@@ -85,6 +106,22 @@ class Strategy(ABC):
             raise UsageError(
                 f"strategy {cls.name!r} takes no mesh; meshes are for fsdp, tensor, pipeline "
                 "and hybrid"
+            )
+
+    @classmethod
+    def validate_features(cls, options: StrategyOptions) -> None:
+        """Refuse ``compile`` / ``channels_last`` where this strategy cannot do them.
+
+        Called with :meth:`validate_world`, before any process group exists.
+        """
+        if options.compile is not None and cls.compile_refusal is not None:
+            raise UsageError(
+                f"compile=True does not work with strategy {cls.name!r}: {cls.compile_refusal}"
+            )
+        if options.channels_last is True and cls.channels_last_refusal is not None:
+            raise UsageError(
+                f"channels_last=True does not work with strategy {cls.name!r}: "
+                f"{cls.channels_last_refusal}"
             )
 
     def data_shard(self) -> tuple[int, int]:
@@ -128,6 +165,14 @@ class Strategy(ABC):
     def unwrap(self, module: nn.Module) -> nn.Module:
         """The user's own module inside whatever wrapper we added."""
         return module
+
+    def compile_module(self, module: nn.Module, options: CompileOptions) -> None:
+        """``torch.compile`` the prepared ``module`` in place, where this strategy needs it.
+
+        Default: the whole prepared module (for DDP that is after wrapping, so
+        graph breaks fall on its gradient buckets).
+        """
+        compile_in_place(module, options)
 
     def teardown(self) -> None:
         """Release what the strategy holds (hooks, groups)."""

@@ -20,6 +20,10 @@ class DataParallelStrategy(Strategy):
     """Single-process data parallelism over all visible GPUs."""
 
     instead = "use strategy='ddp' (nn.DataParallel is the one-process way)"
+    compile_refusal = (
+        "nn.DataParallel rebuilds its replicas every step; use strategy='ddp' "
+        "(`manygpu launch script.py`), which compiles after wrapping"
+    )
 
     def setup_module(self, module: nn.Module) -> nn.Module:
         warn_user(

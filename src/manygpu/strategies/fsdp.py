@@ -17,10 +17,13 @@ same ``prepare`` call, which handles models first).
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import ClassVar
 
 from torch import nn
+from torch.distributed.fsdp import FSDPModule
 
+from manygpu.strategies.options import CompileOptions, compile_in_place
 from manygpu.strategies.registry import register
 from manygpu.strategies.sharded import (
     ReplacingMeshStrategy,
@@ -58,6 +61,19 @@ class FSDPStrategy(ReplacingMeshStrategy):
         )
         self.remember_prepared(module)
         return module
+
+    def compile_module(self, module: nn.Module, options: CompileOptions) -> None:
+        """Each FSDP2 unit (a block) compiled on its own, then the root.
+
+        A block is one graph between its all-gather and its reduce-scatter
+        hooks, which compiled code does not trace through. The root's graph
+        (embeddings, head) breaks at those hooks, so it is compiled without
+        ``fullgraph`` even when the blocks are.
+        """
+        for unit in module.modules():
+            if unit is not module and isinstance(unit, FSDPModule):
+                compile_in_place(unit, options)
+        compile_in_place(module, replace(options, fullgraph=False))
 
 
 @register("zero2")

@@ -51,6 +51,11 @@ class ModelParallelStrategy(Strategy):
         "or use 'pipeline' for one stage per process"
     )
 
+    compile_refusal = (
+        "its forward hops between devices layer by layer; use strategy='pipeline' "
+        "(one compiled stage per process) or compile=False"
+    )
+
     stage_starts: list[int]
     """First layer of each stage (after ``setup_module``)."""
     stage_devices: list[torch.device]

@@ -33,6 +33,7 @@ from manygpu.comm.common import describe, wait
 from manygpu.errors import UsageError
 from manygpu.runtime.process_group import DistContext
 from manygpu.strategies.base import StrategyOptions
+from manygpu.strategies.options import CompileOptions, compile_in_place
 from manygpu.strategies.registry import register
 from manygpu.strategies.sharded import (
     ReplacingMeshStrategy,
@@ -60,6 +61,11 @@ class PipelineStrategy(ReplacingMeshStrategy):
     mesh_dims = ("pp", "dp", "fsdp")
     default_mesh: ClassVar[dict[str, int]] = {"pp": -1}
     _pp_group: Any = None  # set by setup_module
+    refused_precisions = frozenset({"fp16"})
+    channels_last_refusal = (
+        "its stages receive activations into contiguous buffers, not channels_last ones; "
+        "leave channels_last unset or False"
+    )
 
     def __init__(self, ctx: DistContext, options: StrategyOptions) -> None:
         super().__init__(ctx, options)
@@ -136,6 +142,11 @@ class PipelineStrategy(ReplacingMeshStrategy):
         # Every rank timed every layer; cut on the mean so all ranks agree on the cuts.
         times = comm.all_reduce(times.to(self.ctx.device), "mean", timeout_s=self.ctx.timeout_s)
         return balanced_cuts(times.cpu().tolist(), stages)
+
+    def compile_module(self, module: nn.Module, options: CompileOptions) -> None:
+        """Compile this rank's stage: the schedule, sends and receives stay eager."""
+        stage = module.stage if isinstance(module, PipelinedModel) else module
+        compile_in_place(stage, options)
 
     def grad_norm_group(self) -> object | None:
         # Each stage holds different layers: the model's norm sums over stages.

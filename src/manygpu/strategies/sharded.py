@@ -34,6 +34,10 @@ from manygpu.strategies.options import FSDPOptions
 class ReplacingMeshStrategy(MeshStrategy):
     """A mesh strategy whose wrapping replaces parameters (FSDP2 shards, DTensors, stages)."""
 
+    # FSDP2 refuses non-contiguous parameters ("FSDP does not support
+    # non-contiguous parameters yet"): weights stay as they are, inputs go channels_last.
+    channels_last_weights = False
+
     def __init__(self, ctx: DistContext, options: StrategyOptions) -> None:
         super().__init__(ctx, options)
         self.prepared_params: set[int] = set()
