@@ -16,13 +16,19 @@ Each format is an object (:data:`FULL`, :data:`DCP`) behind one small
 interface, :class:`Format`, so a strategy names the one it needs and the
 checkpointer never branches on a name. ``torch.distributed.checkpoint`` is
 imported only when DCP is used: naming a format must stay cheap.
+
+Every file is written through :class:`~.writer.DurableFile`: hashed while its
+bytes stream out and fsynced, so the commit never reads a file back. A ``full``
+resume maps the files (``mmap``) instead of reading them into fresh memory:
+the verification has just brought them into the page cache.
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -30,6 +36,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from manygpu.checkpoint import writer
+from manygpu.checkpoint.staging import Staging
 from manygpu.errors import CheckpointError, UsageError
 
 MODEL, OPTIM, EXTRAS, SHARDS = "model.pt", "optim.pt", "extras.pt", "shards"
@@ -85,7 +93,7 @@ class Parts:
 
 
 def to_cpu_copy(tree: Any) -> Any:
-    """A snapshot of a state dict, safe to write while training goes on."""
+    """A snapshot of a (small) state dict in fresh CPU memory."""
     if isinstance(tree, torch.Tensor):
         return tree.detach().to("cpu", copy=True)
     if isinstance(tree, dict):
@@ -95,16 +103,31 @@ def to_cpu_copy(tree: Any) -> Any:
     return tree
 
 
-def full_snapshot(parts: Parts, *, copy: bool) -> dict[str, Any]:
+def _on_cpu(tree: Any) -> bool:
+    if isinstance(tree, torch.Tensor):
+        return tree.device.type == "cpu"
+    if isinstance(tree, dict):
+        return all(_on_cpu(v) for v in tree.values())
+    if isinstance(tree, list | tuple):
+        return all(_on_cpu(v) for v in tree)
+    return True
+
+
+def full_snapshot(parts: Parts, *, stage: Staging | None) -> dict[str, Any]:
     """Main rank's files for the ``full`` format.
 
-    ``copy=True`` snapshots to CPU (needed when training goes on while the
-    files are written); a blocking save writes the live tensors instead.
+    With ``stage`` the tensors are copied into its reusable CPU buffers (needed
+    when training goes on while the files are written). Without it a save of
+    CPU tensors writes the live tensors; tensors on a device are still staged
+    (into a throw-away area), which copies them in one batch instead of one
+    blocking copy per tensor inside ``torch.save``.
     """
     files = {MODEL: parts.model.state_dict(), EXTRAS: parts.extras()}
     if parts.optimizer is not None:
         files[OPTIM] = parts.optimizer.state_dict()
-    return {name: to_cpu_copy(state) for name, state in files.items()} if copy else files
+    if stage is None and not _on_cpu(files):
+        stage = Staging(pin=False)
+    return stage.stage(files) if stage is not None else files
 
 
 def detect(directory: Path) -> str:
@@ -119,14 +142,20 @@ def detect(directory: Path) -> str:
     raise CheckpointError(f"checkpoint {directory} holds {what}; it is not a checkpoint we wrote")
 
 
-def write_files(directory: Path, files: dict[str, Any]) -> None:
-    for name, state in files.items():
-        torch.save(state, directory / name)
+def write_files(directory: Path, files: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """Write each state with ``torch.save``, hashed as it streams; their file-table entries."""
+    return {name: writer.save(state, directory / name) for name, state in files.items()}
 
 
-def _load(path: Path) -> Any:
+def _load(path: Path, *, mmap: bool = False) -> Any:
     try:
-        return torch.load(path, map_location="cpu", weights_only=True)
+        try:
+            return torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
+        except RuntimeError:
+            if not mmap:
+                raise
+            # A filesystem that cannot map files: read it like torch.load does.
+            return torch.load(path, map_location="cpu", weights_only=True)
     except FileNotFoundError:
         raise CheckpointError(f"checkpoint file {path} is missing") from None
     except Exception as exc:  # unpickling errors come in many types
@@ -146,13 +175,45 @@ def _fit(directory: Path, load: Any) -> None:
         ) from None
 
 
+def _tensors(tree: Any) -> Iterator[torch.Tensor]:
+    if isinstance(tree, torch.Tensor):
+        yield tree
+    elif isinstance(tree, dict):
+        for v in tree.values():
+            yield from _tensors(v)
+    elif isinstance(tree, list | tuple):
+        for v in tree:
+            yield from _tensors(v)
+
+
+def _unmap(optimizer: torch.optim.Optimizer, loaded: Any) -> None:
+    """Give optimizer state that still lives in the mapped file memory of its own.
+
+    ``load_state_dict`` keeps a CPU tensor of the right dtype as it is: left
+    mapped, the state would pin the checkpoint file's disk space after the
+    checkpoint is pruned. Device state was copied by the load and is untouched.
+    """
+    mapped = {t.data_ptr() for t in _tensors(loaded) if t.numel()}
+    for state in optimizer.state.values():
+        for key, value in state.items():
+            if isinstance(value, torch.Tensor) and value.numel() and value.data_ptr() in mapped:
+                state[key] = value.clone()
+
+
+def _read_model(directory: Path, parts: Parts) -> None:
+    state = _load(directory / MODEL, mmap=True)
+    _fit(directory, lambda: parts.model.load_state_dict(state))
+
+
 def read_full(directory: Path, parts: Parts) -> None:
     """Load a ``full`` checkpoint into ``parts`` (any world size)."""
-    _fit(directory, lambda: parts.model.load_state_dict(_load(directory / MODEL)))
+    _read_model(directory, parts)  # its mapping is gone when it returns
     if parts.optimizer is not None:
         if not (directory / OPTIM).is_file():
             raise CheckpointError(f"checkpoint {directory} holds no optimizer state")
-        parts.optimizer.load_state_dict(_load(directory / OPTIM))
+        optim_state = _load(directory / OPTIM, mmap=True)
+        parts.optimizer.load_state_dict(optim_state)
+        _unmap(parts.optimizer, optim_state)
     parts.load_extras(_load(directory / EXTRAS))
 
 
@@ -167,18 +228,57 @@ def _dcp_state(parts: Parts) -> dict[str, Any]:
     return state
 
 
-def write_dcp(directory: Path, parts: Parts, group: Any = None) -> None:
-    """Every rank writes its shards into ``directory/shards`` (collective over ``group``)."""
+@contextmanager
+def _hashing_fs(entries: dict[Path, dict[str, Any]]) -> Iterator[Any]:
+    """DCP's file system, writing through :class:`~.writer.DurableFile` (hashed as written)."""
+    from torch.distributed.checkpoint.filesystem import FileSystem
+
+    from manygpu.checkpoint.integrity import hashing_pool
+
+    class HashingFileSystem(FileSystem):
+        @contextmanager
+        def create_stream(self, path: Any, mode: str) -> Iterator[Any]:
+            if "w" not in mode:
+                with super().create_stream(path, mode) as stream:
+                    yield stream
+                return
+            fh = writer.DurableFile(Path(path), pool)
+            try:
+                yield fh
+            finally:
+                fh.close()
+            entries[Path(path)] = fh.entry()
+
+        def rename(self, path: Any, new_path: Any) -> None:
+            super().rename(path, new_path)
+            if Path(path) in entries:  # DCP writes .metadata.tmp, then renames it
+                entries[Path(new_path)] = entries.pop(Path(path))
+
+    with hashing_pool() as pool:
+        yield HashingFileSystem()
+
+
+def write_dcp(directory: Path, parts: Parts, group: Any = None) -> dict[str, dict[str, Any]]:
+    """Every rank writes its shards into ``directory/shards`` (collective over ``group``).
+
+    Returns the file-table entries of the files this rank wrote.
+    """
     import torch.distributed.checkpoint as dcp
 
-    dcp.save(
-        _dcp_state(parts),
-        checkpoint_id=str(directory / SHARDS),
-        process_group=group,
-        no_dist=not dist.is_initialized(),
-    )
+    entries: dict[Path, dict[str, Any]] = {}
+    with _hashing_fs(entries) as fs:
+        storage = dcp.FileSystemWriter(str(directory / SHARDS))
+        storage.fs = fs
+        dcp.save(
+            _dcp_state(parts),
+            storage_writer=storage,
+            process_group=group,
+            no_dist=not dist.is_initialized(),
+        )
+    table = {str(path.relative_to(directory)): entry for path, entry in entries.items()}
     if not dist.is_initialized() or dist.get_rank() == 0:
-        torch.save(to_cpu_copy(parts.extras()), directory / EXTRAS)
+        table |= write_files(directory, {EXTRAS: to_cpu_copy(parts.extras())})
+    return table
 
 
 def read_dcp(directory: Path, parts: Parts, group: Any = None) -> None:
@@ -204,6 +304,16 @@ def read_dcp(directory: Path, parts: Parts, group: Any = None) -> None:
     parts.load_extras(_load(directory / EXTRAS))
 
 
+@dataclass
+class Written:
+    """What one rank's part of a save produced (:meth:`Format.write`)."""
+
+    files: dict[str, Any] = field(default_factory=dict)
+    """Files the main rank still has to write (name -> state), maybe in the background."""
+    table: dict[str, dict[str, Any]] = field(default_factory=dict)
+    """File-table entries (size, checksum) of the files this rank already wrote."""
+
+
 class Format(ABC):
     """How model and optimizer state reach disk (one instance per format)."""
 
@@ -214,12 +324,13 @@ class Format(ABC):
 
     @abstractmethod
     def write(
-        self, directory: Path, parts: Parts, *, group: Any, main: bool, copy: bool
-    ) -> dict[str, Any]:
+        self, directory: Path, parts: Parts, *, group: Any, main: bool, stage: Staging | None
+    ) -> Written:
         """This rank's part of a save (every rank calls it: it may be collective).
 
         Returns the files the main rank still has to write (name -> state), so
-        that writing can happen in the background; ``copy`` snapshots them to CPU.
+        that writing can happen in the background; with ``stage`` they are
+        copies in its reusable CPU buffers, safe from the training that goes on.
         """
 
     @abstractmethod
@@ -237,11 +348,11 @@ class FullFormat(Format):
     writes_in_background = True
 
     def write(
-        self, directory: Path, parts: Parts, *, group: Any, main: bool, copy: bool
-    ) -> dict[str, Any]:
+        self, directory: Path, parts: Parts, *, group: Any, main: bool, stage: Staging | None
+    ) -> Written:
         if parts.optimizer is not None:
             parts.consolidate(parts.optimizer)  # collective: before the main rank reads it
-        return full_snapshot(parts, copy=copy) if main else {}
+        return Written(files=full_snapshot(parts, stage=stage) if main else {})
 
     def read(self, directory: Path, parts: Parts, *, group: Any) -> None:
         read_full(directory, parts)
@@ -253,10 +364,9 @@ class DcpFormat(Format):
     name = "dcp"
 
     def write(
-        self, directory: Path, parts: Parts, *, group: Any, main: bool, copy: bool
-    ) -> dict[str, Any]:
-        write_dcp(directory, parts, group=group)
-        return {}
+        self, directory: Path, parts: Parts, *, group: Any, main: bool, stage: Staging | None
+    ) -> Written:
+        return Written(table=write_dcp(directory, parts, group=group))
 
     def read(self, directory: Path, parts: Parts, *, group: Any) -> None:
         read_dcp(directory, parts, group=group)

@@ -1,22 +1,28 @@
 """On-disk layout: ``DIR/step-00000042/`` directories, committed atomically.
 
 A checkpoint is written into ``step-N.tmp``, every file fsynced, then a
-``meta.json`` listing every file's size and SHA-256 is written (and fsynced)
+``meta.json`` listing every file's size and checksum is written (and fsynced)
 last, and the directory is renamed to ``step-N`` (and the parent fsynced). A
 crash at any point leaves either the previous checkpoints untouched plus a
 ``.tmp`` directory that is ignored and cleaned up, or a complete new one.
+
+The checksums are computed while the files are written (:mod:`.writer`) and
+handed to :func:`commit`; nothing is read back to hash it. Schema 2 lists
+segmented SHA-256 digests (:mod:`.integrity`); schema 1 checkpoints (plain
+SHA-256 per file) still verify and load.
 """
 
 from __future__ import annotations
 
 import errno
-import hashlib
 import json
 import os
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+from manygpu.checkpoint import integrity
 
 # The old home of CheckpointError (now manygpu.errors): kept importable from here.
 from manygpu.errors import CheckpointError as CheckpointError
@@ -43,31 +49,58 @@ def fsync_path(path: Path) -> None:
         os.close(fd)
 
 
-def sha256(path: Path, chunk: int = 8 << 20) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as fh:
-        while block := fh.read(chunk):
-            digest.update(block)
-    return digest.hexdigest()
+def _files(directory: Path) -> list[Path]:
+    return sorted(p for p in directory.rglob("*") if p.is_file() and p.name != META)
 
 
 def file_table(directory: Path) -> dict[str, dict[str, Any]]:
-    """Every file under ``directory`` (but meta.json) with its size and hash."""
-    table = {}
-    for path in sorted(p for p in directory.rglob("*") if p.is_file() and p.name != META):
-        table[str(path.relative_to(directory))] = {
-            "bytes": path.stat().st_size,
-            "sha256": sha256(path),
+    """Every file under ``directory`` (but meta.json) with its size and checksum.
+
+    Reads every file: for tools and tests (re-signing a directory); a save
+    gets its table from the writers instead.
+    """
+    with integrity.hashing_pool() as pool:
+        return {
+            str(path.relative_to(directory)): {
+                "bytes": path.stat().st_size,
+                "sha256": integrity.file_digest(path, pool),
+            }
+            for path in _files(directory)
         }
-    return table
 
 
-def commit(tmp: Path, final: Path, meta: dict[str, Any]) -> None:
-    """fsync every file, write meta.json last, rename ``tmp`` to ``final``."""
-    for path in tmp.rglob("*"):
-        if path.is_file():
+def _complete_table(tmp: Path, table: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """``table`` checked against the files in ``tmp`` (sizes); files it lacks are hashed.
+
+    Every file we write comes with its entry; one without (written by a
+    library through a path we do not wrap) is read once here rather than left
+    unverified.
+    """
+    present = {str(p.relative_to(tmp)): p for p in _files(tmp)}
+    out = {}
+    for name, path in present.items():
+        size = path.stat().st_size
+        entry = table.get(name)
+        if entry is None or entry["bytes"] != size:
             fsync_path(path)
-    meta = meta | {"schema": SCHEMA, "files": file_table(tmp)}
+            with integrity.hashing_pool() as pool:
+                entry = {"bytes": size, "sha256": integrity.file_digest(path, pool)}
+        out[name] = entry
+    return out
+
+
+def commit(
+    tmp: Path, final: Path, meta: dict[str, Any], table: dict[str, dict[str, Any]] | None = None
+) -> None:
+    """Write meta.json last (with the file table) and rename ``tmp`` to ``final``.
+
+    The files in ``table`` were fsynced by their writers; here the directories
+    holding them are, so their names survive a power cut too.
+    """
+    files = _complete_table(tmp, table or {})
+    for directory in {tmp, *(p.parent for p in tmp.rglob("*") if p.is_file())}:
+        fsync_path(directory)
+    meta = meta | {"schema": SCHEMA, "checksum": integrity.CHECKSUM, "files": files}
     meta_path = tmp / META
     with open(meta_path, "w") as fh:
         json.dump(meta, fh, indent=2)
@@ -91,8 +124,12 @@ class Found:
         return int(self.meta["step"])
 
 
-SCHEMA = 1
-"""Version of meta.json's layout; a newer one is refused, not guessed at."""
+SCHEMA = 2
+"""Version of meta.json's layout; a newer one is refused, not guessed at.
+
+1: a plain SHA-256 per file. 2: segmented SHA-256 (:mod:`.integrity`), named
+by the ``checksum`` field. Both are read."""
+READABLE = (1, 2)
 _SHA256_HEX = frozenset("0123456789abcdef")
 
 
@@ -120,8 +157,11 @@ def check_meta(meta: Any, where: Path) -> None:
 
     if not isinstance(meta, dict):
         raise bad(f"a JSON {type(meta).__name__}, not an object")
-    if meta.get("schema", SCHEMA) != SCHEMA:
-        raise bad(f"schema {meta.get('schema')!r}; this manygpu reads schema {SCHEMA}")
+    schema = meta.get("schema", 1)
+    if isinstance(schema, bool) or schema not in READABLE:
+        raise bad(f"schema {schema!r}; this manygpu reads schema 1 and 2")
+    if schema == 2 and meta.get("checksum") != integrity.CHECKSUM:
+        raise bad(f"checksum {meta.get('checksum')!r}; schema 2 uses {integrity.CHECKSUM!r}")
     for key, low in (("step", 0), ("epoch", 0), ("world_size", 1)):
         value = meta.get(key)
         if not isinstance(value, int) or isinstance(value, bool) or value < low:
@@ -162,13 +202,23 @@ def verify(path: Path, *, hashes: bool = True) -> Found:
             raise CheckpointError(
                 f"checkpoint {path} is corrupt: {name} has {size} bytes, expected {entry['bytes']}"
             )
-        if hashes and sha256(file) != entry["sha256"]:
-            raise CheckpointError(f"checkpoint {path} is corrupt: {name} fails its SHA-256 check")
     for file in path.rglob("*"):
         name = str(file.relative_to(path))
         if file.is_file() and name != META and name not in listed:
             raise CheckpointError(f"checkpoint {path} holds {name}, which its {META} does not list")
+    if hashes:
+        _check_hashes(path, listed, int(meta.get("schema", 1)))
     return Found(path, meta)
+
+
+def _check_hashes(path: Path, listed: dict[str, Any], schema: int) -> None:
+    # Sizes first (cheap), then the checksums, hashed on every core.
+    with integrity.hashing_pool(every_core=True) as pool:
+        for name, entry in listed.items():
+            if integrity.file_digest(path / name, pool, schema=schema) != entry["sha256"]:
+                raise CheckpointError(
+                    f"checkpoint {path} is corrupt: {name} fails its SHA-256 check"
+                )
 
 
 def committed(root: Path) -> list[Path]:

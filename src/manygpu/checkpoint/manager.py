@@ -22,8 +22,9 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 
-from manygpu.checkpoint import formats, layout, rng
+from manygpu.checkpoint import formats, layout, rng, writer
 from manygpu.checkpoint.preemption import PreemptionNotice, exit_now, requeue_slurm_job
+from manygpu.checkpoint.staging import Staging, pin_wanted
 from manygpu.errors import CheckpointError, UsageError
 
 if TYPE_CHECKING:
@@ -53,7 +54,9 @@ class Checkpointer:
         every: save every this many steps in :meth:`after_step` (0: never).
         keep: newest checkpoints kept; older ones are deleted after a save.
         async_save: write in a background thread after a CPU snapshot, so
-            training stalls only for the copy (``full`` format).
+            training stalls only for the copy (``full`` format). The snapshot
+            goes into CPU buffers allocated at the first save and reused by
+            every later one (pinned on CUDA machines).
         handle_signals: on SIGTERM, save at the next :meth:`after_step` and exit 0.
         requeue: under Slurm, also ``scontrol requeue`` the job before exiting.
         format: ``"full"`` or ``"dcp"``; default: what the strategy needs.
@@ -103,6 +106,11 @@ class Checkpointer:
             else None
         )
         self._pending: threading.Thread | None = None
+        self._staging = (
+            Staging(pin=pin_wanted(cuda_available=torch.cuda.is_available()))
+            if self.async_save
+            else None
+        )
         self._error: BaseException | None = None
         self._preemption = PreemptionNotice()
         if handle_signals:
@@ -115,45 +123,51 @@ class Checkpointer:
 
     # -- saving -----------------------------------------------------------------
     def save(self, state: TrainState) -> Path:
-        """Write a checkpoint of ``state`` (collective: every rank calls it)."""
-        self._raise_everywhere()
+        """Write a checkpoint of ``state`` (collective: every rank calls it).
+
+        With ``async_save`` it returns once the state is copied: the training
+        loop may change the parameters at once, the checkpoint holds them as
+        they were at this call.
+        """
+        self._raise_everywhere()  # also: the staging buffers are free again
         tmp, final = layout.tmp_dir(self.root, state.step), layout.step_dir(self.root, state.step)
         if self.par.is_main:
             layout.remove_stale(self.root)
             tmp.mkdir(parents=True, exist_ok=True)
         self._barrier()
         meta = self._meta(state)
-        files: dict[str, Any] = {}
+        written = formats.Written()
         try:
             if not tmp.is_dir():
                 raise CheckpointError(
                     f"{tmp} is not visible on rank {self.par.rank}: the checkpoint directory "
                     "must be on a filesystem shared by every node"
                 )
-            torch.save(rng.capture(), tmp / f"rng-rank{self.par.rank}.pt")
-            files = self.parts.format.write(
-                tmp, self.parts, group=self._group, main=self.par.is_main, copy=self.async_save
+            name = f"rng-rank{self.par.rank}.pt"
+            table = {name: writer.save(rng.capture(), tmp / name)}
+            written = self.parts.format.write(
+                tmp, self.parts, group=self._group, main=self.par.is_main, stage=self._staging
             )
+            written.table |= table
             failure = None
         except Exception as exc:  # every rank must hear of it, or the others hang
             failure = f"rank {self.par.rank}: {layout.write_failure(exc, tmp)}"
         try:
-            self._raise_if_any(failure)  # also the barrier: every rank's files are in tmp
+            # Also the barrier: every rank's files are in tmp, their entries here.
+            table = self._gather_table(failure, written.table)
         except CheckpointError:
             if self.par.is_main:  # a partial directory only takes space (a full disk)
                 shutil.rmtree(tmp, ignore_errors=True)
             raise
         if self.par.is_main:
+            job = (tmp, final, meta, written.files, table)
             if self.async_save:
                 self._pending = threading.Thread(
-                    target=self._finish,
-                    args=(tmp, final, meta, files),
-                    name="manygpu-checkpoint",
-                    daemon=False,
+                    target=self._finish, args=job, name="manygpu-checkpoint", daemon=False
                 )
                 self._pending.start()
             else:
-                self._finish(tmp, final, meta, files)
+                self._finish(*job)
         if not self.async_save:
             self._raise_everywhere()  # nobody reads the directory before it is committed
         return final
@@ -175,15 +189,21 @@ class Checkpointer:
         dist.broadcast_object_list(box, src=0, group=self._group)
         return box[0]
 
-    def _raise_if_any(self, failure: str | None) -> None:
-        """Raise on every rank if any rank failed (names the ranks and why)."""
-        failures = [failure]
+    def _gather_table(
+        self, failure: str | None, table: dict[str, dict[str, Any]]
+    ) -> dict[str, dict[str, Any]]:
+        """Every rank's file-table entries, merged; raise on every rank if any rank failed."""
+        reports = [(failure, table)]
         if self._group is not None:
-            failures = [None] * self.par.world_size
-            dist.all_gather_object(failures, failure, group=self._group)
-        found = [f for f in failures if f]
+            reports = [(None, {})] * self.par.world_size
+            dist.all_gather_object(reports, (failure, table), group=self._group)
+        found = [f for f, _ in reports if f]
         if found:
             raise CheckpointError("saving the checkpoint failed: " + "; ".join(found))
+        merged: dict[str, dict[str, Any]] = {}
+        for _, entries in reports:
+            merged |= entries
+        return merged
 
     def _raise_everywhere(self) -> None:
         """Finish a pending save; if the main rank's commit failed, every rank raises."""
@@ -198,10 +218,17 @@ class Checkpointer:
         if message is not None:
             raise CheckpointError(message)
 
-    def _finish(self, tmp: Path, final: Path, meta: dict[str, Any], files: dict[str, Any]) -> None:
+    def _finish(
+        self,
+        tmp: Path,
+        final: Path,
+        meta: dict[str, Any],
+        files: dict[str, Any],
+        table: dict[str, dict[str, Any]],
+    ) -> None:
         try:
-            formats.write_files(tmp, files)
-            layout.commit(tmp, final, meta)
+            table = table | formats.write_files(tmp, files)
+            layout.commit(tmp, final, meta, table)
             layout.prune(self.root, self.keep)
         except BaseException as exc:  # surfaced by wait() on the training thread
             self._error = exc
