@@ -1,0 +1,271 @@
+"""Checkpoints that do not stall training: async snapshots, hashing while writing, fast resume.
+
+- An asynchronous save whose background write is held mid-file (a writer
+  that waits on an Event, no sleeps) while the loop takes the next optimizer
+  step still stores, bitwise, the state of the step it was asked for.
+- kill -9 during that background write leaves the previous checkpoint intact
+  (a real process, marked slow).
+- The snapshot buffers are allocated once and reused; no file is read back to
+  hash it (a save with file hashing disabled still commits); segmented
+  digests equal when fed in any chunking; schema 1 checkpoints still load.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from ckpt_job import build
+from torch import nn
+
+from manygpu import Parallel
+from manygpu.checkpoint import CheckpointError, TrainState, formats, integrity, layout, writer
+from manygpu.checkpoint.staging import Staging, pin_wanted
+
+HELPERS = Path(__file__).resolve().parents[1] / "helpers"
+
+
+def _step(par: Parallel, model: Any, opt: Any, loader: Any) -> None:
+    x, y = next(iter(loader))
+    par.backward(nn.functional.mse_loss(model(x), y))
+    opt.step()
+    opt.zero_grad()
+
+
+def _clone(tree: Any) -> Any:
+    if isinstance(tree, torch.Tensor):
+        return tree.detach().clone()
+    if isinstance(tree, dict):
+        return {k: _clone(v) for k, v in tree.items()}
+    if isinstance(tree, list | tuple):
+        return type(tree)(_clone(v) for v in tree)
+    return tree
+
+
+def _same(a: Any, b: Any) -> bool:
+    """Bitwise equality of two state trees."""
+    if isinstance(a, torch.Tensor):
+        return isinstance(b, torch.Tensor) and a.dtype == b.dtype and torch.equal(a, b)
+    if isinstance(a, dict):
+        return isinstance(b, dict) and a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
+    if isinstance(a, list | tuple):
+        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b, strict=True))
+    return bool(a == b)
+
+
+@pytest.fixture
+def held_writer(monkeypatch: pytest.MonkeyPatch) -> tuple[threading.Event, threading.Event]:
+    """Background writes of ``model.pt`` stop after the first buffer until ``go`` is set."""
+    started, go = threading.Event(), threading.Event()
+    real = writer.DurableFile.write
+
+    def write(self: writer.DurableFile, data: Any) -> int:
+        n = real(self, data)
+        if self.path.name == formats.MODEL and not started.is_set():
+            started.set()
+            assert go.wait(timeout=60), "the test never released the writer"
+        return n
+
+    monkeypatch.setattr(writer.DurableFile, "write", write)
+    return started, go
+
+
+def test_async_save_stores_the_step_it_was_asked_for(
+    tmp_path: Path, held_writer: tuple[threading.Event, threading.Event]
+) -> None:
+    started, go = held_writer
+    with Parallel(strategy="single") as par:
+        model, opt, _, loader, ckpt = build(par, tmp_path, every=0, async_save=True)
+        _step(par, model, opt, loader)  # Adam state exists
+        module = par.unwrap(model)
+        want_model, want_optim = _clone(module.state_dict()), _clone(opt.state_dict())
+        final = ckpt.save(TrainState(step=1))
+        try:
+            assert started.wait(timeout=60)  # the background thread is inside model.pt
+            assert not final.exists()  # ...so nothing is committed yet
+            _step(par, model, opt, loader)  # the next step changes what is being saved
+            with torch.no_grad():
+                for p in module.parameters():
+                    p.add_(1.0)
+        finally:
+            go.set()
+        ckpt.wait()
+        saved_model = torch.load(final / formats.MODEL, weights_only=True)
+        saved_optim = torch.load(final / formats.OPTIM, weights_only=True)
+        assert _same(saved_model, want_model) and _same(saved_optim, want_optim)
+        assert not _same(_clone(module.state_dict()), want_model)  # the race was real
+        assert layout.verify(final).step == 1
+
+
+def test_snapshot_buffers_are_allocated_once_and_reused(tmp_path: Path) -> None:
+    with Parallel(strategy="single") as par:
+        model, opt, _, loader, ckpt = build(par, tmp_path, every=0, async_save=True)
+        _step(par, model, opt, loader)
+        staging = ckpt._staging
+        assert staging is not None and staging.pin is False  # no CUDA: never pinned
+        ckpt.save(TrainState(step=1))
+        ckpt.wait()
+        allocated = staging.allocated
+        assert allocated > 0
+        _step(par, model, opt, loader)
+        ckpt.save(TrainState(step=2))
+        ckpt.wait()
+        assert staging.allocated == allocated  # the second save reused every buffer
+        ckpt.resume(2)
+        assert torch.equal(
+            torch.load(layout.step_dir(tmp_path, 2) / formats.MODEL)["0.weight"],
+            par.unwrap(model).state_dict()["0.weight"],
+        )
+
+
+def test_staging_copies_into_the_same_buffers_and_keeps_ties() -> None:
+    weight = torch.randn(4, 3)
+    tree = {"a": weight, "tied": weight.detach(), "n": [torch.tensor(2.0), 7], "s": "x"}
+    staging = Staging(pin=pin_wanted(cuda_available=False))
+    first = staging.stage({"f": tree})["f"]
+    assert first["a"] is first["tied"]  # one storage saved once
+    assert first["n"][1] == 7 and first["s"] == "x" and first["n"] is not tree["n"]
+    ptr = first["a"].data_ptr()
+    weight.add_(1.0)
+    assert not torch.equal(first["a"], weight)  # a copy, not a view
+    second = staging.stage({"f": tree})["f"]
+    assert second["a"].data_ptr() == ptr and torch.equal(second["a"], weight)
+    assert staging.allocated == 2
+    assert pin_wanted(cuda_available=True) and not pin_wanted(cuda_available=False)
+
+
+@pytest.mark.parametrize("fmt", ["full", "dcp"])
+def test_a_save_never_reads_its_files_back(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, fmt: str
+) -> None:
+    """Every file's checksum comes from its writer: hashing a file after the fact fails here."""
+
+    def reread(*args: Any, **kwargs: Any) -> str:
+        raise AssertionError(f"a file was read back to hash it: {args[0]}")
+
+    with Parallel(strategy="single") as par:
+        model, opt, _, loader, ckpt = build(par, tmp_path, every=0, fmt=fmt)
+        _step(par, model, opt, loader)
+        real = integrity.file_digest
+        monkeypatch.setattr(integrity, "file_digest", reread)
+        final = ckpt.save(TrainState(step=1))
+        monkeypatch.setattr(integrity, "file_digest", real)
+        meta = layout.verify(final).meta  # the streamed digests match the files
+        assert meta["schema"] == 2 and meta["checksum"] == integrity.CHECKSUM
+        assert len(meta["files"]) >= 3
+        assert ckpt.resume(1).step == 1
+
+
+@pytest.mark.parametrize("chunks", [[1, 99, 1000, 5], [2500, 1, 1], [999, 1001, 1000], [3333]])
+def test_streamed_digest_equals_the_file_digest_in_any_chunking(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, chunks: list[int]
+) -> None:
+    monkeypatch.setattr(integrity, "SEGMENT", 1000)  # many segment boundaries
+    monkeypatch.setattr(integrity, "_INLINE", 100)  # both inline and pooled pieces
+    data = os.urandom(sum(chunks))
+    path = tmp_path / "f.bin"
+    with integrity.hashing_pool() as pool:
+        with writer.DurableFile(path, pool) as fh:
+            pos = 0
+            for n in chunks:
+                fh.write(memoryview(data)[pos : pos + n])
+                pos += n
+        assert path.read_bytes() == data
+        assert fh.entry() == {"bytes": len(data), "sha256": integrity.file_digest(path, pool)}
+        segments = [data[i : i + 1000] for i in range(0, len(data), 1000)]
+        root = hashlib.sha256(b"".join(hashlib.sha256(s).digest() for s in segments))
+        assert fh.entry()["sha256"] == root.hexdigest()
+        data2 = bytearray(data)
+        data2[len(data) // 2] ^= 1
+        path.write_bytes(bytes(data2))
+        assert integrity.file_digest(path, pool) != root.hexdigest()
+
+
+def test_schema_1_checkpoints_still_load_and_verify(tmp_path: Path) -> None:
+    with Parallel(strategy="single") as par:
+        _, _, _, _, ckpt = build(par, tmp_path, every=0)
+        final = ckpt.save(TrainState(step=4))
+        meta = layout.read_meta(final)
+        meta.pop("checksum")
+        meta["schema"] = 1
+        for name, entry in meta["files"].items():  # what schema 1 listed: plain SHA-256
+            entry["sha256"] = hashlib.sha256((final / name).read_bytes()).hexdigest()
+        (final / layout.META).write_text(json.dumps(meta))
+        assert ckpt.resume().step == 4
+        optim = final / formats.OPTIM
+        data = bytearray(optim.read_bytes())
+        data[len(data) // 2] ^= 0xFF
+        optim.write_bytes(bytes(data))
+        with pytest.raises(CheckpointError, match=r"optim\.pt fails its SHA-256 check"):
+            ckpt.resume(4)
+        meta["schema"], meta["checksum"] = 2, "crc32"  # schema 2 names its checksum
+        (final / layout.META).write_text(json.dumps(meta))
+        with pytest.raises(CheckpointError, match="checksum 'crc32'"):
+            ckpt.resume(4)
+
+
+def test_resume_leaves_no_state_mapped_to_the_checkpoint_file(tmp_path: Path) -> None:
+    """A resumed CPU optimizer owns its state (else a pruned file's disk space stays held)."""
+    with Parallel(strategy="single") as par:
+        model, opt, _, loader, ckpt = build(par, tmp_path, every=0)
+        _step(par, model, opt, loader)
+        want = _clone(opt.state_dict())
+        ckpt.save(TrainState(step=1))
+        _step(par, model, opt, loader)
+        ckpt.resume(1)
+        assert _same(opt.state_dict(), want)
+        for state in opt.state.values():
+            for value in state.values():
+                if isinstance(value, torch.Tensor):
+                    assert value.untyped_storage().filename is None
+
+
+@pytest.mark.slow
+def test_kill_9_during_the_background_write_keeps_the_previous_checkpoint(
+    tmp_path: Path,
+) -> None:
+    ck, out = tmp_path / "ck", tmp_path / "out"
+    out.mkdir()
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(HELPERS), *sys.path]))
+    job = subprocess.Popen(
+        [sys.executable, str(HELPERS / "ckpt_async_job.py"), str(ck), str(out)],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        deadline = time.monotonic() + 120
+        while not (out / "writing").exists():  # the marker: step 6's write is in progress
+            assert job.poll() is None, job.communicate()[1]
+            assert time.monotonic() < deadline, "the job never reached the second save"
+            time.sleep(0.05)
+        partial = Path((out / "writing").read_text())
+        assert partial.parent == layout.tmp_dir(ck, 6) and partial.stat().st_size > 0
+        os.kill(job.pid, signal.SIGKILL)
+    finally:
+        if job.poll() is None:
+            job.kill()
+        job.communicate(timeout=30)
+    assert job.returncode == -signal.SIGKILL
+    assert [p.name for p in layout.committed(ck)] == ["step-00000003"]
+    layout.verify(layout.step_dir(ck, 3))  # every size and checksum intact
+    with Parallel(strategy="single") as par:
+        model, _, _, _, ckpt = build(par, ck, every=0, async_save=True)
+        assert ckpt.resume().step == 3
+        want = torch.load(out / "params-3.pt")
+        got = list(par.unwrap(model).parameters())
+        assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
+        ckpt.save(TrainState(step=7))
+        ckpt.wait()
+        assert not layout.tmp_dir(ck, 6).exists()  # the dead save's debris is cleaned
