@@ -8,24 +8,31 @@ import sys
 from pathlib import Path
 
 import pytest
-from jobs import ROOT, subprocess_env
+from jobs import subprocess_env
 
 
 def test_real_run_one_then_two_processes(tmp_path: Path) -> None:
-    out = tmp_path / "train.json"
+    out = tmp_path / "results" / "train.json"
     cmd = [sys.executable, "-m", "manygpu", "bench", "train", "--model", "demo-cnn",
            "--workers", "1,2", "--batch", "8", "--steps", "4", "--warmup", "1", "--block", "2",
            "--json", str(out)]  # fmt: skip
-    res = subprocess.run(cmd, capture_output=True, text=True, timeout=150,
-                         env=subprocess_env() | {"CUDA_VISIBLE_DEVICES": ""}, cwd=ROOT)  # fmt: skip
+    # Started in tmp_path: the files go where --json says and nowhere else.
+    env = subprocess_env() | {"CUDA_VISIBLE_DEVICES": ""}
+    res = subprocess.run(cmd, capture_output=True, text=True, timeout=150, env=env, cwd=tmp_path)
     assert res.returncode == 0, res.stderr[-3000:]
+    assert [p.name for p in tmp_path.iterdir()] == ["results"]
+    assert sorted(p.name for p in out.parent.iterdir()) == ["train.json", "train.md", "train.png"]
     data = json.loads(out.read_text())
     one, two = data["rows"]
     assert (one["workers"], two["workers"]) == (1, 2)
     for row in (one, two):
-        assert row["samples_per_s"] > 0
+        assert row["samples_per_s"] > 0 and row["precision"] == "fp32"
         assert row["flops_per_step"] > 0 and row["mfu"] is None
-        assert row["step_s"] >= row["compute_s"] > 0 and row["comm_s"] >= 0
+        assert row["compute_s"] > 0 and row["comm_s"] >= 0 and row["data_s"] >= 0
+        # The parts add up to the step they split (compute is capped at step - data).
+        parts = row["compute_s"] + row["comm_s"] + row["data_s"]
+        assert parts == pytest.approx(row["step_s"], rel=1e-9)
+    assert one["nosync_compute_s"] is None and two["nosync_compute_s"] > 0
     # Per-worker scaling: the same CPU threads per worker at every count.
     assert one["threads_per_worker"] == two["threads_per_worker"] >= 1
     assert one["comm_s"] == 0.0 and two["strategy"] == "ddp"

@@ -7,7 +7,9 @@ from pathlib import Path
 import pytest
 
 from manygpu.bench import report
-from manygpu.bench.comm import CommRow, SweepConfig, bus_factor
+from manygpu.bench.comm import CommBenchConfig, CommRow, SweepConfig, bus_factor
+from manygpu.cli.bench import comm_config
+from manygpu.cli.main import build_parser
 from manygpu.errors import UsageError
 from manygpu.flags import parse_size
 
@@ -79,3 +81,26 @@ def test_table_and_plot_views(tmp_path: Path) -> None:
     report.plot(rows, out, "t")
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert set(report.fits(rows)) == {"all_reduce/ring"}  # native has one size only
+
+
+def test_each_row_is_one_line_under_the_header() -> None:
+    """Rows are printed once, as measured, in columns that line up with the header."""
+    header = report.header_line()
+    for name in report.COLUMNS:
+        assert name in header
+    rows = [_row(8, 12.5), _row(64 << 20, 9e5, "native")]
+    lines = [report.row_line(r) for r in rows]
+    assert all("\n" not in ln for ln in lines)
+    # Right-aligned columns end where their header ends.
+    end = header.index("busbw (GB/s)") + len("busbw (GB/s)")
+    for row, line in zip(rows, lines, strict=True):
+        assert line[:end].endswith(f"{row.busbw_gbs:.3f}")
+        assert line.split()[:2] == [row.op, row.algorithm]
+
+
+def test_no_file_unless_asked() -> None:
+    assert CommBenchConfig().json_path == "" and CommBenchConfig().plot == ""
+    ns = build_parser().parse_args(["bench", "comm"])
+    assert comm_config(ns).json_path == ""
+    ns = build_parser().parse_args(["bench", "comm", "--json", "out/c.json"])
+    assert comm_config(ns).json_path == "out/c.json"

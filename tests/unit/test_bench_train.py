@@ -229,3 +229,19 @@ def test_plan_bad_input(capsys: pytest.CaptureFixture[str]) -> None:
     assert "unknown cluster 'tpu9'" in capsys.readouterr().err
     assert main(["plan", "--cluster", "h100"]) == 2
     assert "--model or --params" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_compile_flag_compiles_the_benchmarked_model() -> None:
+    """--compile reaches Parallel(compile=True): dynamo compiles graphs during the run
+    (CPU inductor; ~30 s, hence slow)."""
+    from torch._dynamo.utils import counters
+
+    from manygpu.bench.train import parallel_fields
+
+    counters.clear()
+    cfg = TrainBenchConfig(model="demo-cnn", batch=8, steps=2, warmup=1, block=2, compile=True)
+    with Parallel(**parallel_options(cfg, parallel_fields()), device="cpu") as par:
+        stats = measure(par, models.build("demo-cnn"), cfg)
+    assert counters["stats"]["unique_graphs"] >= 1
+    assert stats.compiled and stats.compute_s + stats.data_s == pytest.approx(stats.step_s)

@@ -93,8 +93,8 @@ class CommBenchConfig:
 
     sweep: SweepConfig = field(default_factory=SweepConfig)
     """What to measure."""
-    json_path: str = "bench/results/comm.json"
-    """Rank 0 writes the rows, fits and machine here."""
+    json_path: str = ""
+    """Rank 0 writes the rows, fits and machine here (empty: no file)."""
     plot: str = ""
     """Also a busbw-vs-size PNG here (empty: none)."""
     label: str = ""

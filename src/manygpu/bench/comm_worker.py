@@ -13,26 +13,27 @@ from pathlib import Path
 import torch.distributed as dist
 
 from manygpu.bench import report
-from manygpu.bench.comm import CommBenchConfig, memcpy_gbs, sweep
+from manygpu.bench.comm import CommBenchConfig, CommRow, memcpy_gbs, sweep
 from manygpu.core.parallel import Parallel
 from manygpu.runtime import handoff
 
+PLAIN = {"markup": False, "highlight": False, "soft_wrap": True}
+"""Rows as plain fixed-width lines: no colours, no wrapping at the terminal's width."""
+
 
 def main(config: CommBenchConfig) -> int:
-    """Sweep on every rank; rank 0 prints and writes the views. Exit code 1: a wrong result."""
+    """Sweep on every rank; rank 0 prints each row once and writes what was asked for.
+
+    Exit code 1: a wrong result.
+    """
     cfg, label = config.sweep, config.label
     with Parallel(strategy="ddp", timeout_s=cfg.timeout_s) as par:
         backend = dist.get_backend()
         title = f"{label + ': ' if label else ''}{par.world_size} ranks, {backend}, {cfg.dtype}"
-        rows = sweep(
-            cfg,
-            progress=lambda r: par.print(
-                f"  {r.op:<14} {r.algorithm:<7} {report.human_bytes(r.bytes):>9} "
-                f"{r.time_us:>12,.1f} us  busbw {r.busbw_gbs:8.3f} GB/s  wrong {r.wrong}"
-            ),
-        )
+        for line in (title, report.header_line()):
+            par.print(line, **PLAIN)
+        rows = sweep(cfg, progress=lambda r: par.print(report.row_line(r), **PLAIN))
         if par.is_main:
-            report.print_table(rows, title)
             fitted = report.fits(rows)
             for name, fit in fitted.items():
                 par.print(
@@ -41,23 +42,43 @@ def main(config: CommBenchConfig) -> int:
                 )
             memcpy = memcpy_gbs()
             par.print(f"local limit: a 256 MB memcpy runs at {memcpy:.2f} GB/s")
-            payload = {
-                "command": config.command,
-                "sweep": asdict(cfg),  # every setting, defaults included (the command has some)
-                "label": label,
-                "backend": backend,
-                "world_size": par.world_size,
-                "machine": report.machine_info(),
-                "memcpy_gbs": memcpy,
-                "rows": [r.as_dict() for r in rows],
-                "fits": {k: vars(v) for k, v in fitted.items()},
-            }
-            report.write_json(Path(config.json_path), payload)
-            if config.plot:
-                report.plot(rows, Path(config.plot), title)
-            par.print(f"wrote {config.json_path}" + (f" and {config.plot}" if config.plot else ""))
+            _write(config, par.world_size, backend, rows, fitted, memcpy)
         wrong = any(r.wrong for r in rows)
     return 1 if wrong else 0
+
+
+def _write(
+    config: CommBenchConfig,
+    world_size: int,
+    backend: str,
+    rows: list[CommRow],
+    fitted: dict[str, report.AlphaBeta],
+    memcpy: float,
+) -> None:
+    """The JSON and the plot, each only when a path was given (never into the current
+    directory uninvited)."""
+    written = []
+    if config.json_path:
+        payload = {
+            "command": config.command,
+            "sweep": asdict(config.sweep),  # every setting, defaults included
+            "label": config.label,
+            "backend": backend,
+            "world_size": world_size,
+            "machine": report.machine_info(),
+            "memcpy_gbs": memcpy,
+            "rows": [r.as_dict() for r in rows],
+            "fits": {k: vars(v) for k, v in fitted.items()},
+        }
+        report.write_json(Path(config.json_path), payload)
+        written.append(config.json_path)
+    if config.plot:
+        label = config.label + ": " if config.label else ""
+        title = f"{label}{world_size} ranks, {backend}, {config.sweep.dtype}"
+        report.plot(rows, Path(config.plot), title)
+        written.append(config.plot)
+    if written:
+        print(f"wrote {' and '.join(written)}")
 
 
 if __name__ == "__main__":

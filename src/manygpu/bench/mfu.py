@@ -9,39 +9,102 @@ and is reported with the result so a reader can check it.
 
 from __future__ import annotations
 
+import copy
+from dataclasses import dataclass
+
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
 from manygpu.bench.models import Workload
 
-# Dense peak TFLOP/s per GPU from the vendors' data sheets: (16-bit tensor core, fp32).
-# fp32 is the plain FP32 rate: torch does not use TF32 for matmuls unless asked to.
-PEAK_TFLOPS: dict[str, tuple[float, float]] = {
-    "H100 PCIe": (756.0, 51.0),
-    "H100": (989.0, 67.0),  # SXM (the name of an SXM part has no form factor)
-    "H200": (989.0, 67.0),
-    "A100": (312.0, 19.5),
-    "V100": (125.0, 15.7),
+
+@dataclass(frozen=True)
+class Peak:
+    """Dense peak TFLOP/s of one GPU from its vendor's data sheet (no sparsity)."""
+
+    half: float
+    """bf16 / fp16 on tensor cores."""
+    tf32: float | None
+    """fp32 inputs on tensor cores as TF32 (``None``: the GPU has no TF32, e.g. V100)."""
+    fp32: float
+    """Plain IEEE fp32 on the CUDA cores."""
+
+
+PEAK_TFLOPS: dict[str, Peak] = {
+    "H100 PCIe": Peak(756.0, 378.0, 51.0),
+    "H100": Peak(989.0, 494.7, 67.0),  # SXM (the name of an SXM part has no form factor)
+    "H200": Peak(989.0, 494.7, 67.0),
+    "A100": Peak(312.0, 156.0, 19.5),
+    "V100": Peak(125.0, None, 15.7),
 }
 
 
-def peak_tflops(device_name: str, precision: str) -> float | None:
-    """The table's peak for ``device_name`` (as CUDA names it), or ``None`` if unknown."""
-    for key, (half, single) in PEAK_TFLOPS.items():
-        parts = key.split()
-        if all(part in device_name for part in parts):
-            return half if precision in ("bf16", "fp16") else single
+def device_peak(device_name: str) -> Peak | None:
+    """The table's entry for ``device_name`` (as CUDA names it), or ``None`` if unknown."""
+    for key, peak in PEAK_TFLOPS.items():
+        if all(part in device_name for part in key.split()):
+            return peak
     return None
+
+
+def peak_tflops(device_name: str, precision: str, tf32: bool = False) -> float | None:
+    """The peak that bounds a run: 16-bit for bf16/fp16, TF32 or plain fp32 otherwise.
+
+    ``tf32`` says whether fp32 matmuls (and convolutions) ran as TF32, which
+    doubles-to-sevenfolds the ceiling; using the plain fp32 rate then would
+    overstate MFU.
+    """
+    peak = device_peak(device_name)
+    if peak is None:
+        return None
+    if precision in ("bf16", "fp16"):
+        return peak.half
+    return peak.tf32 if tf32 and peak.tf32 is not None else peak.fp32
+
+
+def tf32_in_use(convolutions: bool) -> bool:
+    """Whether fp32 work that bounds the step runs as TF32 under torch's current settings.
+
+    Matmuls use TF32 only when asked (``set_float32_matmul_precision("high")``,
+    ``allow_tf32`` or the ``fp32_precision`` API); cuDNN convolutions do by
+    default. Reads the newer ``fp32_precision`` attributes when torch has them,
+    because mixing them with the old flags makes reading the old ones raise.
+    """
+    matmul = getattr(torch.backends.cuda.matmul, "fp32_precision", None)
+    if matmul is None:  # torch before the fp32_precision API
+        matmul = "tf32" if torch.backends.cuda.matmul.allow_tf32 else "ieee"
+    if matmul == "tf32":
+        return True
+    if not convolutions:
+        return False
+    conv = getattr(getattr(torch.backends.cudnn, "conv", None), "fp32_precision", None)
+    if conv is None:
+        conv = "tf32" if torch.backends.cudnn.allow_tf32 else "ieee"
+    return bool(conv == "tf32" and torch.backends.cudnn.enabled)
+
+
+def has_convolutions(model: torch.nn.Module) -> bool:
+    """Whether ``model`` has a 2-D (or 3-D) convolution, i.e. runs on cuDNN."""
+    return any(isinstance(m, torch.nn.Conv2d | torch.nn.Conv3d) for m in model.modules())
 
 
 def step_flops(workload: Workload, batch: int, device: torch.device) -> int:
     """FLOPs of one forward + backward of ``workload`` on ``batch`` samples.
 
-    Runs on a throw-away copy of the model so the benchmarked one keeps its
-    state (and DDP never sees an extra backward on one rank only).
+    Counted on a copy of the model on the ``meta`` device: shapes only, so it
+    costs no memory or time even for GPT-2 on a GPU, and attention is counted
+    as its matmuls (torch's fused attention kernels are not all known to the
+    counter). A model that cannot run on ``meta`` is counted on ``device``,
+    still on a throw-away copy so the benchmarked one keeps its state (and DDP
+    never sees an extra backward on one rank only).
     """
-    import copy
+    try:
+        return _count(workload, batch, torch.device("meta"))
+    except Exception:  # a model with data-dependent Python (e.g. .item()) needs real tensors
+        return _count(workload, batch, device)
 
+
+def _count(workload: Workload, batch: int, device: torch.device) -> int:
     model = copy.deepcopy(workload.model).to(device)
     gen = torch.Generator().manual_seed(0)
     x, y = workload.make_batch(batch, gen)

@@ -8,6 +8,7 @@ so the time spent waiting for batches is measured, not assumed to be zero.
 
 from __future__ import annotations
 
+import functools
 import importlib
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -16,6 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from manygpu.bench import nets
 from manygpu.demo.model import SimpleCNN
 from manygpu.errors import UsageError
 
@@ -40,91 +42,20 @@ class Workload:
     """``make_batch(n, generator)`` -> ``(inputs, targets)`` for ``n`` samples, on the CPU."""
     loss: LossFn = field(default=_flat_cross_entropy)
     """``loss(model(inputs), targets)``; cross-entropy (flattened) by default."""
+    batch: int = 32
+    """Samples per worker per step when the benchmark is not given ``--batch``."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.model, nn.Module):
             raise UsageError(f"workload {self.name!r}: model is a {type(self.model).__name__}")
         if not callable(self.make_batch) or not callable(self.loss):
             raise UsageError(f"workload {self.name!r}: make_batch and loss must be callables")
+        if isinstance(self.batch, bool) or not isinstance(self.batch, int) or self.batch < 1:
+            raise UsageError(f"workload {self.name!r}: batch must be an integer >= 1")
 
     @property
     def parameters(self) -> int:
         return sum(p.numel() for p in self.model.parameters())
-
-
-class BasicBlock(nn.Module):
-    """ResNet's two 3x3 convolutions with batch norm and an identity (or 1x1) shortcut."""
-
-    def __init__(self, cin: int, cout: int, stride: int) -> None:
-        super().__init__()
-        self.body = nn.Sequential(
-            nn.Conv2d(cin, cout, 3, stride, 1, bias=False),
-            nn.BatchNorm2d(cout),
-            nn.ReLU(inplace=True),
-            nn.Conv2d(cout, cout, 3, 1, 1, bias=False),
-            nn.BatchNorm2d(cout),
-        )
-        self.short: nn.Module = nn.Identity()
-        if stride != 1 or cin != cout:
-            self.short = nn.Sequential(
-                nn.Conv2d(cin, cout, 1, stride, bias=False), nn.BatchNorm2d(cout)
-            )
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.relu(self.body(x) + self.short(x))
-
-
-def resnet_cnn(width: int = 32, classes: int = 10) -> nn.Module:
-    """A CIFAR-style ResNet (3 stages x 2 blocks, widths w, 2w, 4w) for 3x32x32 images.
-
-    With ``width=32``: 0.7 M parameters and ~0.3 GFLOP per sample forward,
-    so a step is compute-bound on a CPU core: the case that should scale.
-    """
-    layers: list[nn.Module] = [
-        nn.Conv2d(3, width, 3, 1, 1, bias=False),
-        nn.BatchNorm2d(width),
-        nn.ReLU(inplace=True),
-    ]
-    cin = width
-    for i, cout in enumerate((width, 2 * width, 4 * width)):
-        layers += [BasicBlock(cin, cout, 1 if i == 0 else 2), BasicBlock(cout, cout, 1)]
-        cin = cout
-    layers += [nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(cin, classes)]
-    return nn.Sequential(*layers)
-
-
-class GPTBlock(nn.Module):
-    """Pre-norm transformer block: causal self-attention then a 4x MLP."""
-
-    def __init__(self, dim: int, heads: int) -> None:
-        super().__init__()
-        self.ln1, self.ln2 = nn.LayerNorm(dim), nn.LayerNorm(dim)
-        self.attn = nn.MultiheadAttention(dim, heads, batch_first=True)
-        self.mlp = nn.Sequential(nn.Linear(dim, 4 * dim), nn.GELU(), nn.Linear(4 * dim, dim))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        n = x.shape[1]
-        mask = torch.triu(torch.ones(n, n, dtype=torch.bool, device=x.device), 1)
-        h = self.ln1(x)
-        x = x + self.attn(h, h, h, attn_mask=mask, need_weights=False)[0]
-        return x + self.mlp(self.ln2(x))
-
-
-class SmallGPT(nn.Module):
-    """A byte-level GPT (token + position embeddings, blocks, tied-free head)."""
-
-    def __init__(
-        self, vocab: int = 256, context: int = 64, dim: int = 128, layers: int = 4, heads: int = 4
-    ) -> None:
-        super().__init__()
-        self.context = context
-        self.tok, self.pos = nn.Embedding(vocab, dim), nn.Embedding(context, dim)
-        self.blocks = nn.Sequential(*(GPTBlock(dim, heads) for _ in range(layers)))
-        self.ln, self.head = nn.LayerNorm(dim), nn.Linear(dim, vocab)
-
-    def forward(self, idx: torch.Tensor) -> torch.Tensor:
-        pos = torch.arange(idx.shape[1], device=idx.device)
-        return self.head(self.ln(self.blocks(self.tok(idx) + self.pos(pos))))
 
 
 def _images(channels: int, side: int, classes: int) -> BatchFn:
@@ -143,34 +74,77 @@ def _tokens(vocab: int, context: int) -> BatchFn:
     return make
 
 
-def _demo_cnn() -> Workload:
+SIZES = ("auto", "small", "full")
+"""Built-in workload sizes: ``small`` for CPUs and tests, ``full`` the models GPUs are
+measured with, ``auto`` picks by device (:func:`size_for`)."""
+
+
+def size_for(size: str, device_type: str) -> str:
+    """``small`` or ``full``: ``auto`` means full on a GPU and small on the CPU.
+
+    A CPU runs GPT-2 small at a few sequences a second, which would make every
+    test and first try take minutes; a GPU running the tiny models shows an MFU
+    near 0 % that says nothing about the GPU.
+    """
+    if size not in SIZES:
+        raise UsageError(f"unknown size {size!r}; choose one of {', '.join(SIZES)}")
+    if size == "auto":
+        return "small" if device_type == "cpu" else "full"
+    return size
+
+
+def _demo_cnn(size: str) -> Workload:
+    del size  # one size: it is the demo's model
     return Workload(name="demo-cnn", model=SimpleCNN(16), make_batch=_images(1, 16, 10))
 
 
-def _resnet() -> Workload:
-    return Workload(name="resnet", model=resnet_cnn(), make_batch=_images(3, 32, 10))
+def _resnet(size: str) -> Workload:
+    if size == "full":
+        return Workload(
+            name="resnet50", model=nets.resnet50(), make_batch=_images(3, 224, 1000), batch=128
+        )
+    return Workload(name="resnet", model=nets.resnet_cnn(), make_batch=_images(3, 32, 10))
 
 
-def _gpt() -> Workload:
-    return Workload(name="gpt", model=SmallGPT(), make_batch=_tokens(256, 64))
+def gpt(shape: nets.GPTShape, name: str, batch: int) -> Workload:
+    """A next-token workload for a GPT of ``shape`` (random tokens, full context)."""
+    return Workload(
+        name=name,
+        model=nets.GPT(shape),
+        make_batch=_tokens(shape.vocab, shape.context),
+        batch=batch,
+    )
 
 
-BUILTINS: dict[str, Callable[[], Workload]] = {
+def _gpt(size: str) -> Workload:
+    if size == "full":
+        return gpt(nets.GPT2_124M, "gpt2-124m", 16)
+    return gpt(nets.GPT_TINY, "gpt", 32)
+
+
+BUILTINS: dict[str, Callable[[str], Workload]] = {
     "demo-cnn": _demo_cnn,
     "resnet": _resnet,
     "gpt": _gpt,
 }
-"""Built-in workloads: the demo's SimpleCNN (small, communication-bound), a
-ResNet-style CNN (compute-bound) and a small GPT."""
+"""Built-in workloads by name, each called with ``"small"`` or ``"full"``: the demo's
+SimpleCNN (small, communication-bound); a CIFAR-style ResNet or ResNet-50 at
+224x224; a byte-level GPT or GPT-2 small (124M, sequence 1024)."""
 
 
-def resolve(spec: str) -> Callable[[], Workload]:
-    """The factory for a built-in name or an importable ``module:function``.
+Factory = Callable[[], Workload]
 
-    Only imports and looks up; the factory runs on each worker.
+
+def resolve(spec: str, size: str = "small") -> Factory:
+    """The factory for a built-in name (at ``size``: small or full) or ``module:function``.
+
+    Only imports and looks up; the factory runs on each worker. A user's
+    function takes no arguments: its workload has one size, the user's.
     """
     if spec in BUILTINS:
-        return BUILTINS[spec]
+        if size not in SIZES[1:]:
+            raise UsageError(f"unknown size {size!r}; choose small or full")
+        return functools.partial(BUILTINS[spec], size)
     if ":" not in spec:
         raise UsageError(
             f"unknown model {spec!r}; choose one of {', '.join(BUILTINS)} "
@@ -191,9 +165,9 @@ def resolve(spec: str) -> Callable[[], Workload]:
     return fn
 
 
-def build(spec: str) -> Workload:
+def build(spec: str, size: str = "small") -> Workload:
     """Resolve and call the factory; a factory returning something else is a usage error."""
-    workload = resolve(spec)()
+    workload = resolve(spec, size)()
     if not isinstance(workload, Workload):
         raise UsageError(
             f"model {spec!r} returned a {type(workload).__name__}, "

@@ -25,33 +25,66 @@ def human_bytes(n: float) -> str:
     return f"{n} GB"  # pragma: no cover
 
 
+COLUMNS = (
+    "op",
+    "algorithm",
+    "size",
+    "count",
+    "type",
+    "time (us)",
+    "algbw (GB/s)",
+    "busbw (GB/s)",
+    "#wrong",
+)
+"""nccl-tests' columns: size, count, type, time, algbw, busbw, #wrong (after op and algorithm)."""
+_LEFT = ("op", "algorithm", "type")
+_WIDTHS = (14, 9, 9, 13, 8, 12, 12, 12, 6)
+
+
+def cells(r: CommRow) -> list[str]:
+    """One row's values as the table shows them."""
+    return [
+        r.op,
+        r.algorithm,
+        human_bytes(r.bytes),
+        f"{r.count:,}",
+        r.dtype,
+        f"{r.time_us:,.1f}",
+        f"{r.algbw_gbs:.3f}",
+        f"{r.busbw_gbs:.3f}",
+        str(r.wrong),
+    ]
+
+
+def _line(values: Sequence[str]) -> str:
+    parts = [
+        v.ljust(w) if name in _LEFT else v.rjust(w)
+        for name, v, w in zip(COLUMNS, values, _WIDTHS, strict=True)
+    ]
+    return "  ".join(parts).rstrip()
+
+
+def header_line() -> str:
+    """The column names, aligned with :func:`row_line` (printed once, before the sweep)."""
+    return _line(COLUMNS)
+
+
+def row_line(r: CommRow) -> str:
+    """One measured row as a fixed-width line, printed as soon as it is measured.
+
+    nccl-tests' way: each row appears once, when it is known, so a long sweep
+    shows progress and the output is the table (no second copy at the end).
+    """
+    return _line(cells(r))
+
+
 def table(rows: Sequence[CommRow], title: str) -> Table:
-    """nccl-tests' columns: size, count, type, time, algbw, busbw, #wrong."""
+    """The rows as a rich table (for callers that show them only at the end)."""
     out = Table(title=title)
-    for name in (
-        "op",
-        "algorithm",
-        "size",
-        "count",
-        "type",
-        "time (us)",
-        "algbw (GB/s)",
-        "busbw (GB/s)",
-        "#wrong",
-    ):
-        out.add_column(name, justify="left" if name in ("op", "algorithm", "type") else "right")
+    for name in COLUMNS:
+        out.add_column(name, justify="left" if name in _LEFT else "right")
     for r in rows:
-        out.add_row(
-            r.op,
-            r.algorithm,
-            human_bytes(r.bytes),
-            f"{r.count:,}",
-            r.dtype,
-            f"{r.time_us:,.1f}",
-            f"{r.algbw_gbs:.3f}",
-            f"{r.busbw_gbs:.3f}",
-            str(r.wrong),
-        )
+        out.add_row(*cells(r))
     return out
 
 

@@ -10,9 +10,12 @@ Method, per rank:
 * **data wait** = time inside ``next(loader)`` (collation and the copy to the device);
 * **compute** = a no-sync step minus its data wait: forward, backward and the
   optimizer with every rank still competing for the same CPUs / links as in a
-  normal step, but no gradient all-reduce;
+  normal step, but no gradient all-reduce; capped at the normal step minus its
+  data wait, because it is measured on other steps and must not exceed the
+  step it is part of (:func:`split_step`; the raw value is kept in the JSON);
 * **exposed communication** = normal step - compute - data wait: the part of the
-  all-reduce that backward did not hide;
+  all-reduce that backward did not hide. Compute, exposed communication and data
+  wait add up to the normal step;
 * **throughput** = global samples of the normal steps / the slowest rank's time
   spent in them.
 
@@ -23,15 +26,17 @@ are not switched off with gradient sync, so they count as compute.
 
 from __future__ import annotations
 
+import math
 import statistics
 import time
-from collections.abc import Iterator
-from dataclasses import asdict, dataclass, field
+from collections.abc import Collection, Iterator
+from dataclasses import asdict, dataclass, field, fields
+from typing import Any
 
 import torch
 from torch.utils.data import DataLoader, TensorDataset
 
-from manygpu.bench.models import Workload
+from manygpu.bench.models import SIZES, Workload
 from manygpu.core.parallel import Parallel
 from manygpu.errors import UsageError
 
@@ -42,32 +47,74 @@ class TrainBenchConfig:
 
     model: str = "resnet"
     """A built-in workload name or ``module:function``."""
-    batch: int = 32
-    """Samples per worker per step (weak scaling: the global batch grows with workers)."""
+    size: str = "auto"
+    """Built-in workloads' size: ``small``, ``full`` (GPT-2 small, ResNet-50 at 224x224)
+    or ``auto`` (full on a GPU, small on the CPU)."""
+    batch: int | None = None
+    """Samples per worker per step (weak scaling: the global batch grows with workers);
+    ``None``: the workload's own (16 for GPT-2 small, 128 for ResNet-50, else 32)."""
     steps: int = 20
     """Timed normal steps (and as many no-sync steps with more than one worker)."""
     warmup: int = 5
-    """Untimed steps first (allocator, kernels, DDP's bucket rebuild)."""
+    """Untimed steps first (allocator, kernels, DDP's bucket rebuild, compilation)."""
     block: int = 5
     """Steps per block; normal and no-sync blocks alternate so drifts hit both alike."""
-    precision: str = "fp32"
-    """``fp32``, ``bf16`` or ``fp16`` (autocast, as in :class:`~manygpu.Parallel`)."""
+    precision: str | None = None
+    """A precision :class:`~manygpu.Parallel` accepts; ``None``: its default."""
+    compile: bool = False
+    """Pass ``compile=True`` to :class:`~manygpu.Parallel` (``torch.compile`` per strategy)."""
     strategy: str | None = None
     """``None``: ``ddp`` with several workers, ``single`` with one."""
     peak_tflops: float | None = None
     """Peak TFLOP/s per worker for MFU; ``None`` looks the GPU up (CPUs: no MFU)."""
 
     def __post_init__(self) -> None:
-        for name in ("batch", "steps", "block"):
+        from manygpu.core.config import PRECISIONS
+
+        for name in ("steps", "block"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise UsageError(f"{name} must be an integer >= 1, got {value!r}")
+        if self.batch is not None and (not isinstance(self.batch, int) or self.batch < 1):
+            raise UsageError(f"batch must be an integer >= 1, got {self.batch!r}")
         if not isinstance(self.warmup, int) or self.warmup < 0:
             raise UsageError(f"warmup must be an integer >= 0, got {self.warmup!r}")
         if self.peak_tflops is not None and self.peak_tflops <= 0:
             raise UsageError(f"peak TFLOP/s must be > 0, got {self.peak_tflops}")
-        if self.precision not in ("fp32", "bf16", "fp16"):
-            raise UsageError(f"unknown precision {self.precision!r}; choose fp32, bf16 or fp16")
+        if self.precision is not None and self.precision not in PRECISIONS:
+            raise UsageError(
+                f"unknown precision {self.precision!r}; choose one of {', '.join(PRECISIONS)}"
+            )
+        if self.size not in SIZES:
+            raise UsageError(f"unknown size {self.size!r}; choose one of {', '.join(SIZES)}")
+
+
+def parallel_options(cfg: TrainBenchConfig, accepted: Collection[str]) -> dict[str, Any]:
+    """The keyword arguments of the job's :class:`~manygpu.Parallel`.
+
+    Only what the user chose is passed, so ``Parallel``'s own defaults are what
+    gets measured otherwise. ``accepted`` is the names ``ParallelConfig`` has
+    (:func:`parallel_fields`): asking for compilation from a manygpu without it
+    is a usage error before any job starts, not a ``TypeError`` in every worker.
+    """
+    options: dict[str, Any] = {"strategy": cfg.strategy, "timeout_s": 600}
+    if cfg.precision is not None:
+        options["precision"] = cfg.precision
+    if cfg.compile:
+        if "compile" not in accepted:
+            raise UsageError(
+                "--compile needs Parallel(compile=True), which this version of manygpu "
+                "does not have; leave out --compile"
+            )
+        options["compile"] = True
+    return options
+
+
+def parallel_fields() -> frozenset[str]:
+    """The options :class:`~manygpu.core.config.ParallelConfig` takes."""
+    from manygpu.core.config import ParallelConfig
+
+    return frozenset(f.name for f in fields(ParallelConfig))
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -105,15 +152,25 @@ class RunStats:
     samples_per_s: float
     """Global throughput of the normal steps (slowest rank's time)."""
     step_s: float
+    """Seconds per normal step; ``compute_s + comm_s + data_s`` add up to it."""
     compute_s: float
+    """Forward, backward and optimizer: the no-sync estimate, at most ``step_s - data_s``."""
     comm_s: float
-    """Exposed communication per step: step - compute - data, at least 0."""
+    """Exposed communication per step: step - compute - data (never below 0)."""
     data_s: float
+    """Waiting for the next batch (collation and the copy to the device)."""
     flops_per_step: int
     """Forward + backward FLOPs of one worker's step (FlopCounterMode)."""
     peak_tflops: float | None
     mfu: float | None
     """Achieved / peak FLOP/s per worker; ``None`` without a known peak (CPU)."""
+    nosync_compute_s: float | None = None
+    """The no-sync steps' compute as measured, before capping at ``step_s - data_s``
+    (``None`` with one worker); above the cap, exposed communication reads 0."""
+    compiled: bool = False
+    """Whether ``Parallel(compile=True)`` compiled the model."""
+    tf32: bool = False
+    """Whether fp32 matmuls / convolutions ran as TF32 (the MFU peak follows)."""
 
     def as_dict(self) -> dict[str, object]:
         return asdict(self)
@@ -193,32 +250,87 @@ def _timed_steps(
     return t
 
 
+@dataclass(frozen=True)
+class StepSplit:
+    """One step's time in parts that add up to it."""
+
+    compute_s: float
+    comm_s: float
+    data_s: float
+
+
+def split_step(step_s: float, data_s: float, nosync_compute_s: float | None) -> StepSplit:
+    """Split a normal step into compute, exposed communication and data wait.
+
+    Compute comes from other steps (the no-sync ones), so noise, or a no-sync
+    step that is slower for its own reasons, can make it exceed what is left
+    of the normal step after the data wait. It is capped there and exposed
+    communication (the remainder) never goes below 0: the three parts always
+    add up to the step that was timed. With one worker (``None``) the whole
+    remainder is compute.
+    """
+    data = min(max(data_s, 0.0), step_s)
+    rest = step_s - data
+    compute = rest if nosync_compute_s is None else min(max(nosync_compute_s, 0.0), rest)
+    return StepSplit(compute_s=compute, comm_s=rest - compute, data_s=data)
+
+
+DATA_BYTES = 512 << 20
+"""At most this much synthetic data per worker (ResNet-50 batches are 77 MB each)."""
+
+
+def steps_per_epoch(batch_bytes: int, wanted: int, budget: int = DATA_BYTES) -> int:
+    """Batches in the synthetic data set: ``wanted`` (at most 64), fewer when large."""
+    return max(2, min(wanted, 64, budget // max(batch_bytes, 1)))
+
+
+def _local(t: _Timings) -> list[float]:
+    """This rank's [timed seconds, step, compute, comm, data, raw no-sync compute or nan]."""
+    step, data = statistics.fmean(t.sync_step), statistics.fmean(t.sync_data)
+    nosync = None
+    if t.nosync_step:
+        nosync = statistics.fmean(s - d for s, d in zip(t.nosync_step, t.nosync_data, strict=True))
+    part = split_step(step, data, nosync)
+    raw = float("nan") if nosync is None else nosync
+    return [sum(t.sync_step), step, part.compute_s, part.comm_s, part.data_s, raw]
+
+
+def resolved_precision(par: Parallel) -> str:
+    """What the job's autocast really uses (``"auto"`` and the default resolve per device)."""
+    with par.autocast():
+        if torch.is_autocast_enabled(par.device.type):
+            dtype = torch.get_autocast_dtype(par.device.type)
+            return {torch.bfloat16: "bf16", torch.float16: "fp16"}.get(dtype, str(dtype))
+    return "fp32"
+
+
 def measure(par: Parallel, workload: Workload, cfg: TrainBenchConfig) -> RunStats:
     """Warm up, time, and reduce every rank's numbers into one :class:`RunStats`."""
     from manygpu.bench import mfu as mfumod
 
-    flops = mfumod.step_flops(workload, cfg.batch, par.device)
+    batch = cfg.batch or workload.batch
+    flops = mfumod.step_flops(workload, batch, par.device)
     model = par.prepare_model(workload.model)
     opt = par.prepare_optimizer(torch.optim.Adam(model.parameters(), lr=1e-4))
-    per_epoch = min(cfg.warmup + 2 * cfg.steps, 64)
-    loader = par.prepare_loader(synthetic_loader(workload, cfg.batch, per_epoch))
+    x, y = workload.make_batch(batch, torch.Generator().manual_seed(0))
+    nbytes = x.element_size() * x.numel() + y.element_size() * y.numel()
+    per_epoch = steps_per_epoch(nbytes, cfg.warmup + 2 * cfg.steps)
+    loader = par.prepare_loader(synthetic_loader(workload, batch, per_epoch))
     it = batches(loader)  # type: ignore[arg-type]
     parts = (model, opt, workload)
     _run_block(par, parts, it, cfg.warmup, sync=True)
     t = _timed_steps(par, parts, it, cfg)
-    step, data = statistics.fmean(t.sync_step), statistics.fmean(t.sync_data)
-    if t.nosync_step:
-        compute = statistics.fmean(s - d for s, d in zip(t.nosync_step, t.nosync_data, strict=True))
-    else:
-        compute = step - data
-    local = torch.tensor([sum(t.sync_step), step, data, compute], dtype=torch.float64)
-    ranks = par.gather(local.unsqueeze(0)).reshape(-1, 4)
+    ranks = par.gather(torch.tensor([_local(t)], dtype=torch.float64)).reshape(-1, 6)
     elapsed = float(ranks[:, 0].max())
-    step, data, compute = (float(v) for v in ranks[:, 1:].mean(0))
-    device_name = torch.cuda.get_device_name(par.device) if par.device.type == "cuda" else "cpu"
+    step, compute, comm, data = (float(v) for v in ranks[:, 1:5].mean(0))
+    raw = float(ranks[:, 5].mean())
+    cuda = par.device.type == "cuda"
+    device_name = torch.cuda.get_device_name(par.device) if cuda else "cpu"
+    precision = resolved_precision(par)
+    tf32 = cuda and mfumod.tf32_in_use(mfumod.has_convolutions(workload.model))
     peak = cfg.peak_tflops
-    if peak is None and par.device.type == "cuda":
-        peak = mfumod.peak_tflops(device_name, cfg.precision)
+    if peak is None and cuda:
+        peak = mfumod.peak_tflops(device_name, precision, tf32)
     return RunStats(
         model=workload.name,
         parameters=workload.parameters,
@@ -227,15 +339,18 @@ def measure(par: Parallel, workload: Workload, cfg: TrainBenchConfig) -> RunStat
         nodes=par.world_size // max(par.cluster.local_world_size, 1),
         device=device_name,
         threads_per_worker=torch.get_num_threads(),
-        precision=cfg.precision,
-        batch_per_worker=cfg.batch,
+        precision=precision,
+        batch_per_worker=batch,
         steps=cfg.steps,
-        samples_per_s=cfg.batch * par.world_size * cfg.steps / elapsed,
+        samples_per_s=batch * par.world_size * cfg.steps / elapsed,
         step_s=step,
         compute_s=compute,
-        comm_s=max(0.0, step - compute - data),
+        comm_s=comm,
         data_s=data,
         flops_per_step=flops,
         peak_tflops=peak,
         mfu=mfumod.mfu(flops, 1.0 / step, peak),
+        nosync_compute_s=None if math.isnan(raw) else raw,
+        compiled=cfg.compile,
+        tf32=tf32,
     )

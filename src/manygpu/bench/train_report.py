@@ -77,10 +77,19 @@ def title(rows: Sequence[ScalingRow]) -> str:
         return "bench train (no runs)"
     r = rows[0].run
     flops = f", {r.flops_per_step / 1e9:,.3g} GFLOP/step/worker" if r.flops_per_step else ""
+    precision = r.precision + (" (TF32)" if r.tf32 and r.precision == "fp32" else "")
+    compiled = ", compiled" if r.compiled else ""
     return (
         f"{r.model} ({r.parameters / 1e6:.2f}M params), batch {r.batch_per_worker}/worker, "
-        f"{r.precision}, {r.device}, {r.threads_per_worker} thread(s)/worker{flops}"
+        f"{precision}{compiled}, {r.device}, {r.threads_per_worker} thread(s)/worker{flops}"
     )
+
+
+NOTE = (
+    "step = compute + exposed comm + data wait. compute is measured on no-sync steps "
+    "(no gradient all-reduce) and capped at step - data wait; exposed comm is the rest."
+)
+"""How the columns relate, printed under the table."""
 
 
 def markdown(rows: Sequence[ScalingRow]) -> str:
@@ -88,11 +97,11 @@ def markdown(rows: Sequence[ScalingRow]) -> str:
     lines = [f"**{title(rows)}**", "", "| " + " | ".join(COLUMNS) + " |"]
     lines.append("|" + "|".join("---:" for _ in COLUMNS) + "|")
     lines += ["| " + " | ".join(_cells(row)) + " |" for row in rows]
-    return "\n".join(lines) + "\n"
+    return "\n".join([*lines, "", NOTE]) + "\n"
 
 
 def table(rows: Sequence[ScalingRow]) -> Table:
-    out = Table(title=title(rows))
+    out = Table(title=title(rows), caption=NOTE)
     for name in COLUMNS:
         out.add_column(name, justify="right")
     for row in rows:
@@ -142,8 +151,10 @@ def payload(rows: Sequence[ScalingRow], command: str, machine: dict[str, Any]) -
         "command": command,
         "machine": machine,
         "method": (
-            "compute = no-sync step - data wait; exposed comm = step - compute - data wait; "
-            "data wait = time in next(loader); efficiency = speed-up / (workers / base workers)"
+            "step = compute + exposed comm + data wait; data wait = time in next(loader); "
+            "compute = no-sync step - data wait, capped at step - data wait (the raw value: "
+            "nosync_compute_s); exposed comm = step - compute - data wait; "
+            "efficiency = speed-up / (workers / base workers)"
         ),
         "rows": [row.as_dict() for row in rows],
     }

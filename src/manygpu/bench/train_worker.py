@@ -15,21 +15,28 @@ from pathlib import Path
 import torch
 
 from manygpu.bench import models
-from manygpu.bench.train import TrainJob, measure
+from manygpu.bench.train import TrainJob, measure, parallel_fields, parallel_options
 from manygpu.core.parallel import Parallel
+from manygpu.errors import UsageError
 from manygpu.runtime import handoff
 
 
 def main(job: TrainJob) -> int:
     """Measure this job on every rank; rank 0 writes the stats."""
     cfg = job.bench
-    with Parallel(strategy=cfg.strategy, precision=cfg.precision, timeout_s=600) as par:
+    with Parallel(**parallel_options(cfg, parallel_fields())) as par:
         if job.threads and par.device.type == "cpu":
             # The same threads per worker at every worker count: per-worker scaling.
             torch.set_num_threads(job.threads)
         torch.manual_seed(0)  # the same initial model on every rank
-        workload = models.build(cfg.model)
-        stats = measure(par, workload, cfg)
+        workload = models.build(cfg.model, models.size_for(cfg.size, par.device.type))
+        try:
+            stats = measure(par, workload, cfg)
+        except torch.OutOfMemoryError:
+            raise UsageError(
+                f"{workload.name} at batch {cfg.batch or workload.batch} per worker does not "
+                f"fit in {par.device} memory; pass a smaller --batch (or --size small)"
+            ) from None
         if par.is_main:
             out = Path(job.out)
             out.parent.mkdir(parents=True, exist_ok=True)

@@ -25,7 +25,8 @@ def add_parser(sub: Any) -> None:
         help="collective bandwidth sweep (nccl-tests conventions)",
         description="Sweep message sizes for each collective and all-reduce "
         "algorithm (native, ring, parameter server, tree); print size, count, "
-        "time, algbw, busbw and #wrong; write JSON and optionally a PNG plot.",
+        "time, algbw, busbw and #wrong, one line per measurement; with --json / "
+        "--plot also write JSON / a PNG plot there (nothing is written otherwise).",
     )
     add_launch_options(c)
     c.help_later(c.add_argument("--ops", default="all_reduce"), _ops_help)
@@ -36,7 +37,7 @@ def add_parser(sub: Any) -> None:
     c.add_argument("--dtype", default="float32")
     c.add_argument("--iters", type=nonnegative_int, default=0, help="timed iterations (0: adapt)")
     c.add_argument("--warmup", type=nonnegative_int, default=2)
-    c.add_argument("--json", default="bench/results/comm.json")
+    c.add_argument("--json", default="", help="write the results here as JSON (default: no file)")
     c.add_argument("--plot", default="", help="also write a busbw-vs-size PNG here")
     c.add_argument("--label", default="", help="a name for this run in the table and JSON")
     c.set_defaults(run=run_comm)

@@ -20,9 +20,12 @@ if TYPE_CHECKING:
 
 DESCRIPTION = """Train a model for a few steps on 1, 2, ... N workers (one job per count,
 under the launcher) and report samples/s, speed-up, scaling efficiency and each
-step split into compute, exposed communication and data-loading wait; on GPUs
-also MFU. Writes JSON, a markdown table and a PNG plot. Models: built-in
-demo-cnn, resnet, gpt, or module:function returning a manygpu.bench.models.Workload.
+step split into compute, exposed communication and data-loading wait (the three
+add up to the step); on GPUs also MFU. Prints a table; --json PATH also writes
+JSON, a markdown table and a PNG plot next to it. Models: built-in demo-cnn,
+resnet, gpt, or module:function returning a manygpu.bench.models.Workload. On a
+GPU the built-ins are sized as GPUs are measured (gpt: GPT-2 small, 124M,
+sequence 1024; resnet: ResNet-50 at 224x224); on the CPU they are small (--size).
 Worker counts are per node; with --nnodes M every node runs this same command."""
 
 
@@ -38,11 +41,25 @@ def add_kind(kinds: Any) -> None:
     t.add_argument(
         "--workers", default="", help="comma list, e.g. 1,2,4 (default: 1,2,4..GPUs, or 1,2 on CPU)"
     )
-    t.add_argument("--batch", type=positive_int, default=32, help="samples per worker per step")
+    t.add_argument(
+        "--size",
+        default="auto",
+        choices=("auto", "small", "full"),
+        help="built-in models' size: full on a GPU, small on the CPU (auto)",
+    )
+    t.add_argument(
+        "--batch",
+        type=positive_int,
+        help="samples per worker per step (default: the model's; 16 for GPT-2, 128 for "
+        "ResNet-50, 32 for the small ones)",
+    )
     t.add_argument("--steps", type=positive_int, default=20, help="timed steps per job")
     t.add_argument("--warmup", type=positive_int, default=5)
     t.add_argument("--block", type=positive_int, default=5, help="steps per timing block")
-    t.add_argument("--precision", default="fp32", help="fp32, bf16 or fp16")
+    t.help_later(t.add_argument("--precision"), _precision_help)
+    t.add_argument(
+        "--compile", action="store_true", help="Parallel(compile=True): torch.compile the model"
+    )
     t.add_argument("--strategy", default="", help="strategy with >1 worker (default ddp)")
     t.add_argument(
         "--threads",
@@ -51,10 +68,16 @@ def add_kind(kinds: Any) -> None:
         help="CPU threads per worker, the same at every count (default: CPUs / max workers)",
     )
     t.add_argument("--peak-tflops", type=positive_float, help="peak TFLOP/s per worker for MFU")
-    t.add_argument("--json", default="bench/results/train.json")
-    t.add_argument("--markdown", default="", help="default: the JSON path with .md")
-    t.add_argument("--plot", default="", help="default: the JSON path with .png")
+    t.add_argument("--json", default="", help="write the results here (default: no files)")
+    t.add_argument("--markdown", default="", help="a markdown table (default: --json's path, .md)")
+    t.add_argument("--plot", default="", help="a PNG plot (default: --json's path, .png)")
     t.set_defaults(run=run_train)
+
+
+def _precision_help() -> str:
+    from manygpu.core.config import PRECISIONS
+
+    return f"one of: {', '.join(PRECISIONS)} (default: Parallel's)"
 
 
 def parse_workers(text: str, gpus: int) -> list[int]:
@@ -85,11 +108,13 @@ def bench_config(ns: argparse.Namespace) -> TrainBenchConfig:
 
     return TrainBenchConfig(
         model=ns.model,
+        size=ns.size,
         batch=ns.batch,
         steps=ns.steps,
         warmup=ns.warmup,
         block=ns.block,
         precision=ns.precision,
+        compile=ns.compile,
         strategy=ns.strategy or None,
         peak_tflops=ns.peak_tflops or None,
     )
@@ -100,6 +125,7 @@ def _validate(ns: argparse.Namespace) -> tuple[list[int], TrainBenchConfig, int]
     import torch
 
     from manygpu.bench import models
+    from manygpu.bench.train import parallel_fields, parallel_options
     from manygpu.runtime.device import cpu_count
 
     if ns.nproc_per_node is not None:
@@ -109,6 +135,7 @@ def _validate(ns: argparse.Namespace) -> tuple[list[int], TrainBenchConfig, int]
     gpus = torch.cuda.device_count() if ns.gpus is None else len(ns.gpus.split(","))
     counts = parse_workers(ns.workers, gpus)
     config = bench_config(ns)
+    parallel_options(config, parallel_fields())  # e.g. --compile from a manygpu without it
     if ns.strategy:
         from manygpu.strategies import get_strategy
 
@@ -149,16 +176,34 @@ def run_train(ns: argparse.Namespace) -> int:
     return 0
 
 
+def view_paths(
+    json_out: str, markdown: str, plot: str
+) -> tuple[Path | None, Path | None, Path | None]:
+    """Where the JSON, markdown and PNG go: only where asked.
+
+    ``--json PATH`` also puts the other two next to it (``.md``, ``.png``)
+    unless they were given; with no path at all nothing is written, so a run
+    never leaves files in whatever directory it was started from.
+    """
+    json_path = Path(json_out) if json_out else None
+    md_path = Path(markdown) if markdown else json_path.with_suffix(".md") if json_path else None
+    png_path = Path(plot) if plot else json_path.with_suffix(".png") if json_path else None
+    return json_path, md_path, png_path
+
+
 def write_views(ns: argparse.Namespace, rows: list[train_report.ScalingRow]) -> None:
-    """JSON, markdown and PNG next to each other unless paths were given."""
+    """The JSON, markdown and PNG views that were asked for."""
     from manygpu.bench import report, train_report
 
-    json_path = Path(ns.json)
-    md_path = Path(ns.markdown) if ns.markdown else json_path.with_suffix(".md")
-    png_path = Path(ns.plot) if ns.plot else json_path.with_suffix(".png")
-    command = " ".join(["manygpu", *sys.argv[1:]])
-    report.write_json(json_path, train_report.payload(rows, command, report.machine_info()))
-    md_path.parent.mkdir(parents=True, exist_ok=True)
-    md_path.write_text(train_report.markdown(rows))
-    train_report.plot(rows, png_path)
-    print(f"wrote {json_path}, {md_path} and {png_path}")
+    json_path, md_path, png_path = view_paths(ns.json, ns.markdown, ns.plot)
+    if json_path is not None:
+        command = " ".join(["manygpu", *sys.argv[1:]])
+        report.write_json(json_path, train_report.payload(rows, command, report.machine_info()))
+    if md_path is not None:
+        md_path.parent.mkdir(parents=True, exist_ok=True)
+        md_path.write_text(train_report.markdown(rows))
+    if png_path is not None:
+        train_report.plot(rows, png_path)
+    written = [str(p) for p in (json_path, md_path, png_path) if p is not None]
+    if written:
+        print(f"wrote {', '.join(written)}")

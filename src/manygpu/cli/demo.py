@@ -15,7 +15,8 @@ def add_parser(sub: Any) -> None:
         "demo",
         help="train a CNN on the digits on every local device",
         description="Train SimpleCNN on scikit-learn's digits with every local "
-        "GPU (or 2 CPU processes), then report accuracy, speed-up and efficiency.",
+        "GPU (or 2 CPU processes), then report accuracy and throughput, and with "
+        "several workers the speed-up over one worker and the scaling efficiency.",
     )
     p.add_argument("--workers", type=positive_int, help="processes (default: GPUs, or 2 on CPU)")
     p.add_argument("--epochs", type=positive_int, default=6)

@@ -3,8 +3,9 @@
 Trains :class:`SimpleCNN` on the digits with the strategy of the
 :class:`~manygpu.demo.config.DemoConfig` the command handed over
 (:mod:`manygpu.runtime.handoff`), reports loss
-and held-out accuracy per epoch on the main process, then measures one worker
-alone on the same per-worker batch to state the speed-up and scaling efficiency.
+and held-out accuracy per epoch on the main process, then, with several workers,
+measures one worker alone on the same per-worker batch to state the speed-up and
+scaling efficiency (with one worker it says what a multi-device run would show).
 """
 
 from __future__ import annotations
@@ -39,19 +40,21 @@ class DemoResult:
     losses: list[float] = field(default_factory=list)
     accuracies: list[float] = field(default_factory=list)
     samples_per_s: float = 0.0
-    single_worker_samples_per_s: float = 0.0
+    single_worker_samples_per_s: float | None = None
+    """One worker alone on the same per-worker batch; ``None`` when the job had one worker
+    (comparing it with itself would only measure noise)."""
 
     @property
-    def speedup(self) -> float:
-        return (
-            self.samples_per_s / self.single_worker_samples_per_s
-            if self.single_worker_samples_per_s
-            else 0.0
-        )
+    def speedup(self) -> float | None:
+        """Throughput / one worker's; ``None`` without a comparison."""
+        if not self.single_worker_samples_per_s:
+            return None
+        return self.samples_per_s / self.single_worker_samples_per_s
 
     @property
-    def efficiency(self) -> float:
-        return self.speedup / self.workers if self.workers else 0.0
+    def efficiency(self) -> float | None:
+        """Speed-up / workers (1.0: linear scaling); ``None`` without a comparison."""
+        return None if self.speedup is None else self.speedup / self.workers
 
 
 def evaluate(par: Parallel, model: torch.nn.Module, loader: PreparedLoader) -> float:
@@ -161,22 +164,41 @@ def main(config: DemoConfig) -> DemoResult:
                 f"({samples / seconds:,.0f} samples/s)"
             )
         result.samples_per_s = timed_samples / timed_s
-        per_worker = config.global_batch_size // par.world_size
-        steps = min(2 * len(train), 100)  # ~1-2 s: enough to average out noise
-        rate = single_worker_rate(par, train_set, per_worker, steps, config.image_size)
-        result.single_worker_samples_per_s = float(par.reduce(torch.tensor([rate]), "max"))
+        if par.world_size > 1:  # one worker compared with one worker says nothing
+            per_worker = config.global_batch_size // par.world_size
+            steps = min(2 * len(train), 100)  # ~1-2 s: enough to average out noise
+            rate = single_worker_rate(par, train_set, per_worker, steps, config.image_size)
+            result.single_worker_samples_per_s = float(par.reduce(torch.tensor([rate]), "max"))
         report(par, result, config.json_path)
     return result
 
 
+def summary(result: DemoResult) -> str:
+    """The closing line: accuracy, throughput and, with several workers, the scaling.
+
+    With one worker there is nothing to compare: the line says so and what a
+    run on several devices would report, instead of a "speed-up" of one worker
+    over one worker that only measures noise.
+    """
+    head = f"final held-out accuracy {result.accuracies[-1]:.2%}; "
+    speedup, efficiency = result.speedup, result.efficiency
+    if speedup is None or efficiency is None or result.single_worker_samples_per_s is None:
+        return (
+            f"{head}throughput {result.samples_per_s:,.0f} samples/s on one worker "
+            f"({result.device}). One device, so no speed-up to measure: with N devices "
+            "(every local GPU, or --workers N on the CPU) the demo compares N workers' "
+            "samples/s with one worker's; ideally N times as many, a scaling efficiency of 100%."
+        )
+    return (
+        f"{head}throughput {result.samples_per_s:,.0f} samples/s with {result.workers} workers "
+        f"vs {result.single_worker_samples_per_s:,.0f} with one: "
+        f"speed-up {speedup:.2f}x, scaling efficiency {efficiency:.0%}"
+    )
+
+
 def report(par: Parallel, result: DemoResult, json_path: str | None) -> None:
     """Final lines on the main process, and the JSON file when asked."""
-    par.print(
-        f"final held-out accuracy {result.accuracies[-1]:.2%}; "
-        f"throughput {result.samples_per_s:,.0f} samples/s with {result.workers} worker(s) "
-        f"vs {result.single_worker_samples_per_s:,.0f} with one: "
-        f"speed-up {result.speedup:.2f}x, scaling efficiency {result.efficiency:.0%}"
-    )
+    par.print(summary(result))
     if json_path and par.is_main:
         payload = asdict(result) | {"speedup": result.speedup, "efficiency": result.efficiency}
         with open(json_path, "w") as fh:
