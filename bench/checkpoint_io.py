@@ -124,8 +124,9 @@ def worker(args: argparse.Namespace) -> None:
             par.barrier()
             if par.is_main:
                 shutil.rmtree(directory, ignore_errors=True)
-                par.print(f"round {rnd} {variant:<10} stall {row['stall_s']:6.2f}s  save "
-                          f"{row['save_s']:6.2f}s  load {row['load_s']:6.2f}s  {size / 1e6:,.0f} MB")
+                par.print(f"round {rnd} {variant:<10} stall {row['stall_s']:6.2f}s  "
+                          f"save {row['save_s']:6.2f}s  load {row['load_s']:6.2f}s  "
+                          f"{size / 1e6:,.0f} MB")
     if par.is_main:
         Path(args.out).write_text(json.dumps({"parameters": params, "ranks": par.world_size,
                                               "rows": rows}))
