@@ -113,21 +113,19 @@ def _on_cpu(tree: Any) -> bool:
     return True
 
 
-def full_snapshot(parts: Parts, *, stage: Staging | None) -> dict[str, Any]:
+def full_snapshot(parts: Parts, *, stage: Staging, copy: bool) -> dict[str, Any]:
     """Main rank's files for the ``full`` format.
 
-    With ``stage`` the tensors are copied into its reusable CPU buffers (needed
-    when training goes on while the files are written). Without it a save of
-    CPU tensors writes the live tensors; tensors on a device are still staged
-    (into a throw-away area), which copies them in one batch instead of one
+    ``copy=True`` copies the tensors into ``stage``'s reusable CPU buffers
+    (needed when training goes on while the files are written). Otherwise CPU
+    tensors are written as they are, and tensors on a device are still staged:
+    one batch of asynchronous copies into pinned buffers instead of one
     blocking copy per tensor inside ``torch.save``.
     """
     files = {MODEL: parts.model.state_dict(), EXTRAS: parts.extras()}
     if parts.optimizer is not None:
         files[OPTIM] = parts.optimizer.state_dict()
-    if stage is None and not _on_cpu(files):
-        stage = Staging(pin=False)
-    return stage.stage(files) if stage is not None else files
+    return stage.stage(files) if copy or not _on_cpu(files) else files
 
 
 def detect(directory: Path) -> str:
@@ -324,13 +322,21 @@ class Format(ABC):
 
     @abstractmethod
     def write(
-        self, directory: Path, parts: Parts, *, group: Any, main: bool, stage: Staging | None
+        self,
+        directory: Path,
+        parts: Parts,
+        *,
+        group: Any,
+        main: bool,
+        stage: Staging,
+        copy: bool,
     ) -> Written:
         """This rank's part of a save (every rank calls it: it may be collective).
 
         Returns the files the main rank still has to write (name -> state), so
-        that writing can happen in the background; with ``stage`` they are
-        copies in its reusable CPU buffers, safe from the training that goes on.
+        that writing can happen in the background; with ``copy`` they are
+        copies in ``stage``'s reusable CPU buffers, safe from the training
+        that goes on.
         """
 
     @abstractmethod
@@ -348,11 +354,18 @@ class FullFormat(Format):
     writes_in_background = True
 
     def write(
-        self, directory: Path, parts: Parts, *, group: Any, main: bool, stage: Staging | None
+        self,
+        directory: Path,
+        parts: Parts,
+        *,
+        group: Any,
+        main: bool,
+        stage: Staging,
+        copy: bool,
     ) -> Written:
         if parts.optimizer is not None:
             parts.consolidate(parts.optimizer)  # collective: before the main rank reads it
-        return Written(files=full_snapshot(parts, stage=stage) if main else {})
+        return Written(files=full_snapshot(parts, stage=stage, copy=copy) if main else {})
 
     def read(self, directory: Path, parts: Parts, *, group: Any) -> None:
         read_full(directory, parts)
@@ -364,7 +377,14 @@ class DcpFormat(Format):
     name = "dcp"
 
     def write(
-        self, directory: Path, parts: Parts, *, group: Any, main: bool, stage: Staging | None
+        self,
+        directory: Path,
+        parts: Parts,
+        *,
+        group: Any,
+        main: bool,
+        stage: Staging,
+        copy: bool,
     ) -> Written:
         return Written(table=write_dcp(directory, parts, group=group))
 

@@ -106,11 +106,9 @@ class Checkpointer:
             else None
         )
         self._pending: threading.Thread | None = None
-        self._staging = (
-            Staging(pin=pin_wanted(cuda_available=torch.cuda.is_available()))
-            if self.async_save
-            else None
-        )
+        # CPU buffers for snapshots (async saves; blocking saves of device
+        # tensors): allocated at the first save that needs them, then reused.
+        self._staging = Staging(pin=pin_wanted(cuda_available=torch.cuda.is_available()))
         self._error: BaseException | None = None
         self._preemption = PreemptionNotice()
         if handle_signals:
@@ -146,7 +144,12 @@ class Checkpointer:
             name = f"rng-rank{self.par.rank}.pt"
             table = {name: writer.save(rng.capture(), tmp / name)}
             written = self.parts.format.write(
-                tmp, self.parts, group=self._group, main=self.par.is_main, stage=self._staging
+                tmp,
+                self.parts,
+                group=self._group,
+                main=self.par.is_main,
+                stage=self._staging,
+                copy=self.async_save,
             )
             written.table |= table
             failure = None

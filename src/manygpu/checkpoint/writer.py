@@ -113,8 +113,40 @@ class DurableFile:
         self.close()
 
 
+def _zip_crc_optional() -> bool:
+    """Whether torch's zip writer can be driven directly (its CRC-32 pass switched off)."""
+    import inspect
+
+    save_fn = getattr(torch.serialization, "_save", None)
+    if save_fn is None or not hasattr(torch._C, "PyTorchFileWriter"):
+        return False
+    wanted = ["obj", "zip_file", "pickle_module", "pickle_protocol", "_disable_byteorder_record"]
+    return list(inspect.signature(save_fn).parameters) == wanted
+
+
+def _torch_save(obj: Any, fh: DurableFile) -> None:
+    """``torch.save(obj, fh)`` without the zip format's own CRC-32 of every record.
+
+    That CRC runs on the writing thread over every byte, and the checksum we
+    compute while writing already covers the file; ``torch.load`` does not
+    check it (torch's ``set_crc32_options(False)`` writes the same files, but
+    is a process-wide switch a library must not flip). Falls back to plain
+    ``torch.save`` if torch's internals ever change shape.
+    """
+    if not _zip_crc_optional():
+        torch.save(obj, fh)  # type: ignore[arg-type]
+        return
+    import pickle
+
+    from torch.serialization import _get_storage_alignment, _save
+
+    zip_file = torch._C.PyTorchFileWriter(fh, False, _get_storage_alignment())
+    _save(obj, zip_file, pickle, 2, False)
+    zip_file.write_end_of_file()
+
+
 def save(obj: Any, path: Path) -> dict[str, Any]:
     """``torch.save(obj, path)``, hashed while written and durable; returns its table entry."""
     with hashing_pool() as pool, DurableFile(path, pool) as fh:
-        torch.save(obj, fh)  # type: ignore[arg-type]
+        _torch_save(obj, fh)
     return fh.entry()
