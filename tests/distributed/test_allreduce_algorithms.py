@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from dist_harness import run_ranks
+from dist_harness import preload, run_ranks
 from hypothesis import Phase, example, given, settings
 from hypothesis import strategies as st
 
@@ -18,6 +18,7 @@ from manygpu import Parallel, comm
 from manygpu.comm.algorithms import ALGORITHMS
 
 DTYPES = ["float32", "float64", "int32", "int64"]
+preload("hypothesis")
 
 
 def _local_input(size: int, dtype: str, rank: int, seed: int) -> torch.Tensor:
