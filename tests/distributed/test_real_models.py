@@ -24,13 +24,16 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
-from dist_harness import run_ranks
+from dist_harness import preload, run_ranks
 from recipes import Recipe, max_diff, reference_train, train_parallel
 from zoo import lm_loss
 
 from manygpu import PipelineOptions
 
 pytest.importorskip("transformers")
+# Importing the three models takes ~6 s of CPU: once in the rank server, not once per rank.
+HF_MODULES = [f"transformers.models.{m}.modeling_{m}" for m in ("gpt2", "llama", "bert")]
+preload("recipes", "zoo", *HF_MODULES)
 
 TOL, ADAM_TOL, BF16_TOL = 1e-5, 1e-4, 5e-4
 # bf16 autocast against a bf16-autocast reference: a matmul over a rank's rows
@@ -96,10 +99,21 @@ def _merged(outs: list[dict[str, Any]], key: str) -> dict[str, Any]:
     return merged
 
 
+_REFERENCES: dict[tuple[str, int], dict[str, Any]] = {}
+
+
+def _reference(recipe: Recipe, data_world: int) -> dict[str, Any]:
+    """``reference_train``, computed once per recipe and data width for all cases."""
+    key = (repr(recipe), data_world)
+    if key not in _REFERENCES:
+        _REFERENCES[key] = reference_train(recipe, data_world)
+    return _REFERENCES[key]
+
+
 def _check(recipe: Recipe, outs: list[dict[str, Any]]) -> None:
     errors = [o["error"] for o in outs if "error" in o]
     assert not errors, f"{recipe.model}: {errors[0]}"
-    ref = reference_train(recipe, outs[0]["data_world"])
+    ref = _reference(recipe, outs[0]["data_world"])
     # Every replica / shard starts from rank 0's weights, though each rank built its own.
     assert max_diff(_merged(outs, "initial"), ref["initial"]) == 0, recipe
     if not recipe.per_shard_forward:
