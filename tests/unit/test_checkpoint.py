@@ -15,7 +15,7 @@ import torch
 from ckpt_job import build, train
 
 from manygpu import Parallel
-from manygpu.checkpoint import CheckpointError, TrainState, formats, layout
+from manygpu.checkpoint import CheckpointError, TrainState, formats, layout, writer
 from manygpu.checkpoint.export import export_safetensors, inspect
 from manygpu.checkpoint.preemption import PreemptionNotice
 from manygpu.errors import UsageError
@@ -44,19 +44,20 @@ def test_crash_inside_save_keeps_the_previous_checkpoint(
     with Parallel(strategy="single") as par:
         _, _, _, _, ckpt = build(par, tmp_path, every=0)
         ckpt.save(TrainState(step=1))
-        real = torch.save
+        real = writer._torch_save  # what every checkpoint file is written with
         calls = {"n": 0}
 
-        def dying_save(obj: object, f: object, *a: object, **k: object) -> None:
+        def dying_save(obj: object, f: writer.DurableFile) -> None:
             calls["n"] += 1
             if calls["n"] == 2:  # rng file written, then the model file "crashes"
+                f.write(b"partial")
                 raise OSError("disk died")
-            real(obj, f, *a, **k)  # type: ignore[arg-type]
+            real(obj, f)
 
-        monkeypatch.setattr(torch, "save", dying_save)
+        monkeypatch.setattr(writer, "_torch_save", dying_save)
         with pytest.raises(CheckpointError, match="disk died"):
             ckpt.save(TrainState(step=2))
-        monkeypatch.setattr(torch, "save", real)
+        monkeypatch.setattr(writer, "_torch_save", real)
         assert [p.name for p in layout.committed(tmp_path)] == ["step-00000001"]
         assert not (tmp_path / "step-00000002.tmp").exists()  # removed at once (a full disk)
         assert ckpt.resume().step == 1
@@ -80,7 +81,7 @@ def test_corrupt_latest_falls_back_and_is_named(tmp_path: Path) -> None:
         data = bytearray(flipped.read_bytes())
         data[len(data) // 2] ^= 0xFF  # same size, one bit pattern changed
         flipped.write_bytes(bytes(data))
-        with pytest.raises(CheckpointError, match=r"optim\.pt fails its SHA-256 check"):
+        with pytest.raises(CheckpointError, match=r"optim\.pt fails its CRC-32 check in bytes 0-"):
             ckpt.resume(1)
 
 

@@ -6,8 +6,9 @@
 - kill -9 during that background write leaves the previous checkpoint intact
   (a real process, marked slow).
 - The snapshot buffers are allocated once and reused; no file is read back to
-  hash it (a save with file hashing disabled still commits); segmented
-  digests equal when fed in any chunking; schema 1 checkpoints still load.
+  checksum it (a save with file hashing disabled still commits); streamed
+  checksums equal the file's in any chunking and name the damaged segment;
+  schema 1 checkpoints (plain SHA-256) still load and verify.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import subprocess
 import sys
 import threading
 import time
+import zlib
 from pathlib import Path
 from typing import Any
 
@@ -181,14 +183,18 @@ def test_streamed_digest_equals_the_file_digest_in_any_chunking(
                 fh.write(memoryview(data)[pos : pos + n])
                 pos += n
         assert path.read_bytes() == data
-        assert fh.entry() == {"bytes": len(data), "sha256": integrity.file_digest(path, pool)}
+        assert fh.entry() == {"bytes": len(data), "crc32": integrity.file_digest(path, pool)}
         segments = [data[i : i + 1000] for i in range(0, len(data), 1000)]
-        root = hashlib.sha256(b"".join(hashlib.sha256(s).digest() for s in segments))
-        assert fh.entry()["sha256"] == root.hexdigest()
-        data2 = bytearray(data)
-        data2[len(data) // 2] ^= 1
-        path.write_bytes(bytes(data2))
-        assert integrity.file_digest(path, pool) != root.hexdigest()
+        want = "".join(f"{zlib.crc32(s):08x}" for s in segments)
+        assert fh.entry()["crc32"] == want
+        damaged = bytearray(data)
+        damaged[-1] ^= 1
+        path.write_bytes(bytes(damaged))
+        start = (len(data) - 1) // 1000 * 1000  # the last segment's
+        assert integrity.first_damage(want, integrity.file_digest(path, pool)) == (
+            start,
+            start + 1000,
+        )
 
 
 def test_schema_1_checkpoints_still_load_and_verify(tmp_path: Path) -> None:
@@ -199,6 +205,7 @@ def test_schema_1_checkpoints_still_load_and_verify(tmp_path: Path) -> None:
         meta.pop("checksum")
         meta["schema"] = 1
         for name, entry in meta["files"].items():  # what schema 1 listed: plain SHA-256
+            del entry["crc32"]
             entry["sha256"] = hashlib.sha256((final / name).read_bytes()).hexdigest()
         (final / layout.META).write_text(json.dumps(meta))
         assert ckpt.resume().step == 4
@@ -208,9 +215,9 @@ def test_schema_1_checkpoints_still_load_and_verify(tmp_path: Path) -> None:
         optim.write_bytes(bytes(data))
         with pytest.raises(CheckpointError, match=r"optim\.pt fails its SHA-256 check"):
             ckpt.resume(4)
-        meta["schema"], meta["checksum"] = 2, "crc32"  # schema 2 names its checksum
+        meta["schema"], meta["checksum"] = 2, "sha256"  # schema 2 names its checksum
         (final / layout.META).write_text(json.dumps(meta))
-        with pytest.raises(CheckpointError, match="checksum 'crc32'"):
+        with pytest.raises(CheckpointError, match="checksum 'sha256'"):
             ckpt.resume(4)
 
 

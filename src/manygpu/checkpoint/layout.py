@@ -8,7 +8,7 @@ crash at any point leaves either the previous checkpoints untouched plus a
 
 The checksums are computed while the files are written (:mod:`.writer`) and
 handed to :func:`commit`; nothing is read back to hash it. Schema 2 lists
-segmented SHA-256 digests (:mod:`.integrity`); schema 1 checkpoints (plain
+a CRC-32 per 16 MiB segment (:mod:`.integrity`); schema 1 checkpoints (a plain
 SHA-256 per file) still verify and load.
 """
 
@@ -63,7 +63,7 @@ def file_table(directory: Path) -> dict[str, dict[str, Any]]:
         return {
             str(path.relative_to(directory)): {
                 "bytes": path.stat().st_size,
-                "sha256": integrity.file_digest(path, pool),
+                KEY[SCHEMA]: integrity.file_digest(path, pool),
             }
             for path in _files(directory)
         }
@@ -84,7 +84,7 @@ def _complete_table(tmp: Path, table: dict[str, dict[str, Any]]) -> dict[str, di
         if entry is None or entry["bytes"] != size:
             fsync_path(path)
             with integrity.hashing_pool() as pool:
-                entry = {"bytes": size, "sha256": integrity.file_digest(path, pool)}
+                entry = {"bytes": size, KEY[SCHEMA]: integrity.file_digest(path, pool)}
         out[name] = entry
     return out
 
@@ -127,10 +127,13 @@ class Found:
 SCHEMA = 2
 """Version of meta.json's layout; a newer one is refused, not guessed at.
 
-1: a plain SHA-256 per file. 2: segmented SHA-256 (:mod:`.integrity`), named
+1: a plain SHA-256 per file. 2: a CRC-32 per segment (:mod:`.integrity`), named
 by the ``checksum`` field. Both are read."""
 READABLE = (1, 2)
-_SHA256_HEX = frozenset("0123456789abcdef")
+KEY = {1: "sha256", 2: "crc32"}
+"""The file-table key holding a file's checksum, per schema."""
+_NAME = {1: "SHA-256", 2: "CRC-32"}
+_HEX = frozenset("0123456789abcdef")
 
 
 def read_meta(path: Path) -> dict[str, Any]:
@@ -171,22 +174,32 @@ def check_meta(meta: Any, where: Path) -> None:
             raise bad(f"{key!r} is not an object")
     files = meta.get("files")
     if not isinstance(files, dict) or not files:
-        raise bad("no 'files' table (sizes and SHA-256 of every file)")
+        raise bad("no 'files' table (sizes and checksums of every file)")
     for name, entry in files.items():
-        _check_entry(name, entry, bad)
+        _check_entry(name, entry, bad, schema)
 
 
-def _check_entry(name: str, entry: Any, bad: Any) -> None:
+def _check_entry(name: str, entry: Any, bad: Any, schema: int) -> None:
     parts = Path(name).parts
     if Path(name).is_absolute() or ".." in parts or not parts:
         raise bad(f"file name {name!r} leaves the checkpoint directory")
     if not isinstance(entry, dict):
         raise bad(f"entry of {name!r} is not an object")
-    size, digest = entry.get("bytes"), entry.get("sha256")
+    key = KEY[schema]
+    size, digest = entry.get("bytes"), entry.get(key)
     if not isinstance(size, int) or isinstance(size, bool) or size < 0:
         raise bad(f"size of {name!r} is {size!r}")
-    if not isinstance(digest, str) or len(digest) != 64 or not set(digest) <= _SHA256_HEX:
-        raise bad(f"sha256 of {name!r} is not 64 hex digits")
+    if schema == 1:
+        if not isinstance(digest, str) or len(digest) != 64 or not set(digest) <= _HEX:
+            raise bad(f"sha256 of {name!r} is not 64 hex digits")
+        return
+    segments = -(-size // integrity.SEGMENT)
+    if (
+        not isinstance(digest, str)
+        or len(digest) != segments * integrity.HEX
+        or not set(digest) <= _HEX
+    ):
+        raise bad(f"{key} of {name!r} is not {segments * integrity.HEX} hex digits")
 
 
 def verify(path: Path, *, hashes: bool = True) -> Found:
@@ -212,13 +225,19 @@ def verify(path: Path, *, hashes: bool = True) -> Found:
 
 
 def _check_hashes(path: Path, listed: dict[str, Any], schema: int) -> None:
-    # Sizes first (cheap), then the checksums, hashed on every core.
+    # Sizes first (cheap), then the checksums, computed on every core.
     with integrity.hashing_pool(every_core=True) as pool:
         for name, entry in listed.items():
-            if integrity.file_digest(path / name, pool, schema=schema) != entry["sha256"]:
-                raise CheckpointError(
-                    f"checkpoint {path} is corrupt: {name} fails its SHA-256 check"
-                )
+            found = integrity.file_digest(path / name, pool, schema=schema)
+            if found == entry[KEY[schema]]:
+                continue
+            where = ""
+            if schema == 2:
+                start, end = integrity.first_damage(entry[KEY[schema]], found)
+                where = f" in bytes {start:,}-{min(end, entry['bytes']):,}"
+            raise CheckpointError(
+                f"checkpoint {path} is corrupt: {name} fails its {_NAME[schema]} check{where}"
+            )
 
 
 def committed(root: Path) -> list[Path]:

@@ -297,7 +297,7 @@ class Checkpointer:
     def resume(self, which: str | int | Path = "latest", *, fresh_ok: bool = False) -> TrainState:
         """Load a checkpoint and return its counters (a fresh state when there is none).
 
-        ``"latest"`` takes the newest checkpoint that verifies (sizes and SHA-256)
+        ``"latest"`` takes the newest checkpoint that verifies (sizes and checksums)
         and warns about any corrupt one it skips; a step number or a path must
         verify or raise :class:`CheckpointError` naming the bad file. When
         checkpoints exist but none verifies, starting again from step 0 would

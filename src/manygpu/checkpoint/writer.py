@@ -104,7 +104,7 @@ class DurableFile:
 
     def entry(self) -> dict[str, Any]:
         """This file's line in ``meta.json``'s file table (after :meth:`close`)."""
-        return {"bytes": self._digest.size, "sha256": self._digest.hexdigest()}
+        return {"bytes": self._digest.size, "crc32": self._digest.hexdigest()}
 
     def __enter__(self) -> DurableFile:
         return self
@@ -140,9 +140,13 @@ def _torch_save(obj: Any, fh: DurableFile) -> None:
 
     from torch.serialization import _get_storage_alignment, _save
 
-    zip_file = torch._C.PyTorchFileWriter(fh, False, _get_storage_alignment())
-    _save(obj, zip_file, pickle, 2, False)
-    zip_file.write_end_of_file()
+    zip_file = torch._C.PyTorchFileWriter(fh, False, _get_storage_alignment())  # type: ignore[call-overload]
+    try:
+        _save(obj, zip_file, pickle, 2, False)
+    finally:
+        # As torch.save does: finalise even after an error, or the writer's
+        # destructor tries again and a second failure (a full disk) aborts.
+        zip_file.write_end_of_file()
 
 
 def save(obj: Any, path: Path) -> dict[str, Any]:
