@@ -91,5 +91,36 @@ def test_estimate_matches_a_real_model_and_adam_state() -> None:
 
 def test_transformer_description() -> None:
     d = transformer("7b", parameters=7_000_000_000, layers=32, hidden=4096, seq_len=2048)
-    assert d.flops_per_sample == 6 * 7e9 * 2048
+    # 6 N per token plus attention's 12 x layers x hidden x sequence (PaLM, appendix B).
+    assert d.flops_per_sample == (6 * 7e9 + 12 * 32 * 4096 * 2048) * 2048
     assert d.activation_bytes_per_sample == 2 * 34 * 2048 * 4096 * 32
+    assert d.conv_flops_per_sample == 0
+    # With a vocabulary: the logits and the loss's log-softmax, 4 + 4 bytes each in fp32.
+    v = transformer("v", parameters=10**6, layers=1, hidden=64, seq_len=16, vocab=1000)
+    assert v.activation_bytes_per_sample == 2 * 34 * 16 * 64 + 8 * 16 * 1000
+    assert v.largest_layer_parameters == 1000 * 64  # the embedding outgrows a block
+
+
+def test_tf32_stores_fp32_and_16_bit_halves_activations() -> None:
+    d = _desc(activation_bytes_per_sample=1000.0)
+    fp32, tf32, bf16 = (memory.estimate(d, "ddp", world=2, batch=4, precision=p)
+                        for p in ("fp32", "tf32", "bf16"))  # fmt: skip
+    assert fp32 == tf32 and fp32.activations == 4000.0 and bf16.activations == 2000.0
+    with pytest.raises(UsageError, match="unknown precision 'auto'"):
+        memory.bytes_per_param("auto", "adam")  # resolved per device by the planner first
+
+
+def test_a_real_model_counts_its_convolution_flops() -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, 8, 3), nn.Flatten(), nn.Linear(8 * 6 * 6, 2))
+
+    def batch(n: int, g: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+        return torch.randn(n, 3, 8, 8, generator=g), torch.randint(0, 2, (n,), generator=g)
+
+    d = describe("cnn", model, batch, nn.functional.cross_entropy, sample_batch=2)
+    # Forward: 2 x (8 out x 6 x 6 positions x 27 taps); backward: the weight gradient only
+    # (no layer before it needs an input gradient) = the forward again.
+    conv_fwd = 2 * 8 * 6 * 6 * 27
+    assert d.conv_flops_per_sample == 2 * conv_fwd
+    # The linear layer: forward, weight gradient and input gradient (the conv needs it).
+    assert d.flops_per_sample == d.conv_flops_per_sample + 3 * (2 * 288 * 2)

@@ -27,38 +27,54 @@ if TYPE_CHECKING:
 DESCRIPTION = """Estimate per-device memory (parameters, gradients, optimizer state,
 activations) and step time / scaling efficiency (alpha-beta ring all-reduce with
 DDP's bucketed overlap) of ddp, zero1, zero2, fsdp, pipeline and tensor parallelism,
-and recommend one. The model is a built-in or module:function workload (measured
-on this CPU), or numbers: --params (and --layers/--hidden/--seq for a transformer).
-The cluster is a preset (p100-roce25, v100, a100, h100) resized by --nodes and
---gpus-per-node, with any field overridden, or 'this' (measured here)."""
+and recommend one. The model is a published one (resnet50, gpt2, gpt2-medium), a
+built-in or module:function workload (measured on this CPU), or numbers: --params
+(and --layers/--hidden/--seq for a transformer). Compute is timed at what each
+device reaches in training at the precision (published figures, not the data-sheet
+peak). The cluster is a preset (p100-roce25, v100, t4, a100, h100) resized by
+--nodes and --gpus-per-node, with any field overridden, or 'this' (measured here)."""
 
 
 def add_parser(sub: Any) -> None:
     p = sub.add_parser("plan", help="predict memory and speed-up; recommend a strategy",
                        description=DESCRIPTION,
                        formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
-    p.add_argument("--model", default="", help="demo-cnn, resnet, gpt or module:function")
+    p.add_argument(
+        "--model",
+        default="",
+        help="resnet50, gpt2, gpt2-medium, demo-cnn, resnet, gpt or module:function",
+    )
     p.add_argument("--params", type=nonnegative_float, default=0, help="parameter count, e.g. 7e9")
     p.add_argument("--layers", type=nonnegative_int, default=0)
     p.add_argument("--hidden", type=nonnegative_int, default=0)
     p.add_argument("--seq", type=nonnegative_int, default=0, help="sequence length (tokens)")
     p.add_argument("--heads", type=nonnegative_int, default=0)
     p.add_argument(
-        "--flops-per-sample", type=nonnegative_float, default=0, help="forward+backward FLOPs"
+        "--flops-per-sample",
+        type=nonnegative_float,
+        default=0,
+        help="forward+backward FLOPs, 2 per multiply-add (ResNet-50: 24.3e9)",
     )
+    p.add_argument("--activation-mb", type=nonnegative_float, default=0,
+                   help="saved-for-backward MB per sample in fp32 (with --params)")  # fmt: skip
     p.add_argument("--cluster", default="h100", help="preset name or 'this'")
     p.add_argument("--nodes", type=positive_int, default=1)
     p.add_argument("--gpus-per-node", type=positive_int, help="devices (or CPU processes) per node")
     p.add_argument("--gpu-memory-gb", type=positive_float)
-    p.add_argument("--peak-tflops", type=positive_float)
+    p.add_argument("--peak-tflops", type=positive_float,
+                   help="a device outside the table: its dense peak at the precision "
+                   "(--mfu of it, default 0.4, is assumed reached)")  # fmt: skip
     p.add_argument("--intra-gbs", type=positive_float, help="ring bandwidth inside a node, GB/s")
     p.add_argument("--intra-latency-us", type=positive_float)
     p.add_argument("--inter-gbs", type=positive_float, help="network bandwidth per node, GB/s")
     p.add_argument("--inter-latency-us", type=positive_float)
     p.add_argument("--batch", type=positive_int, default=32, help="samples per replica per step")
-    p.add_argument("--precision", default="fp32", help="fp32 or bf16/fp16 (mixed, ZeRO accounting)")
+    p.add_argument("--precision", default="auto",
+                   help="auto (bf16, else fp16, else fp32: the device's best), fp32, tf32, "
+                   "bf16 or fp16 (mixed)")  # fmt: skip
     p.add_argument("--optimizer", default="adam", help="adam, adamw, sgd-momentum, sgd")
-    p.add_argument("--mfu", type=fraction, default=0.4, help="assumed MFU for FLOP-based times")
+    p.add_argument("--mfu", type=fraction, default=None,
+                   help="assume this fraction of the peak, not the table's rates")  # fmt: skip
     p.add_argument("--json", default="", help="also write the plan here")
     p.set_defaults(run=run)
 
@@ -72,9 +88,10 @@ def build_cluster(ns: argparse.Namespace) -> Cluster:
         cluster = this_machine(ns.gpus_per_node or 2)
     else:
         cluster = hardware.preset(ns.cluster, nodes=ns.nodes, gpus_per_node=ns.gpus_per_node)
+    if ns.peak_tflops is not None:  # a device outside the table: its peak, not the table's rates
+        cluster = replace(cluster, device=None, peak_tflops=ns.peak_tflops)
     overrides = {
         "memory_gb": ns.gpu_memory_gb,
-        "peak_tflops": ns.peak_tflops,
         "intra_bw_gbs": ns.intra_gbs,
         "intra_latency_us": ns.intra_latency_us,
         "inter_bw_gbs": ns.inter_gbs,
@@ -99,7 +116,12 @@ def build_desc(ns: argparse.Namespace, measure_step: bool) -> ModelDesc:
             return transformer("transformer", parameters=int(ns.params), layers=ns.layers,
                                hidden=ns.hidden, seq_len=ns.seq, heads=ns.heads)  # fmt: skip
         return ModelDesc(name="model", parameters=int(ns.params),
-                         flops_per_sample=ns.flops_per_sample)  # fmt: skip
+                         flops_per_sample=ns.flops_per_sample,
+                         activation_bytes_per_sample=ns.activation_mb * 1e6)  # fmt: skip
+    from manygpu.plan.published import MODELS
+
+    if ns.model in MODELS:
+        return MODELS[ns.model]()
     from manygpu.bench import models
     from manygpu.plan.desc import describe
 
@@ -108,22 +130,25 @@ def build_desc(ns: argparse.Namespace, measure_step: bool) -> ModelDesc:
                     time_batch=ns.batch if measure_step else 0)  # fmt: skip
 
 
-def table(plan: Plan) -> Table:
+def table(plan: Plan, acts_known: bool = True) -> Table:
     from rich.table import Table
 
     out = Table(title=f"manygpu plan: {plan.world_size} device(s)")
     for name in ("strategy", "ways", "params GB", "grads GB", "optim GB", "acts GB",
-                 "total GB", "fits", "step ms", "exposed comm ms", "efficiency"):  # fmt: skip
+                 "total GB", "fits", "step ms", "exposed comm ms", "efficiency",
+                 "samples/s"):  # fmt: skip
         out.add_column(name, justify="left" if name == "strategy" else "right")
     for c in plan.candidates:
         m = c.memory
         step = c.step
         out.add_row(
-            c.strategy, str(c.ways), *(f"{v / 1e9:,.3f}" for v in (m.params, m.grads, m.optimizer,
-            m.activations, m.total)), "yes" if c.fits else "no",
+            c.strategy, str(c.ways), *(f"{v / 1e9:,.3f}" for v in (m.params, m.grads, m.optimizer)),
+            f"{m.activations / 1e9:,.3f}" if acts_known else "?", f"{m.total / 1e9:,.3f}",
+            "yes" if c.fits else "no",
             f"{step.step_s * 1e3:,.1f}" if step else "n/a",
             f"{step.exposed_s * 1e3:,.1f}" if step else "n/a",
             f"{step.efficiency:.1%}" if step else "n/a",
+            f"{step.samples_per_s:,.0f}" if step else "n/a",
         )  # fmt: skip
     return out
 
@@ -134,7 +159,8 @@ def run(ns: argparse.Namespace) -> int:
     from manygpu.plan.recommend import recommend
 
     cluster = build_cluster(ns)
-    # On this CPU machine a real step is the best compute estimate; GPUs use FLOPs / (peak x MFU).
+    # On this CPU machine a real step is the best compute estimate; GPUs use FLOPs at the
+    # rate each device reaches in training (plan/devices.py).
     desc = build_desc(ns, measure_step=ns.cluster == "this" and cluster.overlap is False)
     plan = recommend(desc, cluster, batch=ns.batch, precision=ns.precision,
                      optimizer=ns.optimizer, mfu=ns.mfu)  # fmt: skip
@@ -142,11 +168,17 @@ def run(ns: argparse.Namespace) -> int:
     console.print(
         f"model {desc.name}: {desc.parameters / 1e6:,.2f}M parameters; cluster: {cluster.name}"
     )
-    console.print(table(plan))
+    acts_known = desc.activation_bytes_per_sample > 0
+    console.print(table(plan, acts_known))
+    if not acts_known:
+        console.print("activations unknown ('?', not counted): give --activation-mb, the "
+                      "transformer's --layers/--hidden/--seq, or a --model to measure")  # fmt: skip
     console.print(
         f"recommended: [bold]{plan.strategy}[/] (dp {plan.data_parallel}, pp "
         f"{plan.pipeline_parallel}, tp {plan.tensor_parallel}); {plan.reason}; predicted "
-        f"{plan.samples_per_s:,.1f} samples/s, scaling efficiency {plan.efficiency:.1%}"
+        f"{plan.samples_per_s:,.1f} samples/s at {plan.precision} "
+        f"({plan.samples_per_s / plan.world_size:,.1f} per device), scaling efficiency "
+        f"{plan.efficiency:.1%}"
     )
     if ns.json:
         data = {"model": asdict(desc), "cluster": asdict(cluster), "plan": _plan_dict(plan)}

@@ -2,8 +2,10 @@
 
 A :class:`ModelDesc` comes from numbers (a parameter count and shape, e.g. a
 7B transformer) or from a real ``nn.Module``, measured: parameters counted,
-FLOPs per sample from ``FlopCounterMode``, activation bytes per sample from
-the tensors autograd saves for backward (what a step actually keeps).
+FLOPs per sample from ``FlopCounterMode`` (and how many of them are
+convolutions: conv nets and transformers reach different fractions of a
+GPU's peak, see :mod:`.devices`), activation bytes per sample from the
+tensors autograd saves for backward (what a step actually keeps).
 """
 
 from __future__ import annotations
@@ -26,6 +28,8 @@ class ModelDesc:
     parameters: int
     flops_per_sample: float = 0.0
     """Forward + backward FLOPs per sample (0: unknown)."""
+    conv_flops_per_sample: float = 0.0
+    """The part of ``flops_per_sample`` in convolutions (timed at the device's conv rate)."""
     step_compute_s: float | None = None
     """Measured forward + backward + optimizer seconds of one step on one device
     at ``compute_batch`` samples; beats a FLOP estimate when known."""
@@ -45,11 +49,18 @@ class ModelDesc:
             raise UsageError(f"a model needs >= 1 parameter, got {self.parameters}")
         if self.flops_per_sample < 0 or self.activation_bytes_per_sample < 0:
             raise UsageError("FLOPs and activation bytes per sample must be >= 0")
+        if not 0 <= self.conv_flops_per_sample <= self.flops_per_sample:
+            raise UsageError("convolution FLOPs must be >= 0 and at most the FLOPs per sample")
         if self.step_compute_s is not None and (self.step_compute_s <= 0 or self.compute_batch < 1):
             raise UsageError("a measured step time needs step_compute_s > 0 and compute_batch >= 1")
 
-    def compute_s(self, batch: int, peak_tflops: float, mfu: float) -> float:
-        """Seconds of forward + backward + optimizer for ``batch`` samples on one device."""
+    def compute_s(self, batch: int, matmul_tflops: float, conv_tflops: float) -> float:
+        """Seconds of forward + backward + optimizer for ``batch`` samples on one device.
+
+        A measured step scales with the batch; otherwise convolution FLOPs run at
+        ``conv_tflops`` and the rest at ``matmul_tflops`` (achievable rates, which
+        already include the optimizer, norms and memory traffic of such models).
+        """
         if self.step_compute_s is not None:
             return self.step_compute_s * batch / self.compute_batch
         if self.flops_per_sample <= 0:
@@ -57,26 +68,41 @@ class ModelDesc:
                 f"model {self.name!r}: give FLOPs per sample or a measured step time "
                 "to estimate speed"
             )
-        return self.flops_per_sample * batch / (peak_tflops * 1e12 * mfu)
+        conv = self.conv_flops_per_sample
+        per_sample = (self.flops_per_sample - conv) / matmul_tflops + conv / conv_tflops
+        return per_sample * batch / 1e12
 
 
 def transformer(
-    name: str, *, parameters: int, layers: int, hidden: int, seq_len: int, heads: int = 0
+    name: str,
+    *,
+    parameters: int,
+    layers: int,
+    hidden: int,
+    seq_len: int,
+    heads: int = 0,
+    vocab: int = 0,
 ) -> ModelDesc:
     """A decoder-only transformer from its shape.
 
-    FLOPs: 6 x parameters per token (Kaplan et al. 2020), times the sequence.
-    Activations: 34 x seq x hidden bytes per layer at 16 bits without
-    recomputation, plus 5 x heads x seq^2 for attention scores when ``heads``
-    is given (Korthikanti et al. 2022); doubled for fp32.
+    FLOPs per token: 6 x parameters (Kaplan et al. 2020) plus 12 x layers x
+    hidden x sequence for attention's two matmuls (the PaLM paper's appendix B,
+    and nanoGPT's MFU), times the sequence. Activations: 34 x seq x hidden bytes
+    per layer at 16 bits without recomputation, plus 5 x heads x seq^2 for
+    attention scores when ``heads`` is given (Korthikanti et al. 2022; fused
+    attention keeps no scores: leave ``heads`` 0); doubled for fp32. With
+    ``vocab``, the output layer's logits and the loss's log-softmax too
+    (4 + 4 bytes per token and vocabulary entry in fp32), which for a small
+    model with a large vocabulary (GPT-2 124M) is a third of the total.
     """
     per_layer = 34 * seq_len * hidden + 5 * heads * seq_len * seq_len
+    logits = 8.0 * seq_len * vocab
     return ModelDesc(
         name=name,
         parameters=parameters,
-        flops_per_sample=6.0 * parameters * seq_len,
-        activation_bytes_per_sample=2.0 * per_layer * layers,
-        largest_layer_parameters=12 * hidden * hidden,
+        flops_per_sample=(6.0 * parameters + 12.0 * layers * hidden * seq_len) * seq_len,
+        activation_bytes_per_sample=2.0 * per_layer * layers + logits,
+        largest_layer_parameters=max(12 * hidden * hidden, vocab * hidden),
         layers=layers,
         hidden=hidden,
         seq_len=seq_len,
@@ -119,6 +145,8 @@ def describe(
     counter = FlopCounterMode(display=False)
     with counter:
         loss(model(x), y).backward()
+    by_op = counter.get_flop_counts().get("Global", {})
+    conv = sum(n for op, n in by_op.items() if "convolution" in str(op))
     acts = saved_activation_bytes(model, x, loss, y)
     own = [sum(p.numel() for p in m.parameters(recurse=False)) for m in model.modules()]
     step_s = measure_step_s(model, make_batch, loss, time_batch) if time_batch else None
@@ -126,6 +154,7 @@ def describe(
         name=name,
         parameters=sum(p.numel() for p in model.parameters()),
         flops_per_sample=counter.get_total_flops() / sample_batch,
+        conv_flops_per_sample=conv / sample_batch,
         step_compute_s=step_s,
         compute_batch=time_batch,
         activation_bytes_per_sample=acts / sample_batch,

@@ -1,6 +1,8 @@
 """A cluster as the planner sees it: devices, their memory and speed, and two kinds of link.
 
-The numbers are the ones an alpha-beta model needs: per link a latency (alpha,
+Compute comes from the devices' table (:mod:`.devices`: what training reaches
+per precision, not the data-sheet peak). The links' numbers are the ones an
+alpha-beta model needs: per link a latency (alpha,
 per ring step) and a bandwidth (1/beta). Within a node a ring runs over
 NVLink / PCIe; across nodes every ring step waits for the slowest hop, the
 network, and each node's NIC carries one ring edge in each direction.
@@ -15,6 +17,10 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from manygpu.errors import UsageError
+from manygpu.plan.devices import DEVICES, Device, Kind
+
+DEFAULT_MFU = 0.4
+"""The fraction of a bare ``peak_tflops`` assumed reached (a cluster without a known device)."""
 
 NCCL_RING_LATENCY_US = {"nvlink": 3.4, "pcie": 5.7, "net": 14.0}
 
@@ -29,8 +35,11 @@ class Cluster:
     """Devices (GPUs, or CPU processes) per node."""
     memory_gb: float
     """Memory per device, GB (1e9 bytes)."""
-    peak_tflops: float
-    """Dense peak per device at the training precision."""
+    device: Device | None = None
+    """The device's speeds per precision; ``None``: only ``peak_tflops`` is known."""
+    peak_tflops: float = 0.0
+    """Without a ``device``: the dense peak at the training precision (``DEFAULT_MFU``
+    of it is assumed reached unless an MFU is given)."""
     intra_bw_gbs: float
     """What a ring all-reduce achieves per device inside a node (nccl-tests' busbw)."""
     intra_latency_us: float
@@ -46,9 +55,13 @@ class Cluster:
         for name in ("nodes", "gpus_per_node"):
             if getattr(self, name) < 1:
                 raise UsageError(f"cluster {name} must be >= 1, got {getattr(self, name)}")
-        for name in ("memory_gb", "peak_tflops", "intra_bw_gbs", "inter_bw_gbs"):
+        for name in ("memory_gb", "intra_bw_gbs", "inter_bw_gbs"):
             if not getattr(self, name) > 0:
                 raise UsageError(f"cluster {name} must be > 0, got {getattr(self, name)}")
+        if self.device is None and not self.peak_tflops > 0:
+            raise UsageError(
+                f"cluster peak_tflops must be > 0 without a known device, got {self.peak_tflops}"
+            )
         for name in ("intra_latency_us", "inter_latency_us"):
             if getattr(self, name) < 0:
                 raise UsageError(f"cluster {name} must be >= 0, got {getattr(self, name)}")
@@ -56,6 +69,16 @@ class Cluster:
     @property
     def world_size(self) -> int:
         return self.nodes * self.gpus_per_node
+
+    def tflops(self, precision: str, kind: Kind, mfu: float | None = None) -> float:
+        """TFLOP/s one device reaches in training: the device's achievable rate for
+        ``kind`` at ``precision``, or ``mfu`` x its peak when an MFU is given."""
+        if self.device is None:
+            return self.peak_tflops * (DEFAULT_MFU if mfu is None else mfu)
+        if mfu is not None:
+            self.device.check(precision)
+            return self.device.peak_tflops[precision] * mfu
+        return self.device.achievable_tflops(precision, kind)
 
     def ring_link(self, ranks: int) -> tuple[float, float]:
         """(bandwidth GB/s, latency us) of a ring over the first ``ranks`` devices."""
@@ -82,22 +105,34 @@ PRESETS: dict[str, Cluster] = {
         name="4x P100 (PCIe) per node, 25 Gbit/s RoCE",
         gpus_per_node=4,
         memory_gb=16,
-        peak_tflops=9.3,
+        device=DEVICES["p100"],
         intra_bw_gbs=10.0,
         intra_latency_us=NCCL_RING_LATENCY_US["pcie"],
         inter_bw_gbs=_gbit(25),
         inter_latency_us=NCCL_RING_LATENCY_US["net"],
     ),
     # DGX-1V: 8 V100 16 GB in an NVLink hybrid cube-mesh; NCCL all-reduce busbw
-    # ~ 130 GB/s; 4 x 100 Gbit/s InfiniBand per node. Peak: 125 TFLOP/s fp16 tensor.
+    # ~ 130 GB/s; 4 x 100 Gbit/s InfiniBand per node.
     "v100": Cluster(
         name="8x V100 (NVLink) per node, 4x 100 Gbit/s InfiniBand",
         gpus_per_node=8,
         memory_gb=16,
-        peak_tflops=125.0,
+        device=DEVICES["v100"],
         intra_bw_gbs=130.0,
         intra_latency_us=NCCL_RING_LATENCY_US["nvlink"],
         inter_bw_gbs=_gbit(400),
+        inter_latency_us=NCCL_RING_LATENCY_US["net"],
+    ),
+    # 4 T4 16 GB on PCIe 3.0 behind one host (~10 GB/s ring), 50 Gbit/s Ethernet between hosts
+    # (the AWS g4dn.12xlarge instance type's published network bandwidth).
+    "t4": Cluster(
+        name="4x T4 (PCIe) per node, 50 Gbit/s Ethernet",
+        gpus_per_node=4,
+        memory_gb=16,
+        device=DEVICES["t4"],
+        intra_bw_gbs=10.0,
+        intra_latency_us=NCCL_RING_LATENCY_US["pcie"],
+        inter_bw_gbs=_gbit(50),
         inter_latency_us=NCCL_RING_LATENCY_US["net"],
     ),
     # DGX A100: 8 A100 80 GB on NVSwitch (~230 GB/s busbw), 8 x 200 Gbit/s HDR per node.
@@ -105,7 +140,7 @@ PRESETS: dict[str, Cluster] = {
         name="8x A100 80GB (NVSwitch) per node, 8x 200 Gbit/s InfiniBand",
         gpus_per_node=8,
         memory_gb=80,
-        peak_tflops=312.0,
+        device=DEVICES["a100"],
         intra_bw_gbs=230.0,
         intra_latency_us=NCCL_RING_LATENCY_US["nvlink"],
         inter_bw_gbs=_gbit(1600),
@@ -116,7 +151,7 @@ PRESETS: dict[str, Cluster] = {
         name="8x H100 SXM 80GB (NVLink) per node, 8x 400 Gbit/s InfiniBand",
         gpus_per_node=8,
         memory_gb=80,
-        peak_tflops=989.0,
+        device=DEVICES["h100"],
         intra_bw_gbs=450.0,
         intra_latency_us=NCCL_RING_LATENCY_US["nvlink"],
         inter_bw_gbs=_gbit(3200),

@@ -10,6 +10,7 @@ Bytes per parameter follow the ZeRO paper (Rajbhandari et al. 2020, section 3.1)
   ZeRO-3 / FSDP also the weights (plus one gathered unit at a time);
 * pipeline (P stages) and tensor (T ways) parallelism split everything by P or T.
 
+``tf32`` stores everything in fp32 (only the math differs), so it counts as fp32.
 Activations are what autograd saves for backward; mixed precision halves them.
 Allocator fragmentation and workspace are not modelled (keep ~10% headroom).
 """
@@ -20,12 +21,19 @@ from dataclasses import dataclass
 
 from manygpu.errors import UsageError
 from manygpu.plan.desc import ModelDesc
+from manygpu.plan.devices import PRECISIONS
 from manygpu.strategies.costs import Split
 from manygpu.strategies.registry import card
 
 OPTIMIZER_STATE_BYTES = {"adam": 8, "adamw": 8, "sgd-momentum": 4, "sgd": 0}
 """fp32 state bytes per parameter (Adam: m and v; SGD: the momentum buffer)."""
-PRECISIONS = ("fp32", "bf16", "fp16")
+FP32_STORAGE = ("fp32", "tf32")
+"""Precisions whose tensors are fp32 (TF32 changes the multiply, not what is stored)."""
+
+
+def element_bytes(precision: str) -> int:
+    """Bytes of one activation element at ``precision``."""
+    return 4 if precision in FP32_STORAGE else 2
 
 
 @dataclass(frozen=True)
@@ -48,7 +56,7 @@ def bytes_per_param(precision: str, optimizer: str) -> BytesPerParam:
             f"unknown optimizer {optimizer!r}; choose {', '.join(OPTIMIZER_STATE_BYTES)}"
         )
     state = OPTIMIZER_STATE_BYTES[optimizer]
-    if precision == "fp32":
+    if precision in FP32_STORAGE:
         return BytesPerParam(4, 4, state)
     return BytesPerParam(2, 2, 4 + state)  # fp32 master weights live with the optimizer
 
@@ -92,7 +100,7 @@ def estimate(
         raise UsageError("world size, stages and batch must be >= 1")
     b = bytes_per_param(precision, optimizer)
     p = float(desc.parameters)
-    act = desc.activation_bytes_per_sample * batch * (1.0 if precision == "fp32" else 0.5)
+    act = desc.activation_bytes_per_sample * batch * element_bytes(precision) / 4
     divisor = {"whole": 1, "world": world, "ways": stages}
 
     def split(nbytes: float, how: Split) -> float:

@@ -17,6 +17,10 @@ and the last only when backward ends, so
 compute (backward computes two products per forward one). Where communication
 cannot run beside compute (CPU processes: gloo's threads need the same cores),
 all of it is exposed. One formula for every case; only the inputs change.
+
+Compute is the model's FLOPs at the rate the device achieves in training at
+the step's precision (:mod:`.devices`), or a measured step time when the
+model description has one.
 """
 
 from __future__ import annotations
@@ -26,8 +30,9 @@ from dataclasses import dataclass
 
 from manygpu.errors import UsageError
 from manygpu.plan.desc import ModelDesc
+from manygpu.plan.devices import resolve_precision
 from manygpu.plan.hardware import Cluster
-from manygpu.plan.memory import bytes_per_param
+from manygpu.plan.memory import bytes_per_param, element_bytes
 from manygpu.strategies.costs import CommModel
 from manygpu.strategies.registry import card
 
@@ -102,7 +107,7 @@ def estimate(
     world: int | None = None,
     stages: int = 1,
     microbatches: int = 0,
-    mfu: float = 0.4,
+    mfu: float | None = None,
     bucket_mb: float = 25.0,
     grad_bytes: float | None = None,
 ) -> StepEstimate:
@@ -111,9 +116,12 @@ def estimate(
     ``batch`` is samples per device per step, so every strategy trains the same
     global batch (world x batch) and their throughputs compare fairly.
 
-    ``grad_bytes`` per parameter on the wire defaults to the precision's
-    (4 in fp32; 2 when gradients are 16-bit); torch's autocast keeps fp32
-    gradients, so pass 4 for it. ``stages``: pipeline or tensor ways.
+    ``precision``: fp32, tf32, bf16, fp16 or auto (the device's best).
+    ``mfu``: assume this fraction of the device's peak instead of its
+    achievable rates. ``grad_bytes`` per parameter on the wire defaults to the
+    precision's (4 in fp32 / tf32; 2 when gradients are 16-bit); torch's
+    autocast keeps fp32 gradients, so pass 4 for it. ``stages``: pipeline or
+    tensor ways.
     """
     n = cluster.world_size if world is None else world
     if n < 1 or batch < 1 or stages < 1 or n % stages:
@@ -121,8 +129,10 @@ def estimate(
     model = card(strategy).comm
     # `batch` is per device: a pipeline / tensor replica of `stages` devices takes stages x batch.
     replica = batch * stages if model.replica == "ways" else batch
-    one = desc.compute_s(replica, cluster.peak_tflops, mfu)
-    gb = bytes_per_param("fp32" if precision == "fp32" else "bf16", "sgd")
+    precision = resolve_precision(precision, cluster.device)
+    one = desc.compute_s(replica, cluster.tflops(precision, "matmul", mfu),
+                         cluster.tflops(precision, "conv", mfu))  # fmt: skip
+    gb = bytes_per_param(precision, "sgd")
     grad = desc.parameters * (gb.grads if grad_bytes is None else grad_bytes)
     if model.replica == "one_process":
         return StepEstimate(
@@ -194,7 +204,7 @@ def _model_parallel(
             raise UsageError(
                 "tensor parallelism needs the model's layers, hidden size and sequence"
             )
-        act = batch * desc.seq_len * desc.hidden * (4 if precision == "fp32" else 2)
+        act = batch * desc.seq_len * desc.hidden * element_bytes(precision)
         bw, lat = cluster.ring_link(ways)
         inner = 4 * desc.layers * ring_allreduce_s(act, ways, bw, lat)
         compute = one / ways

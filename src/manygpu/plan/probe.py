@@ -5,8 +5,9 @@ each: compute is a one-thread matmul probe, and the link is a real gloo
 all-reduce between two processes on loopback, fitted to the alpha-beta model
 (with two ranks a ring all-reduce takes 2 alpha + S / B). Communication does
 not overlap compute there (gloo needs the cores the model uses). With GPUs
-the closest preset by device name is used: measuring NVLink needs several
-GPUs and a minute, which ``manygpu bench comm`` does properly.
+the preset of the same device is used (its achievable rates from
+:mod:`.devices`), sized to the GPUs here: measuring NVLink needs several GPUs
+and a minute, which ``manygpu bench comm`` does properly.
 """
 
 from __future__ import annotations
@@ -19,6 +20,8 @@ import time
 import numpy as np
 import torch
 
+from manygpu.errors import UsageError
+from manygpu.plan import devices
 from manygpu.plan.hardware import PRESETS, Cluster
 from manygpu.runtime.device import cpu_count
 
@@ -96,21 +99,34 @@ def gloo_alpha_beta(timeout_s: float = 60.0) -> tuple[float, float]:
 def this_machine(workers: int = 2) -> Cluster:
     """This machine with ``workers`` processes (CPU) or its GPUs (closest preset)."""
     if torch.cuda.is_available():
-        name = torch.cuda.get_device_name(0)
-        key = next((k for k in ("h100", "a100", "v100") if k.upper() in name), "h100")
-        return PRESETS[key].with_size(gpus_per_node=torch.cuda.device_count())
+        return gpu_cluster(torch.cuda.get_device_name(0), torch.cuda.device_count())
     import psutil
 
     threads = max(1, cpu_count() // workers)
     alpha_us, bw = gloo_alpha_beta()
+    memory_gb = psutil.virtual_memory().total / 1e9 / workers
+    rate = matmul_tflops(threads)
     return Cluster(
         name=f"this machine ({workers} CPU processes x {threads} thread(s), gloo)",
         gpus_per_node=workers,
-        memory_gb=psutil.virtual_memory().total / 1e9 / workers,
-        peak_tflops=matmul_tflops(threads),
+        memory_gb=memory_gb,
+        device=devices.cpu_device(rate, memory_gb),
+        peak_tflops=rate,
         intra_bw_gbs=bw,
         intra_latency_us=alpha_us,
         inter_bw_gbs=bw,
         inter_latency_us=alpha_us,
         overlap=False,
     )
+
+
+def gpu_cluster(gpu_name: str, count: int) -> Cluster:
+    """The preset whose device is ``gpu_name`` (as CUDA names it), with ``count`` GPUs."""
+    device = devices.find(gpu_name)
+    preset = next((c for c in PRESETS.values() if device and c.device is device), None)
+    if preset is None:
+        raise UsageError(
+            f"no preset for this GPU ({gpu_name}); choose --cluster "
+            f"{', '.join(PRESETS)} and override its fields, e.g. --peak-tflops"
+        )
+    return preset.with_size(gpus_per_node=count)

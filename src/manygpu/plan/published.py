@@ -1,4 +1,4 @@
-"""Published scaling results, as data, to check the planner against.
+"""Published results, as data, to check the planner against: scaling and single-device speed.
 
 Each case is the set-up a paper or vendor page reports (model, per-GPU batch,
 single-GPU throughput, GPUs and network) and the efficiency it measured. The
@@ -29,9 +29,11 @@ Sources and what we read from them:
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 
-from manygpu.plan.desc import ModelDesc
+from manygpu.plan.desc import ModelDesc, transformer
+from manygpu.plan.devices import DEVICES, RESNET50_TRAIN_FLOPS
 from manygpu.plan.hardware import PRESETS, Cluster
 from manygpu.plan.perf import StepEstimate, estimate
 
@@ -90,3 +92,147 @@ CASES: tuple[PublishedCase, ...] = (
                   published_efficiency=8322 / (8 * 1200)),
 )  # fmt: skip
 """Every case, in the order of the docstring."""
+
+
+# --- models, described without building them ------------------------------------------------
+
+
+def resnet50() -> ModelDesc:
+    """ResNet-50 v1.5 (torchvision's layout) on 224x224 images, 1000 classes.
+
+    Measured with :func:`~manygpu.plan.desc.describe` on the CPU (the unit
+    tests build the model and measure it again): 24.3 GFLOP per image forward
+    + backward, all but 12 MFLOP in convolutions; 86 MB saved for backward per
+    image in fp32; the largest module is a 3x3 convolution of 512 channels.
+    """
+    return ModelDesc(
+        name="resnet50", parameters=25_557_032, flops_per_sample=RESNET50_TRAIN_FLOPS,
+        conv_flops_per_sample=RESNET50_TRAIN_FLOPS - 12.3e6,
+        activation_bytes_per_sample=86.1e6, largest_layer_parameters=2_359_296,
+    )  # fmt: skip
+
+
+def gpt2() -> ModelDesc:
+    """GPT-2 small (124M, 12 x 768, 12 heads, sequence 1024, vocabulary 50,257, tied head)."""
+    return transformer("gpt2", parameters=124_439_808, layers=12, hidden=768, seq_len=1024,
+                       vocab=50_257)  # fmt: skip
+
+
+def gpt2_medium() -> ModelDesc:
+    """GPT-2 medium (355M, 24 x 1024, 16 heads, sequence 1024, vocabulary 50,257)."""
+    return transformer("gpt2-medium", parameters=354_823_168, layers=24, hidden=1024,
+                       seq_len=1024, vocab=50_257)  # fmt: skip
+
+
+def _cnn(name: str, parameters: int, gmacs: float) -> ModelDesc:
+    """A conv net from torchvision's documented multiply-adds per image (forward):
+    2 FLOPs each, times 3 for forward + backward."""
+    flops = 6 * gmacs * 1e9
+    return ModelDesc(name=name, parameters=parameters, flops_per_sample=flops,
+                     conv_flops_per_sample=flops)  # fmt: skip
+
+
+MODELS: dict[str, Callable[[], ModelDesc]] = {
+    "resnet50": resnet50,
+    "gpt2": gpt2,
+    "gpt2-medium": gpt2_medium,
+}
+"""Models ``manygpu plan --model`` knows by name without measuring them."""
+
+
+# --- single-device throughput ----------------------------------------------------------------
+
+
+@dataclass(frozen=True, kw_only=True)
+class DeviceCase:
+    """A published training throughput on one device, in the source's own unit."""
+
+    name: str
+    source: str
+    model: ModelDesc
+    device: str
+    """Key in :data:`manygpu.plan.devices.DEVICES`."""
+    precision: str
+    batch: int
+    published: float
+    """Images/s, or tokens/s for language models (``per_sample`` tokens a sample)."""
+    per_sample: int = 1
+    calibrates: bool = False
+    """Whether a fraction in :mod:`manygpu.plan.devices` was derived from this figure
+    (then the case checks that derivation; the others are predictions)."""
+    known_gap: str = ""
+    """Why the planner is expected to miss this one (non-empty: a strict expected failure)."""
+
+    def predict(self) -> float:
+        """The planner's throughput on one device, in the same unit as ``published``."""
+        device = DEVICES[self.device]
+        step = self.model.compute_s(
+            self.batch,
+            device.achievable_tflops(self.precision, "matmul"),
+            device.achievable_tflops(self.precision, "conv"),
+        )
+        return self.batch * self.per_sample / step
+
+
+_DLE_V100 = "NVIDIA DeepLearningExamples, ResNet-50 v1.5 PyTorch, DGX-1 16GB, 1 GPU"
+_DLE_V100_32 = "NVIDIA DeepLearningExamples, ResNet-50 v1.5 PyTorch, DGX-1 32GB, 1 GPU"
+_DLE_A100 = "NVIDIA DeepLearningExamples, ResNet-50 v1.5 PyTorch, DGX A100 80GB, 1 GPU"
+_ISSUE = "manygpu issue 14: one H100 SXM 80GB, torch 2.11+cu130"
+_TF_CNN = "TensorFlow tf_cnn_benchmarks, P100, synthetic data (Horovod README's baseline)"
+_NCHW = (
+    "the NCHW run: cuDNN's bf16 convolutions transpose every input and output to NHWC; "
+    "the planner times the channels_last recipe (2,613) that manygpu's defaults follow"
+)
+_WINOGRAD = (
+    "cuDNN runs VGG's 3x3 convolutions with Winograd transforms, in fewer multiplies "
+    "than the FLOP count: 154 img/s x 93 GFLOP is 14 TFLOP/s, above the P100's 9.3 peak"
+)
+_INCEPTION = (
+    "Inception V3's factorised 1x7 / 7x1 and narrow 1x1 branches reach 84% of "
+    "ResNet-50's FLOP rate on the same GPU; one conv rate per device cannot see it"
+)
+
+DEVICE_CASES: tuple[DeviceCase, ...] = (
+    DeviceCase(name="v100-resnet50-fp32", source=_DLE_V100, model=resnet50(), device="v100",
+               precision="fp32", batch=112, published=367, calibrates=True),
+    DeviceCase(name="v100-resnet50-amp", source=_DLE_V100, model=resnet50(), device="v100",
+               precision="fp16", batch=256, published=1200, calibrates=True),
+    DeviceCase(name="v100-32gb-resnet50-fp32", source=_DLE_V100_32, model=resnet50(),
+               device="v100", precision="fp32", batch=112, published=356),
+    DeviceCase(name="v100-32gb-resnet50-amp", source=_DLE_V100_32, model=resnet50(),
+               device="v100", precision="fp16", batch=256, published=1156),
+    DeviceCase(name="a100-resnet50-tf32", source=_DLE_A100, model=resnet50(), device="a100",
+               precision="tf32", batch=256, published=938, calibrates=True),
+    DeviceCase(name="a100-resnet50-amp", source=_DLE_A100, model=resnet50(), device="a100",
+               precision="fp16", batch=256, published=2470, calibrates=True),
+    DeviceCase(name="h100-resnet50-fp32", source=_ISSUE + ", Parallel() fp32 (TF32 convolutions)",
+               model=resnet50(), device="h100", precision="tf32", batch=128, published=1751,
+               calibrates=True),
+    DeviceCase(name="h100-resnet50-bf16-hand-tuned", source=_ISSUE + ", channels_last + bf16 + "
+               "fused AdamW + TF32", model=resnet50(), device="h100", precision="bf16",
+               batch=128, published=2613, calibrates=True),
+    DeviceCase(name="h100-resnet50-bf16", source=_ISSUE + ', Parallel(precision="bf16"), NCHW',
+               model=resnet50(), device="h100", precision="bf16", batch=128, published=2087,
+               known_gap=_NCHW),
+    DeviceCase(name="h100-gpt2-bf16", source=_ISSUE + ', Parallel(precision="bf16")',
+               model=gpt2(), device="h100", precision="bf16", batch=16, published=353_033,
+               per_sample=1024, calibrates=True),
+    DeviceCase(name="h100-gpt2-fp32", source=_ISSUE + ", Parallel() fp32", model=gpt2(),
+               device="h100", precision="fp32", batch=16, published=53_647, per_sample=1024,
+               calibrates=True),
+    DeviceCase(name="h100-gpt2-bf16-hand-tuned", source=_ISSUE + ", TF32 + bf16 autocast + "
+               "fused AdamW", model=gpt2(), device="h100", precision="bf16", batch=16,
+               published=342_408, per_sample=1024),
+    DeviceCase(name="h100-gpt2-fp32-classic", source=_ISSUE + ", fp32 nn.DataParallel",
+               model=gpt2(), device="h100", precision="fp32", batch=16, published=53_439,
+               per_sample=1024),
+    DeviceCase(name="p100-resnet50", source=_TF_CNN, model=resnet50(), device="p100",
+               precision="fp32", batch=64, published=238, calibrates=True),
+    DeviceCase(name="p100-resnet152", source=_TF_CNN, model=_cnn("resnet152", 60_192_808, 11.51),
+               device="p100", precision="fp32", batch=64, published=95.6),
+    DeviceCase(name="p100-inception3", source=_TF_CNN, model=_cnn("inception3", 27_161_264, 5.71),
+               device="p100", precision="fp32", batch=64, published=142, known_gap=_INCEPTION),
+    DeviceCase(name="p100-vgg16", source=_TF_CNN, model=_cnn("vgg16", 138_357_544, 15.47),
+               device="p100", precision="fp32", batch=64, published=154, known_gap=_WINOGRAD),
+)  # fmt: skip
+"""Single-device figures: the ones the device table was derived from, and predictions."""

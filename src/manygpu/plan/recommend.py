@@ -15,6 +15,7 @@ from torch import nn
 from manygpu.errors import UsageError
 from manygpu.plan import memory, perf
 from manygpu.plan.desc import ModelDesc
+from manygpu.plan.devices import resolve_precision
 from manygpu.plan.hardware import Cluster
 from manygpu.strategies.registry import StrategyCard, card, cards
 
@@ -41,6 +42,8 @@ class Plan:
 
     strategy: str
     world_size: int
+    precision: str
+    """The precision the step was timed at (``auto`` resolved for the device)."""
     data_parallel: int
     pipeline_parallel: int
     tensor_parallel: int
@@ -59,7 +62,7 @@ def _candidates(
     batch: int,
     precision: str,
     optimizer: str,
-    mfu: float,
+    mfu: float | None,
 ) -> list[Candidate]:
     options = [
         (c.name, ways)
@@ -103,15 +106,19 @@ def recommend(
     precision: str = "fp32",
     optimizer: str = "adam",
     world_size: int | None = None,
-    mfu: float = 0.4,
+    mfu: float | None = None,
 ) -> Plan:
     """The strategy and sizes to run ``model`` with ``batch`` samples per device per step.
 
     A bare ``nn.Module`` is described by its parameters only (no FLOPs or
     activations are run), which is enough to choose by memory; pass a
     :class:`ModelDesc` (e.g. from :func:`manygpu.plan.desc.describe`) for speed.
+    ``precision``: fp32, tf32, bf16, fp16 or auto (bf16 where the device has
+    it, else fp16, else fp32); ``mfu``: assume this fraction of the peak
+    instead of the device's achievable rates.
     """
     desc = model if isinstance(model, ModelDesc) else _bare(model)
+    precision = resolve_precision(precision, cluster.device)
     world = cluster.world_size if world_size is None else world_size
     if world < 1:
         raise UsageError(f"world size must be >= 1, got {world}")
@@ -135,6 +142,7 @@ def recommend(
     return Plan(
         strategy=chosen.strategy,
         world_size=world,
+        precision=precision,
         data_parallel=dp,
         pipeline_parallel=chosen.ways if split == "stages" else 1,
         tensor_parallel=chosen.ways if split == "layer_shards" else 1,
