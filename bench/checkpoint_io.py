@@ -6,7 +6,7 @@ interleaved in a rotating order:
 
 - ``torch.save``: the main rank saves ``model.state_dict()`` and
   ``optimizer.state_dict()`` with ``torch.save`` (and, timed apart, fsyncs them:
-  ``torch.save + fsync``), then loads them with ``torch.load`` and
+  ``torch.save + fsync``), then every rank loads them with ``torch.load`` and
   ``load_state_dict`` (the reference);
 - ``full`` / ``full-async`` / ``dcp``: manygpu's Checkpointer (hashing, fsync,
   meta.json and the atomic rename included), then ``resume()`` (verification
@@ -52,9 +52,9 @@ def _plain(par: Any, module: Any, opt: Any, directory: Path) -> dict[str, float]
 
     row = {"stall_s": 0.0, "save_s": 0.0, "fsync_s": 0.0, "load_s": 0.0}
     par.barrier()
+    files = {directory / "model.pt": module, directory / "optim.pt": opt}
     if par.is_main:
         directory.mkdir(parents=True, exist_ok=True)
-        files = {directory / "model.pt": module, directory / "optim.pt": opt}
         start = time.perf_counter()
         for path, owner in files.items():
             torch.save(owner.state_dict(), path)
@@ -63,10 +63,12 @@ def _plain(par: Any, module: Any, opt: Any, directory: Path) -> dict[str, float]
         for path in files:
             _fsync(path)
         row["fsync_s"] = time.perf_counter() - start
-        start = time.perf_counter()
-        for path, owner in files.items():
-            owner.load_state_dict(torch.load(path, map_location="cpu", weights_only=True))
-        row["load_s"] = time.perf_counter() - start
+    par.barrier()
+    # Every rank loads, as every rank of a data-parallel job must (and resume() does).
+    start = time.perf_counter()
+    for path, owner in ((directory / "model.pt", module), (directory / "optim.pt", opt)):
+        owner.load_state_dict(torch.load(path, map_location="cpu", weights_only=True))
+    row["load_s"] = time.perf_counter() - start
     par.barrier()
     return row
 
