@@ -62,7 +62,7 @@ EIGHT_V100 = [
         "fp16", 256, 8322, id="amp",
         marks=pytest.mark.xfail(strict=True, reason="8 V100 in mixed precision lose 13% to "
                                 "the input pipeline (JPEG decoding for 8 x 1,200 img/s), which "
-                                "the planner does not model; communication is 0.5% of the step"),
+                                "the planner does not model; communication is < 1% of the step"),
     ),
 ]  # fmt: skip
 
@@ -223,3 +223,31 @@ def test_the_published_resnet50_is_what_describe_measures() -> None:
     per_image = three - 2 * small.activation_bytes_per_sample
     assert per_image * scale == pytest.approx(published.activation_bytes_per_sample, rel=0.01)
     assert small.largest_layer_parameters == published.largest_layer_parameters
+
+
+def test_a_gpu_here_gets_the_preset_of_its_device() -> None:
+    from manygpu.plan.probe import gpu_cluster
+
+    h100 = gpu_cluster("NVIDIA H100 80GB HBM3", 2)
+    assert h100.device is DEVICES["h100"] and h100.world_size == 2
+    assert gpu_cluster("Tesla T4", 1).device is DEVICES["t4"]
+    assert gpu_cluster("Tesla V100-SXM2-16GB", 8).device is DEVICES["v100"]
+    with pytest.raises(UsageError, match="no preset for this GPU"):
+        gpu_cluster("NVIDIA L4", 1)
+
+
+def test_cli_peak_and_mfu_replace_the_table_and_unknown_activations_show(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from manygpu.cli.main import main
+
+    out = tmp_path / "plan.json"
+    argv = ["plan", "--params", "1e6", "--flops-per-sample", "6e9", "--cluster", "v100",
+            "--peak-tflops", "100", "--mfu", "0.5", "--batch", "10"]  # fmt: skip
+    assert main([*argv, "--json", str(out)]) == 0
+    plan = json.loads(out.read_text())["plan"]
+    one_device = 10 / (6e9 * 10 / 50e12)  # 10 samples in 1.2 ms at 100 TFLOP/s x 0.5
+    # samples/s = efficiency x 8 x one device's ideal rate (the rest is communication).
+    assert plan["samples_per_s"] / 8 / plan["efficiency"] == pytest.approx(one_device)
+    text = capsys.readouterr().out
+    assert "activations unknown" in text and " ? " in text
