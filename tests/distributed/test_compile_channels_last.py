@@ -121,18 +121,33 @@ def _run(job: str, parallel: dict[str, Any]) -> dict[str, Any]:
         par.close()
 
 
+def _spy_ddp_optimizer() -> list[int]:
+    """The bucket size of every graph torch's DDPOptimizer splits (it runs only under DDP)."""
+    from torch._dynamo.backends.distributed import DDPOptimizer
+
+    calls: list[int] = []
+    compile_fn = DDPOptimizer.compile_fn
+
+    def spy(self: Any, gm: Any, example_inputs: Any) -> Any:
+        calls.append(self.bucket_bytes_cap)
+        return compile_fn(self, gm, example_inputs)
+
+    DDPOptimizer.compile_fn = spy  # type: ignore[method-assign]
+    return calls
+
+
 def _both(job: str, strategy: str, feature: dict[str, Any]) -> dict[str, Any]:
     """The job without and with ``feature``, in one process group (each Parallel borrows it)."""
     import torch.distributed as dist
+    from torch._dynamo.utils import counters
 
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=120))
     try:
         off = _run(job, {"strategy": strategy})
-        from torch._dynamo.utils import counters
-
-        before = counters["stats"]["unique_graphs"]
+        before, ddp_splits = counters["stats"]["unique_graphs"], _spy_ddp_optimizer()
         on = _run(job, {"strategy": strategy, **feature})
-        return {"off": off, "on": on, "graphs": counters["stats"]["unique_graphs"] - before}
+        graphs = counters["stats"]["unique_graphs"] - before
+        return {"off": off, "on": on, "graphs": graphs, "ddp_splits": ddp_splits}
     finally:
         dist.destroy_process_group()
 
@@ -158,12 +173,21 @@ def test_channels_last_trains_the_same(strategy: str) -> None:
 
 
 @needs_cxx
+@pytest.mark.parametrize("fullgraph", [False, True], ids=["compile-True", "fullgraph"])
 @pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
-def test_compile_trains_the_same(strategy: str) -> None:
-    for out in run_ranks(_both, 2, "gpt", strategy, {"compile": True}, timeout=480):
+def test_compile_trains_the_same(strategy: str, fullgraph: bool) -> None:
+    """``fullgraph=True`` too: neither DDP's forward nor FSDP2's hooks may break a graph."""
+    from manygpu import CompileOptions
+
+    feature = {"compile": CompileOptions(fullgraph=True) if fullgraph else True}
+    for out in run_ranks(_both, 2, "gpt", strategy, feature, timeout=480):
         _same_training(out)
         assert out["graphs"] > 0 and out["off"]["compiled"] == []
         if strategy == "ddp":
-            assert out["on"]["compiled"] == ["wrapper"]  # the DDP wrapper, after wrapping
+            # Inside the DDP wrapper, after wrapping: DDPOptimizer splits the graph
+            # at DDP's 25 MB gradient buckets, so all-reduces overlap the backward.
+            assert out["on"]["compiled"] == ["model"]
+            assert out["ddp_splits"] and set(out["ddp_splits"]) == {25 * 1024 * 1024}
         else:  # each FSDP2 block, then the root
             assert out["on"]["compiled"] == ["model", "blocks.0", "blocks.1"]
+            assert out["ddp_splits"] == []

@@ -14,6 +14,7 @@ from manygpu.errors import UsageError
 from manygpu.runtime.cluster import ClusterInfo
 from manygpu.strategies.base import Strategy, StrategyOptions
 from manygpu.strategies.mesh import check_dims
+from manygpu.strategies.options import CompileOptions, compile_in_place
 from manygpu.strategies.registry import register
 
 _HOOKS = {
@@ -75,6 +76,17 @@ class DDPStrategy(Strategy):
 
     def unwrap(self, module: nn.Module) -> nn.Module:
         return module.module if isinstance(module, DistributedDataParallel) else module
+
+    def compile_module(self, module: nn.Module, options: CompileOptions) -> None:
+        """Compile the model inside the DDP wrapper, after wrapping.
+
+        DDP's own forward (bucket bookkeeping) stays eager; the model's code is
+        compiled while DDP is active, so torch's DDPOptimizer splits its graph
+        at the gradient buckets and their all-reduces still overlap the
+        backward. Compiling the wrapper itself would break the graph in DDP's
+        forward, which ``fullgraph=True`` refuses.
+        """
+        compile_in_place(self.unwrap(module), options)
 
 
 def _sync_batchnorm(module: nn.Module, device: torch.device) -> nn.Module:
