@@ -13,6 +13,8 @@ from pathlib import Path
 import torch
 from jobs import subprocess_env
 
+from manygpu.checkpoint.export import inspect
+
 SCRIPT = Path(__file__).parent / "scripts" / "ckpt_launch.py"
 
 
@@ -79,12 +81,5 @@ def test_sigterm_saves_and_exits_cleanly(tmp_path: Path) -> None:
     assert job.returncode == 0, err
     steps = sorted(p.name for p in ckpt.iterdir())
     assert len(steps) == 1 and steps[0].startswith("step-")
-    info = subprocess.run(
-        [sys.executable, "-m", "manygpu", "checkpoint", "inspect", str(ckpt), "--json"],
-        capture_output=True,
-        text=True,
-        env=subprocess_env(),
-    )
-    assert info.returncode == 0, info.stderr
-    meta = json.loads(info.stdout)
+    meta = inspect(ckpt)  # what `manygpu checkpoint inspect --json` prints (test_checkpoint_cli)
     assert meta["status"] == "ok" and 0 < meta["step"] < 100_000 and meta["world_size"] == 2
