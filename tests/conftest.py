@@ -14,12 +14,21 @@ hosts), so each is ``slow``; a process-starting test elsewhere carries the mark 
 ``pytest -m "not slow"`` runs the rest in under a minute."""
 
 
+# First: pytest-xdist's --dist loadgroup reads the xdist_group marks in this same hook.
+@pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Mark the slow directories; GPU tests skip cleanly, with the reason, without CUDA."""
+    """Mark the slow directories; GPU tests skip cleanly, with the reason, without CUDA.
+
+    Emulated clusters share one subnet and one bridge, so under pytest-xdist the
+    tests in tests/cluster run one at a time, on one worker.
+    """
     for item in items:
         path = item.path.resolve()
-        if path.is_relative_to(TESTS) and path.relative_to(TESTS).parts[0] in SLOW_DIRS:
+        where = path.relative_to(TESTS).parts[0] if path.is_relative_to(TESTS) else ""
+        if where in SLOW_DIRS:
             item.add_marker(pytest.mark.slow)
+        if where == "cluster":
+            item.add_marker(pytest.mark.xdist_group("cluster"))
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA GPU; none is visible on this machine")

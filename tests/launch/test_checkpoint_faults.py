@@ -11,8 +11,11 @@ import time
 from pathlib import Path
 
 import torch
+from ckpt_job import train
+from dist_harness import run_ranks
 from jobs import subprocess_env
 
+from manygpu import Parallel
 from manygpu.checkpoint.export import inspect
 
 SCRIPT = Path(__file__).parent / "scripts" / "ckpt_launch.py"
@@ -45,26 +48,29 @@ def _launch(
         str(kill_at),
         str(sleep_s),
     ]
-    return subprocess.Popen(
-        cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=subprocess_env()
-    )
+    # One thread per worker, as the reference's harness ranks have: same arithmetic.
+    env = subprocess_env() | {"OMP_NUM_THREADS": "1"}
+    return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+
+
+def _uninterrupted(ckpt: str, total: int) -> tuple[dict[int, float], torch.Tensor]:
+    """What ckpt_launch.py runs on each worker, never killed and never saving."""
+    with Parallel(strategy="ddp", timeout_s=30) as par:
+        return train(par, ckpt, total, 0)
 
 
 def test_kill_9_restarts_and_ends_bit_identical(tmp_path: Path) -> None:
-    ref = _launch(tmp_path / "ref", tmp_path / "ref-ck", total=20, every=0)
-    _, err = ref.communicate(timeout=120)
-    assert ref.returncode == 0, err
-    ref_losses = json.loads((tmp_path / "ref" / "losses-0.json").read_text())
+    # The reference, on two gloo ranks forked by the test harness: the launcher
+    # itself is what the run below tests.
+    ref_losses, ref_params = run_ranks(_uninterrupted, 2, str(tmp_path / "ref-ck"), 20)[0]
     # Rank 1 SIGKILLs itself after step 11 (saved at 8); the agent restarts both.
     run = _launch(tmp_path / "run", tmp_path / "ck", total=20, every=4, kill_at=11, restarts=1)
     _, err = run.communicate(timeout=180)
     assert run.returncode == 0, err
     resumed = json.loads((tmp_path / "run" / "losses-1.json").read_text())
     assert min(int(s) for s in resumed) == 9  # continued after the step-8 checkpoint
-    assert all(resumed[s] == ref_losses[s] for s in resumed)
-    assert torch.equal(
-        torch.load(tmp_path / "run" / "params.pt"), torch.load(tmp_path / "ref" / "params.pt")
-    )
+    assert all(resumed[s] == ref_losses[int(s)] for s in resumed)
+    assert torch.equal(torch.load(tmp_path / "run" / "params.pt"), ref_params)
 
 
 def test_sigterm_saves_and_exits_cleanly(tmp_path: Path) -> None:
