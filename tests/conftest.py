@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import multiprocessing.process
+import os
+import subprocess
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -57,3 +61,37 @@ def _no_job_env(monkeypatch: pytest.MonkeyPatch) -> None:
         "MANYGPU_TIMEOUT",
     ):
         monkeypatch.delenv(name, raising=False)
+
+
+def _starts_python(args: Any) -> bool:
+    """Whether ``Popen(args)`` runs Python (the interpreter or the ``manygpu`` command)."""
+    first = args if isinstance(args, (str, bytes, os.PathLike)) else next(iter(args), "")
+    words = os.fsdecode(first).split()
+    name = Path(words[0]).name if words else ""
+    return name.startswith("python") or name == "manygpu"
+
+
+@pytest.fixture(autouse=True)
+def _slow_if_it_starts_processes(
+    request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A test that starts Python processes or ranks and is not marked ``slow`` fails, saying so.
+
+    That keeps ``pytest -m "not slow"`` fast as tests are added: each such
+    process imports torch (~2.5 s of CPU). Other programs (mount, ip) are fine.
+    """
+    if request.node.get_closest_marker("slow"):
+        return
+    advice = "mark the test slow, or move it to tests/launch or tests/distributed"
+    popen_init = subprocess.Popen.__init__
+
+    def checked_popen(self: subprocess.Popen[Any], args: Any, *rest: Any, **kw: Any) -> None:
+        if _starts_python(args):
+            pytest.fail(f"this test starts a Python process ({args!r:.80}): {advice}")
+        popen_init(self, args, *rest, **kw)
+
+    def checked_start(self: multiprocessing.process.BaseProcess) -> None:
+        pytest.fail(f"this test starts a process ({self.name}): {advice}")
+
+    monkeypatch.setattr(subprocess.Popen, "__init__", checked_popen)
+    monkeypatch.setattr(multiprocessing.process.BaseProcess, "start", checked_start)

@@ -174,6 +174,7 @@ def test_files_and_functions_stay_small() -> None:
     assert wrong == [], "\n".join(wrong)
 
 
+@pytest.mark.slow  # a fresh interpreter each
 @pytest.mark.parametrize(
     "code",
     [
