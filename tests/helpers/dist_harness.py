@@ -119,6 +119,9 @@ def _context() -> Any:
     ``OMP_NUM_THREADS`` once, when torch loads, so it is set here, not per rank.
     Python 3.11's forkserver ignores the parent's ``sys.path``, hence the helpers
     directory on ``PYTHONPATH`` and the whole path handed to rank_preload.py.
+    CUDA cannot be used in a process forked after the driver started, so the
+    server must never start it: a ``torch.cuda.is_available()`` run by some
+    import asks NVML instead (the ranks' own environment does not have this).
     """
     ctx = mp.get_context("forkserver")
     ctx.set_forkserver_preload(["rank_preload"])
@@ -126,6 +129,7 @@ def _context() -> Any:
     with _environ(
         PYTHONPATH=path,
         OMP_NUM_THREADS="1",
+        PYTORCH_NVML_BASED_CUDA_CHECK="1",
         **{PRELOAD_ENV: ",".join(_PRELOAD), SYS_PATH_ENV: json.dumps(sys.path)},
         **dict.fromkeys(JOB_VARIABLES),
     ):
