@@ -237,12 +237,12 @@ def test_a_worker_stuck_at_exit_is_ended_and_counts_as_a_success(tmp_path: Path)
         "2",
         str(SCRIPTS / "hangs_at_exit.py"),
         str(tmp_path),
-        env={"MANYGPU_EXIT_GRACE": "3"},
+        env={"MANYGPU_EXIT_GRACE": "8"},  # rank 0 exits well within it, even under load
     )
     elapsed = time.monotonic() - start
     assert res.returncode == 0, res.stderr
     assert elapsed < 60, f"took {elapsed:.1f}s"
-    assert "rank 1: the script returned, but the process was still running 3s later" in res.stderr
+    assert "rank 1: the script returned, but the process was still running 8s later" in res.stderr
     assert "sleep" in res.stderr or "<lambda>" in res.stderr  # the stuck thread's stack
     assert "rank 0: the script returned" not in res.stderr
     assert sorted(p.name for p in tmp_path.glob("thread-*")) == ["thread-0", "thread-1"]
