@@ -16,6 +16,13 @@ import torch.nn.functional as F
 from torch import nn
 
 
+def _shortcut(cin: int, cout: int, stride: int) -> nn.Module:
+    """A residual block's shortcut: identity, or a 1x1 convolution where the shape changes."""
+    if stride == 1 and cin == cout:
+        return nn.Identity()
+    return nn.Sequential(nn.Conv2d(cin, cout, 1, stride, bias=False), nn.BatchNorm2d(cout))
+
+
 class BasicBlock(nn.Module):
     """ResNet's two 3x3 convolutions with batch norm and an identity (or 1x1) shortcut."""
 
@@ -28,11 +35,7 @@ class BasicBlock(nn.Module):
             nn.Conv2d(cout, cout, 3, 1, 1, bias=False),
             nn.BatchNorm2d(cout),
         )
-        self.short: nn.Module = nn.Identity()
-        if stride != 1 or cin != cout:
-            self.short = nn.Sequential(
-                nn.Conv2d(cin, cout, 1, stride, bias=False), nn.BatchNorm2d(cout)
-            )
+        self.short = _shortcut(cin, cout, stride)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return F.relu(self.body(x) + self.short(x))
@@ -73,11 +76,7 @@ class Bottleneck(nn.Module):
             nn.Conv2d(width, cout, 1, bias=False),
             nn.BatchNorm2d(cout),
         )
-        self.short: nn.Module = nn.Identity()
-        if stride != 1 or cin != cout:
-            self.short = nn.Sequential(
-                nn.Conv2d(cin, cout, 1, stride, bias=False), nn.BatchNorm2d(cout)
-            )
+        self.short = _shortcut(cin, cout, stride)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return F.relu(self.body(x) + self.short(x))
