@@ -45,6 +45,7 @@ LAYERS: dict[str, int] = {
     "manygpu.doctor": 7,
     "manygpu.demo": 7,
     "manygpu.bench": 7,
+    "manygpu.horovod": 7,  # Horovod's API on runtime/ and comm/, imported only when asked
     "manygpu.cli": 8,
     "manygpu.__main__": 8,
     "manygpu": 9,  # the package's lazy re-exports: for users, not for the library

@@ -1,0 +1,198 @@
+"""Horovod's two guarantees, on torch.distributed: a mismatch is an error, a stall names ranks.
+
+Horovod's coordinator matches every collective by name across ranks, so a
+rank that sends a different shape gets "Mismatched allreduce tensor shapes"
+and a rank that never calls makes the others report it as stalled. NCCL and
+gloo do neither: different shapes hang or mix data. Here every explicit
+collective first runs manygpu's cross-rank check (:mod:`manygpu.comm.debug`:
+operation, dtype, shape, call number and a digest of the name and arguments);
+when it fails, the ranks exchange what each was calling and the error lists
+them. When a collective times out, each waiting rank leaves a note in the
+job's store and reads the others': the ranks with no note never started the
+collective, and the error names them. Nothing is written while all is well.
+"""
+
+from __future__ import annotations
+
+import time
+import zlib
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from manygpu.comm import debug as dbg
+from manygpu.comm.common import active, wait
+from manygpu.comm.debug import CollectiveMismatchError
+from manygpu.comm.objects import all_gather_object
+from manygpu.errors import CollectiveTimeoutError, peer_lost
+from manygpu.horovod.basics import Pending, session
+
+Entry = tuple[str, tuple[int, ...], str]
+"""(name, shape, dtype) of one tensor in a layout."""
+
+_STALL_KEY = "manygpu/horovod/stall/"
+_GRACE_S = 5.0
+"""How long a rank that timed out waits for the other waiting ranks' notes."""
+
+
+class HorovodMismatchError(CollectiveMismatchError):
+    """Ranks called different collectives, or the same one on different tensors."""
+
+
+def describe(what: str, tensor: torch.Tensor | None, name: str | None, **args: object) -> str:
+    """``allreduce('loss', float32[4], op=Average)``: how errors name a call."""
+    parts = [repr(name)] if name is not None else []
+    if tensor is not None:
+        shape = "x".join(str(s) for s in tensor.shape) or "scalar"
+        parts.append(f"{str(tensor.dtype).removeprefix('torch.')}[{shape}]")
+    parts += [f"{k}={v}" for k, v in args.items()]
+    return f"{what}({', '.join(parts)})"
+
+
+def agree(
+    op: str,
+    tensor: torch.Tensor | None,
+    *,
+    key: object,
+    desc: str,
+    shape: tuple[int, ...] | None = None,
+    details: list[Entry] | None = None,
+) -> int:
+    """Before a collective: check every rank calls the same one; this rank's call number.
+
+    Args:
+        op: the collective, as :mod:`manygpu.comm.debug` names it.
+        tensor: its tensor (dtype and shape compared), or ``None``.
+        key: what else must agree (name, reduce op, root...); compared as a digest.
+        desc: how this rank's call is shown in errors.
+        shape: the shape to compare instead, with ``dbg.ANY`` where ranks may differ.
+        details: a layout (many tensors) to list differences of, when they disagree.
+    """
+    seq = session().next_call()
+    if not active():
+        return seq
+    digest = zlib.crc32(repr(key).encode()) & 0x7FFFFFFF
+    try:
+        dbg.check_same_call(op, tensor, timeout_s=session().timeout_s, shape=shape, extra=digest)
+    except CollectiveMismatchError as exc:
+        # Every rank saw the same table and raises here: a collective is safe.
+        rows = all_gather_object((desc, details))
+        raise HorovodMismatchError(render_mismatch(rows, str(exc))) from None
+    except CollectiveTimeoutError as exc:
+        named = named_stall(exc, seq, desc)
+        if named is None:
+            raise
+        raise named from exc
+    return seq
+
+
+def render_mismatch(rows: Sequence[tuple[str, list[Entry] | None]], fallback: str) -> str:
+    """One line naming which ranks call what (or which tensors differ in a layout)."""
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    head = f"rank {rank}: manygpu.horovod: ranks disagree on a collective: "
+    layouts = [d for _, d in rows]
+    if all(d is not None for d in layouts) and len({repr(d) for d in layouts}) > 1:
+        return head + layout_diff([d for d in layouts if d is not None])
+    groups: dict[str, list[int]] = {}
+    for r, (desc, _) in enumerate(rows):
+        groups.setdefault(desc, []).append(r)
+    if len(groups) == 1:
+        return fallback  # same call everywhere: the call numbers differ (a skipped call)
+    said = "; ".join(f"ranks {ranks} call {desc}" for desc, ranks in groups.items())
+    return head + said + " (every rank must make the same calls with the same shapes)"
+
+
+def layout_diff(per_rank: Sequence[Sequence[Entry]]) -> str:
+    """What differs between ranks' lists of tensors: missing names, shapes, dtypes, order."""
+    maps = [{name: (shape, dtype) for name, shape, dtype in entries} for entries in per_rank]
+    names = list(dict.fromkeys(name for entries in per_rank for name, _, _ in entries))
+    problems = []
+    for name in names:
+        present = [r for r, m in enumerate(maps) if name in m]
+        if len(present) < len(maps):
+            problems.append(f"{name!r} exists only on ranks {present}")
+            continue
+        kinds: dict[str, list[int]] = {}
+        for r, m in enumerate(maps):
+            shape, dtype = m[name]
+            kinds.setdefault(f"{dtype}[{'x'.join(map(str, shape)) or 'scalar'}]", []).append(r)
+        if len(kinds) > 1:
+            said = ", ".join(f"{kind} on ranks {ranks}" for kind, ranks in kinds.items())
+            problems.append(f"{name!r} is {said}")
+    if not problems:
+        orders: dict[str, list[int]] = {}
+        for r, entries in enumerate(per_rank):
+            orders.setdefault(repr([n for n, _, _ in entries]), []).append(r)
+        return "the same tensors in a different order on ranks " + " vs ".join(
+            str(ranks) for ranks in orders.values()
+        )
+    more = f" (and {len(problems) - 5} more)" if len(problems) > 5 else ""
+    return "; ".join(problems[:5]) + more
+
+
+def describe_stall(records: Mapping[int, tuple[int, str]], world: int, seq: int) -> str:
+    """Who is missing, from the notes of the ranks that timed out (``rank -> (call, desc)``)."""
+    waiting = sorted(r for r, (s, _) in records.items() if s == seq)
+    absent = [r for r in range(world) if r not in records]
+    parts = []
+    if absent:
+        parts.append(f"missing ranks: {absent} never started this collective")
+    parts += [
+        f"rank {r} is stuck in its own call #{s} {d}"
+        for r, (s, d) in sorted(records.items())
+        if s != seq
+    ]
+    parts.append(f"ranks {waiting} waited in it")
+    return "; ".join(parts)
+
+
+def _store() -> Any:
+    try:
+        return dist.distributed_c10d._get_default_store()
+    except (AttributeError, RuntimeError, ValueError):
+        return None
+
+
+def missing_ranks(seq: int, desc: str) -> str:
+    """Leave this rank's note, wait a little for the others' and say who is missing."""
+    s = session()
+    me, world = s.topology.rank, s.topology.size
+    store = _store()
+    if store is None:
+        return "could not ask the other ranks which are missing (no store)"
+    keys = [f"{_STALL_KEY}{r}" for r in range(world)]
+    records = {me: (seq, desc)}
+    try:
+        store.set(keys[me], f"{seq}\t{desc}")
+        deadline = time.monotonic() + min(_GRACE_S, s.timeout_s)
+        while time.monotonic() < deadline and not store.check(keys):
+            time.sleep(0.1)
+        for r in range(world):
+            if r != me and store.check([keys[r]]):
+                number, _, what = store.get(keys[r]).decode().partition("\t")
+                records[r] = (int(number), what)
+    except (RuntimeError, ValueError) as exc:  # the store's host is gone too
+        return f"could not ask the other ranks which are missing ({exc})"
+    return describe_stall(records, world, seq)
+
+
+def named_stall(exc: CollectiveTimeoutError, seq: int, desc: str) -> CollectiveTimeoutError | None:
+    """The timeout re-raised with the missing ranks named; ``None`` when a peer died instead."""
+    if peer_lost(str(exc)):
+        return None
+    s = session()
+    return CollectiveTimeoutError(s.topology.rank, desc, s.timeout_s, missing_ranks(seq, desc))
+
+
+def wait_pending(pending: Pending) -> None:
+    """Wait for an asynchronous operation's works; a stall names the missing ranks."""
+    for work in pending.works:
+        try:
+            wait(work, pending.description, session().timeout_s)
+        except CollectiveTimeoutError as exc:
+            named = named_stall(exc, pending.seq, pending.description)
+            if named is None:
+                raise
+            raise named from exc

@@ -1,0 +1,197 @@
+"""Moving data: allgather (uneven first dimensions), broadcast, alltoall, join, barrier.
+
+Horovod lets ranks' tensors differ in their first dimension for ``allgather``
+and ``alltoall``; the sizes are exchanged first (a tiny collective), then the
+data moves in one asynchronous collective (padded to the longest for
+allgather, with per-rank splits for alltoall). The differentiable
+out-of-place forms are in :mod:`manygpu.horovod.differentiable`.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from manygpu.comm import debug as dbg
+from manygpu.comm.collectives import barrier as comm_barrier
+from manygpu.comm.common import active, all_gather_single, scratch_device, wait
+from manygpu.errors import UsageError
+from manygpu.horovod.basics import check_process_set, global_process_set, session
+from manygpu.horovod.checks import _store, agree, describe
+from manygpu.horovod.handles import submit, synchronize
+
+
+def _gather_sizes(rows: int, device: torch.device, what: str) -> list[int]:
+    """Every rank's first dimension (a small synchronous all-gather)."""
+    world = session().topology.size
+    mine = torch.tensor([rows], dtype=torch.int64, device=device)
+    table = mine.new_empty(world)
+    wait(all_gather_single(table, mine, async_op=True), f"{what} sizes", session().timeout_s)
+    return [int(n) for n in table.tolist()]
+
+
+def allgather_async(
+    tensor: torch.Tensor, name: str | None = None, process_set: object = global_process_set
+) -> int:
+    """Start concatenating every rank's ``tensor`` along dim 0 (dim 0 may differ per rank)."""
+    check_process_set(process_set)
+    local = tensor.detach().reshape(1) if tensor.dim() == 0 else tensor.detach().contiguous()
+    desc = describe("allgather", local, name)
+    shape = (dbg.ANY, *local.shape[1:])
+    seq = agree("all_gather_uneven", local, key=("allgather", name), desc=desc, shape=shape)
+    if not active():
+        return submit([], local.clone, desc, seq)
+    world, rest = session().topology.size, tuple(local.shape[1:])
+    sizes = _gather_sizes(local.shape[0], local.device, desc)
+    longest = max(sizes)
+    padded = local.new_zeros((longest, *rest))
+    padded[: local.shape[0]] = local
+    table = local.new_empty((world * longest, *rest))
+    work = all_gather_single(table, padded, async_op=True)
+
+    def finish() -> torch.Tensor:
+        rows = table.view(world, longest, *rest)
+        return torch.cat([rows[r, :n] for r, n in enumerate(sizes)])
+
+    return submit([work], finish, desc, seq)
+
+
+def check_root(root_rank: int, what: str) -> None:
+    world = session().topology.size
+    if not isinstance(root_rank, int) or not 0 <= root_rank < world:
+        raise UsageError(
+            f"{what}: root_rank={root_rank!r} is not a rank of this job (0..{world - 1})"
+        )
+
+
+def broadcast_async_(
+    tensor: torch.Tensor,
+    root_rank: int,
+    name: str | None = None,
+    process_set: object = global_process_set,
+) -> int:
+    """Start copying ``root_rank``'s ``tensor`` into every rank's ``tensor`` (in place)."""
+    check_process_set(process_set)
+    check_root(root_rank, "broadcast")
+    if not tensor.is_contiguous():
+        raise UsageError("broadcast_ needs a contiguous tensor; pass tensor.contiguous()")
+    desc = describe("broadcast", tensor, name, root_rank=root_rank)
+    seq = agree("broadcast", tensor, key=("broadcast", name, root_rank), desc=desc)
+    data = tensor.detach()  # a leaf that requires grad can still be written through its data
+    work = dist.broadcast(data, src=root_rank, async_op=True) if active() else None
+    return submit([work], lambda: tensor, desc, seq)
+
+
+def broadcast_async(
+    tensor: torch.Tensor,
+    root_rank: int,
+    name: str | None = None,
+    process_set: object = global_process_set,
+) -> int:
+    """Start broadcasting into a copy of ``tensor`` (left unchanged)."""
+    out = tensor.detach().clone(memory_format=torch.contiguous_format)
+    return broadcast_async_(out, root_rank, name, process_set)
+
+
+def broadcast_(
+    tensor: torch.Tensor,
+    root_rank: int,
+    name: str | None = None,
+    process_set: object = global_process_set,
+) -> torch.Tensor:
+    """Copy ``root_rank``'s ``tensor`` into every rank's ``tensor`` and return it."""
+    return synchronize(broadcast_async_(tensor, root_rank, name, process_set))
+
+
+def send_splits(rows: int, splits: Any, world: int) -> list[int]:
+    """Rows sent to each rank: ``splits`` checked, or dim 0 cut in ``world`` equal parts."""
+    if splits is None:
+        if rows % world:
+            raise UsageError(
+                f"alltoall without splits needs dim 0 ({rows}) divisible by the number "
+                f"of processes ({world}); pass splits= (rows for each rank)"
+            )
+        return [rows // world] * world
+    values = splits.tolist() if isinstance(splits, torch.Tensor) else list(splits)
+    out = [int(v) for v in values]
+    if len(out) != world or any(v < 0 for v in out) or sum(out) != rows:
+        raise UsageError(
+            f"alltoall splits={out} must have {world} non-negative entries summing to "
+            f"dim 0 of the tensor ({rows})"
+        )
+    return out
+
+
+def alltoall_async(
+    tensor: torch.Tensor,
+    splits: object = None,
+    name: str | None = None,
+    process_set: object = global_process_set,
+) -> int:
+    """Start sending ``splits[j]`` rows to rank ``j`` and receiving each rank's rows for us.
+
+    ``synchronize`` returns the received tensor, and with ``splits`` given also
+    the rows received from each rank (an int32 tensor), as Horovod.
+    """
+    check_process_set(process_set)
+    if tensor.dim() == 0:
+        raise UsageError("alltoall needs a tensor with at least one dimension")
+    world = session().topology.size
+    sent = send_splits(tensor.shape[0], splits, world)
+    desc = describe("alltoall", tensor, name)
+    shape = (dbg.ANY, *tensor.shape[1:])
+    seq = agree("all_to_all", tensor, key=("alltoall", name), desc=desc, shape=shape)
+    data = tensor.detach().contiguous()
+    if active():
+        mine = torch.tensor(sent, dtype=torch.int64, device=data.device)
+        theirs = torch.empty_like(mine)
+        work = dist.all_to_all_single(theirs, mine, async_op=True)
+        wait(work, f"{desc} splits", session().timeout_s)
+        received = [int(n) for n in theirs.tolist()]
+        out = data.new_empty((sum(received), *data.shape[1:]))
+        work = dist.all_to_all_single(out, data, received, sent, async_op=True)
+    else:
+        received, out, work = sent, data.clone(), None
+    received_t = (
+        splits.new_tensor(received)
+        if isinstance(splits, torch.Tensor)
+        else torch.tensor(received, dtype=torch.int32)
+    )
+
+    def finish() -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        return out if splits is None else (out, received_t)
+
+    return submit([work], finish, desc, seq)
+
+
+def barrier(process_set: object = global_process_set) -> None:
+    """Wait until every process gets here (a stall names the missing ranks)."""
+    check_process_set(process_set)
+    agree("barrier", None, key=("barrier",), desc="barrier()")
+    if active():
+        comm_barrier(timeout_s=session().timeout_s, debug=False)
+
+
+def join(device: int = -1) -> int:
+    """Wait until every process has joined; the rank that joined last.
+
+    Unlike Horovod's, a joined rank does not stand in (with zeros) for the
+    all-reduces of ranks still training: give every rank the same number of
+    batches (``DistributedSampler`` pads its shards to equal length).
+    """
+    del device  # Horovod's device for its zero tensors; nothing is allocated here
+    s = session()
+    agree("barrier", None, key=("join",), desc="join()")
+    if not active():
+        return 0
+    s.joins += 1
+    store = _store()
+    # Arrival order from the job's store: the rank whose count reaches the world
+    # size joined last; the max-reduce that follows waits for every rank.
+    arrival = int(store.add(f"manygpu/horovod/join/{s.joins}", 1)) if store is not None else 0
+    last = s.topology.rank if arrival == s.topology.size else -1
+    flag = torch.tensor([last], dtype=torch.int64, device=scratch_device())
+    wait(dist.all_reduce(flag, op=dist.ReduceOp.MAX, async_op=True), "join", s.timeout_s)
+    return int(flag.item())

@@ -1,0 +1,170 @@
+"""Gradients all-reduced while backward runs: hooks, buckets, in-order launches, the wait.
+
+Each parameter gets a hook that runs once its gradient has been accumulated
+(``register_post_accumulate_grad_hook``). After ``backward_passes_per_step``
+such passes the parameter is ready; a bucket whose parameters are all ready
+is flattened (plus one flag per parameter saying whether this rank had a
+gradient for it) and all-reduced asynchronously, so it travels while
+backward computes the rest. Buckets are launched strictly in their order,
+the same on every rank: NCCL and gloo match collectives by their order, not
+by name as Horovod does. ``synchronize`` launches what backward did not
+(parameters without a gradient send zeros and a zero flag), waits within the
+collective timeout (a stall names the missing ranks), scales, and writes the
+results back into ``.grad``. A parameter no rank had a gradient for keeps
+``grad=None``, as in one process; one that some ranks had gets the average
+over all ranks (the others counting as zero), as DDP does.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from manygpu.comm import debug as dbg
+from manygpu.comm.common import active, debug_requested
+from manygpu.errors import UsageError
+from manygpu.horovod.basics import Pending, session
+from manygpu.horovod.checks import wait_pending
+from manygpu.horovod.compression import Compressor
+
+
+class GradientSync:
+    """The all-reduce side of a DistributedOptimizer (no optimizer logic here)."""
+
+    def __init__(
+        self,
+        params: Sequence[torch.Tensor],
+        names: Sequence[str],
+        buckets: Sequence[Sequence[int]],
+        *,
+        compression: type[Compressor],
+        passes: int,
+        average: bool,
+        predivide: float,
+    ) -> None:
+        self.params = list(params)
+        self.names = list(names)
+        self.buckets = [list(b) for b in buckets]
+        self.compression = compression
+        self.passes_per_step = passes
+        self.average = average
+        self.prescale = 1.0 / predivide
+        self.postscale = predivide
+        self.debug = debug_requested(None)
+        self._bucket_of = {i: b for b, members in enumerate(self.buckets) for i in members}
+        self._hooks: list[Any] = []
+        self.reset()
+
+    # -- state ------------------------------------------------------------------
+    def reset(self) -> None:
+        """Forget passes counted and reductions started (after a step, or a state load)."""
+        self._passes = [0] * len(self.params)
+        self._ready = [0] * len(self.buckets)
+        self._next = 0
+        self._pending: dict[int, tuple[dist.Work | None, torch.Tensor, Any, Pending]] = {}
+        self.dirty = False
+
+    def register_hooks(self) -> None:
+        """One hook per parameter, run when its gradient is accumulated."""
+        for i, p in enumerate(self.params):
+            self._hooks.append(p.register_post_accumulate_grad_hook(self._hook(i)))
+
+    def _hook(self, index: int) -> Any:
+        def hook(_: torch.Tensor) -> None:
+            self.on_grad(index)
+
+        return hook
+
+    def on_grad(self, index: int) -> None:
+        """A gradient was accumulated: count the pass; launch what became ready."""
+        count = self._passes[index] + 1
+        if count > self.passes_per_step:
+            raise UsageError(
+                f"gradients of {self.names[index]!r} were computed more than "
+                f"backward_passes_per_step={self.passes_per_step} times before step(); "
+                "raise backward_passes_per_step to accumulate gradients locally"
+            )
+        self._passes[index] = count
+        self.dirty = True
+        if count == self.passes_per_step:
+            bucket = self._bucket_of[index]
+            self._ready[bucket] += 1
+            while self._next < len(self.buckets) and self._ready[self._next] == len(
+                self.buckets[self._next]
+            ):
+                self._launch(self._next)
+                self._next += 1
+
+    # -- communication ------------------------------------------------------------
+    def describe(self, bucket: int) -> str:
+        members = self.buckets[bucket]
+        shown = ", ".join(self.names[i] for i in members[:3])
+        more = f" and {len(members) - 3} more" if len(members) > 3 else ""
+        return (
+            f"DistributedOptimizer gradient bucket {bucket + 1}/{len(self.buckets)} ({shown}{more})"
+        )
+
+    def _flatten(self, bucket: int) -> torch.Tensor:
+        """The bucket's gradients (zeros where missing) and one has-gradient flag each."""
+        members = [self.params[i] for i in self.buckets[bucket]]
+        parts, flags = [], []
+        for p in members:
+            g = p.grad
+            flags.append(g is not None)
+            if g is None:
+                parts.append(p.new_zeros(p.numel()))
+            else:
+                parts.append((g.to_dense() if g.is_sparse else g).reshape(-1))
+        parts.append(torch.tensor(flags, dtype=members[0].dtype, device=members[0].device))
+        return torch.cat(parts)
+
+    def _launch(self, bucket: int) -> None:
+        flat = self._flatten(bucket)
+        if self.prescale != 1.0:
+            flat.mul_(self.prescale)
+        sent, ctx = self.compression.compress(flat)
+        desc = self.describe(bucket)
+        seq = session().next_call()
+        if self.debug:
+            dbg.check_same_call("all_reduce", sent, timeout_s=session().timeout_s, extra=bucket)
+        work = dist.all_reduce(sent, op=dist.ReduceOp.SUM, async_op=True)
+        record = Pending(works=[work], finish=lambda: None, description=desc, seq=seq)
+        self._pending[bucket] = (work, sent, ctx, record)
+
+    def synchronize(self) -> None:
+        """Launch the rest, wait for every bucket and write the results into ``.grad``."""
+        if not active():
+            self.reset()
+            return
+        for bucket in range(self._next, len(self.buckets)):
+            self._launch(bucket)
+        self._next = len(self.buckets)
+        world = session().topology.size
+        for bucket in sorted(self._pending):
+            _, sent, ctx, record = self._pending[bucket]
+            wait_pending(record)
+            flat = self.compression.decompress(sent, ctx)
+            factor = self.postscale / world if self.average else self.postscale
+            if factor != 1.0:
+                flat.mul_(factor)
+            self._unpack(bucket, flat)
+        self.reset()
+
+    def _unpack(self, bucket: int, flat: torch.Tensor) -> None:
+        members = self.buckets[bucket]
+        values, flags = flat[: -len(members)], flat[-len(members) :].tolist()
+        offset = 0
+        with torch.no_grad():
+            for i, flag in zip(members, flags, strict=True):
+                p = self.params[i]
+                n = p.numel()
+                if flag != 0:  # some rank had a gradient: everyone takes the result
+                    new = values[offset : offset + n].view_as(p)
+                    if p.grad is None or p.grad.is_sparse or p.grad.shape != p.shape:
+                        p.grad = new.clone()
+                    else:
+                        p.grad.copy_(new)
+                offset += n

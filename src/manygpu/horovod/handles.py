@@ -1,0 +1,51 @@
+"""Handles of asynchronous operations: ``poll`` and ``synchronize``, as in Horovod.
+
+An ``*_async`` call starts the backend's work (``async_op=True``) and returns
+an integer handle; the work runs in the backend's threads (gloo) or streams
+(NCCL) while Python goes on. ``synchronize(handle)`` waits, within the
+collective timeout, finishes what Horovod does after the reduction (averaging,
+scaling, trimming padding) and returns the result; ``poll(handle)`` says
+whether it would return at once.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch.distributed as dist
+
+from manygpu.errors import UsageError
+from manygpu.horovod.basics import Pending, session
+from manygpu.horovod.checks import wait_pending
+
+
+def submit(
+    works: list[dist.Work | None], finish: Callable[[], Any], description: str, seq: int
+) -> int:
+    """Register started works; the handle ``synchronize`` takes."""
+    s = session()
+    handle = next(s.handles)
+    real = [w for w in works if w is not None]
+    s.pending[handle] = Pending(works=real, finish=finish, description=description, seq=seq)
+    return handle
+
+
+def poll(handle: int) -> bool:
+    """Whether the operation behind ``handle`` is done (``synchronize`` will not block)."""
+    pending = session().pending.get(handle)
+    if pending is None:
+        raise UsageError(f"hvd.poll: unknown handle {handle!r} (already synchronized?)")
+    return all(work.is_completed() for work in pending.works)
+
+
+def synchronize(handle: int) -> Any:
+    """Wait for the operation behind ``handle`` and return its result.
+
+    As Horovod, a handle that is not pending (already synchronized) gives ``None``.
+    """
+    pending = session().pending.pop(handle, None)
+    if pending is None:
+        return None
+    wait_pending(pending)
+    return pending.finish()

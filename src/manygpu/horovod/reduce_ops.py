@@ -1,0 +1,279 @@
+"""Reductions: ``allreduce`` in its in-place and asynchronous forms, grouped, reduce-scatter.
+
+Horovod's semantics: ``op`` defaults to ``Average`` (a sum divided by the
+number of processes; integers are floor-divided), ``average=True/False`` is
+the deprecated spelling of ``Average``/``Sum``, and ``prescale_factor`` /
+``postscale_factor`` multiply the tensor before and after the reduction.
+Each call is checked across ranks first (see :mod:`manygpu.horovod.checks`),
+then started with ``async_op=True``; the returned handle is waited for by
+``synchronize``. The differentiable out-of-place forms are in
+:mod:`manygpu.horovod.differentiable`.
+"""
+
+from __future__ import annotations
+
+import enum
+import warnings
+from collections.abc import Sequence
+
+import torch
+import torch.distributed as dist
+
+from manygpu.comm.common import active, reduce_scatter_single
+from manygpu.errors import UsageError
+from manygpu.horovod.basics import check_process_set, global_process_set, session
+from manygpu.horovod.checks import agree, describe
+from manygpu.horovod.handles import submit, synchronize
+from manygpu.horovod.missing import not_supported
+
+
+class ReduceOp(enum.IntEnum):
+    """Horovod's reduction operations (same numbers as Horovod's; 2 was Adasum)."""
+
+    Average = 0
+    Sum = 1
+    Min = 3
+    Max = 4
+    Product = 5
+
+
+Average, Sum, Min, Max, Product = (
+    ReduceOp.Average,
+    ReduceOp.Sum,
+    ReduceOp.Min,
+    ReduceOp.Max,
+    ReduceOp.Product,
+)
+_ADASUM = 2
+_DIST_OPS = {
+    ReduceOp.Average: dist.ReduceOp.SUM,  # divided afterwards: gloo has no AVG
+    ReduceOp.Sum: dist.ReduceOp.SUM,
+    ReduceOp.Min: dist.ReduceOp.MIN,
+    ReduceOp.Max: dist.ReduceOp.MAX,
+    ReduceOp.Product: dist.ReduceOp.PRODUCT,
+}
+
+
+def resolve_op(op: object, average: bool | None) -> ReduceOp:
+    """``op``, or the deprecated ``average`` flag, as a :class:`ReduceOp` (Average by default)."""
+    if op is not None and average is not None:
+        raise UsageError("give op= or the deprecated average=, not both (op supersedes average)")
+    if average is not None:
+        warnings.warn(
+            "average= is deprecated in Horovod's API; use op=hvd.Average or op=hvd.Sum",
+            DeprecationWarning,
+            stacklevel=3,
+        )
+        return ReduceOp.Average if average else ReduceOp.Sum
+    if op is None:
+        return ReduceOp.Average
+    if op == _ADASUM:
+        not_supported("Adasum")
+    try:
+        return ReduceOp(op)  # type: ignore[arg-type]
+    except ValueError:
+        names = ", ".join(f"hvd.{o.name}" for o in ReduceOp)
+        raise UsageError(f"unknown reduce op {op!r}; choose one of {names}") from None
+
+
+def scale_(tensor: torch.Tensor, factor: float, what: str) -> None:
+    """Multiply in place by a pre/postscale factor (floating-point tensors only)."""
+    if factor == 1.0:
+        return
+    if not (tensor.is_floating_point() or tensor.is_complex()):
+        raise UsageError(f"{what}={factor} needs a floating-point tensor, not {tensor.dtype}")
+    tensor.mul_(factor)
+
+
+def finish_(tensor: torch.Tensor, op: ReduceOp, postscale: float, world: int) -> torch.Tensor:
+    """After the sum: Average divides by ``world`` (integers floor-divide), then postscale."""
+    if op is ReduceOp.Average and world > 1:
+        if tensor.is_floating_point() or tensor.is_complex():
+            tensor.mul_(postscale / world)  # one pass for both factors, as Horovod
+            return tensor
+        tensor.floor_divide_(world)
+    scale_(tensor, postscale, "postscale_factor")
+    return tensor
+
+
+def _contiguous(tensor: torch.Tensor, what: str) -> None:
+    if not tensor.is_contiguous():
+        raise UsageError(f"{what} needs a contiguous tensor; pass tensor.contiguous()")
+
+
+def allreduce_async_(
+    tensor: torch.Tensor,
+    average: bool | None = None,
+    name: str | None = None,
+    op: object = None,
+    prescale_factor: float = 1.0,
+    postscale_factor: float = 1.0,
+    process_set: object = global_process_set,
+) -> int:
+    """Start reducing ``tensor`` in place over every process; a handle for ``synchronize``."""
+    check_process_set(process_set)
+    rop = resolve_op(op, average)
+    _contiguous(tensor, "allreduce_")
+    desc = describe("allreduce", tensor, name, op=rop.name)
+    key = ("allreduce", name, int(rop), prescale_factor, postscale_factor)
+    seq = agree("all_reduce", tensor, key=key, desc=desc)
+    world = session().topology.size
+    scale_(tensor, prescale_factor, "prescale_factor")
+    work = dist.all_reduce(tensor, op=_DIST_OPS[rop], async_op=True) if active() else None
+    return submit([work], lambda: finish_(tensor, rop, postscale_factor, world), desc, seq)
+
+
+def allreduce_async(
+    tensor: torch.Tensor,
+    average: bool | None = None,
+    name: str | None = None,
+    op: object = None,
+    prescale_factor: float = 1.0,
+    postscale_factor: float = 1.0,
+    process_set: object = global_process_set,
+) -> int:
+    """Start reducing a copy of ``tensor`` (left unchanged); ``synchronize`` returns the copy."""
+    out = tensor.detach().clone(memory_format=torch.contiguous_format)
+    return allreduce_async_(out, average, name, op, prescale_factor, postscale_factor, process_set)
+
+
+def allreduce_(
+    tensor: torch.Tensor,
+    average: bool | None = None,
+    name: str | None = None,
+    op: object = None,
+    prescale_factor: float = 1.0,
+    postscale_factor: float = 1.0,
+    process_set: object = global_process_set,
+) -> torch.Tensor:
+    """Reduce ``tensor`` in place over every process and return it."""
+    handle = allreduce_async_(
+        tensor, average, name, op, prescale_factor, postscale_factor, process_set
+    )
+    return synchronize(handle)
+
+
+def _flat_groups(tensors: Sequence[torch.Tensor]) -> list[list[int]]:
+    """Indices of ``tensors`` grouped by (device, dtype), in order: one collective each."""
+    groups: dict[tuple[torch.device, torch.dtype], list[int]] = {}
+    for i, t in enumerate(tensors):
+        groups.setdefault((t.device, t.dtype), []).append(i)
+    return list(groups.values())
+
+
+def grouped_allreduce_async_(
+    tensors: Sequence[torch.Tensor],
+    average: bool | None = None,
+    name: str | None = None,
+    op: object = None,
+    prescale_factor: float = 1.0,
+    postscale_factor: float = 1.0,
+    process_set: object = global_process_set,
+) -> int:
+    """Start reducing a list of tensors in place, as one flat collective per dtype."""
+    check_process_set(process_set)
+    rop = resolve_op(op, average)
+    tensors = list(tensors)
+    if not tensors:
+        raise UsageError("grouped_allreduce needs a non-empty list of tensors")
+    shapes = [(tuple(t.shape), str(t.dtype)) for t in tensors]
+    desc = describe("grouped_allreduce", None, name, tensors=len(tensors), op=rop.name)
+    key = ("grouped_allreduce", name, int(rop), prescale_factor, postscale_factor, shapes)
+    details = [(f"#{i}", shape, dtype) for i, (shape, dtype) in enumerate(shapes)]
+    seq = agree("all_reduce", None, key=key, desc=desc, details=details)
+    world = session().topology.size
+    works, flats = [], []
+    for group in _flat_groups(tensors):
+        flat = torch.cat([tensors[i].detach().reshape(-1) for i in group])
+        scale_(flat, prescale_factor, "prescale_factor")
+        works.append(dist.all_reduce(flat, op=_DIST_OPS[rop], async_op=True) if active() else None)
+        flats.append((group, flat))
+
+    def finish() -> list[torch.Tensor]:
+        for group, flat in flats:
+            finish_(flat, rop, postscale_factor, world)
+            offset = 0
+            for i in group:
+                n = tensors[i].numel()
+                with torch.no_grad():
+                    tensors[i].copy_(flat[offset : offset + n].view_as(tensors[i]))
+                offset += n
+        return tensors
+
+    return submit(works, finish, desc, seq)
+
+
+def grouped_allreduce_async(
+    tensors: Sequence[torch.Tensor],
+    average: bool | None = None,
+    name: str | None = None,
+    op: object = None,
+    prescale_factor: float = 1.0,
+    postscale_factor: float = 1.0,
+    process_set: object = global_process_set,
+) -> int:
+    """Start reducing copies of ``tensors`` (left unchanged); ``synchronize`` returns the copies."""
+    outs = [t.detach().clone() for t in tensors]
+    return grouped_allreduce_async_(
+        outs, average, name, op, prescale_factor, postscale_factor, process_set
+    )
+
+
+def grouped_allreduce_(
+    tensors: Sequence[torch.Tensor],
+    average: bool | None = None,
+    name: str | None = None,
+    op: object = None,
+    prescale_factor: float = 1.0,
+    postscale_factor: float = 1.0,
+    process_set: object = global_process_set,
+) -> list[torch.Tensor]:
+    """Reduce a list of tensors in place; returns the list."""
+    handle = grouped_allreduce_async_(
+        tensors, average, name, op, prescale_factor, postscale_factor, process_set
+    )
+    return synchronize(handle)
+
+
+def scatter_counts(rows: int, world: int) -> list[int]:
+    """Rows of dim 0 each rank gets: Horovod gives the first ``rows % world`` ranks one more."""
+    return [rows // world + (1 if r < rows % world else 0) for r in range(world)]
+
+
+def reducescatter_async(
+    tensor: torch.Tensor,
+    name: str | None = None,
+    op: object = ReduceOp.Average,
+    process_set: object = global_process_set,
+    prescale_factor: float = 1.0,
+    postscale_factor: float = 1.0,
+) -> int:
+    """Start reducing ``tensor`` and scattering dim 0; ``synchronize`` returns this rank's part."""
+    check_process_set(process_set)
+    rop = resolve_op(op, None)
+    if tensor.dim() == 0:
+        raise UsageError("reducescatter needs a tensor with at least one dimension")
+    desc = describe("reducescatter", tensor, name, op=rop.name)
+    key = ("reducescatter", name, int(rop), prescale_factor, postscale_factor)
+    seq = agree("reduce_scatter", tensor, key=key, desc=desc)
+    world, me = session().topology.size, session().topology.rank
+    counts = scatter_counts(tensor.shape[0], world)
+    longest, rest = counts[0], tuple(tensor.shape[1:])
+    # Equal slices of `longest` rows each; rank r's real rows first, zeros after.
+    padded = tensor.new_zeros((world * longest, *rest))
+    offset = 0
+    for r, n in enumerate(counts):
+        padded[r * longest : r * longest + n] = tensor[offset : offset + n].detach()
+        offset += n
+    scale_(padded, prescale_factor, "prescale_factor")
+    out = tensor.new_empty((longest, *rest))
+    work = None
+    if active():
+        work = reduce_scatter_single(out, padded, op=_DIST_OPS[rop], async_op=True)
+    else:
+        out.copy_(padded)
+
+    def finish() -> torch.Tensor:
+        return finish_(out[: counts[me]], rop, postscale_factor, world)
+
+    return submit([work], finish, desc, seq)
