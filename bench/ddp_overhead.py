@@ -403,7 +403,26 @@ def render_notes(report: BenchReport) -> list[str]:
         "round. run s: median wall time of a whole run, start-up included (samples/s is not). "
         "loss: final loss of the first run; equal losses mean the same samples, order and "
         "updates.",
+        *loss_mismatches(report.summaries),
         *skipped,
+    ]
+
+
+def loss_mismatches(summaries: list[VariantSummary]) -> list[str]:
+    """A line per variant whose final loss is not the baseline's: it trained differently.
+
+    Every variant gets the same model, data, seed and loader order, so with the
+    same updates the losses are bit-equal; a difference means the comparison
+    also measured different work (another data split, another dropout stream).
+    """
+    base = next((s.final_loss for s in summaries if s.variant == BASELINE), None)
+    if base is None:
+        return []
+    return [
+        f"[yellow]{s.label} ends at loss {s.final_loss:.4f}, hand-written DDP at {base:.4f}: "
+        "not the same training[/]"
+        for s in summaries
+        if s.final_loss is not None and s.final_loss != base
     ]
 
 

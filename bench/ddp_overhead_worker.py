@@ -93,6 +93,18 @@ def fresh_optimizer(model: nn.Module) -> torch.optim.Optimizer:
     return torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
 
 
+def own_generator(cfg: WorkerConfig) -> torch.Generator:
+    """A generator for a hand-built ``DataLoader``, so its iterators leave torch's RNG alone.
+
+    Without one, every ``iter(loader)`` (every epoch) draws a seed from torch's
+    global RNG, the stream dropout also draws from: that one draw shifts every
+    later dropout mask, and the variants, identical in data and arithmetic, end
+    at different losses. manygpu's prepared loader carries a generator of its
+    own for the same reason (a resumed run keeps the model's random stream).
+    """
+    return torch.Generator().manual_seed(cfg.seed)
+
+
 def endless(loader: object) -> Iterator[Batch]:
     """Iterate ``loader`` forever; each ``iter()`` is one epoch."""
     while True:
@@ -110,7 +122,13 @@ def setup_torch_ddp(cfg: WorkerConfig) -> Trainer:
     sampler: DistributedSampler[int] = DistributedSampler(
         dataset, num_replicas=world, rank=rank, shuffle=True, seed=cfg.seed, drop_last=True
     )
-    loader = DataLoader(dataset, batch_size=cfg.batch_size, sampler=sampler, drop_last=True)
+    loader = DataLoader(
+        dataset,
+        batch_size=cfg.batch_size,
+        sampler=sampler,
+        drop_last=True,
+        generator=own_generator(cfg),
+    )
 
     def batches() -> Iterator[Batch]:
         epoch = 0
@@ -159,7 +177,13 @@ def setup_accelerate(cfg: WorkerConfig) -> Trainer:
 
     acc = Accelerator(cpu=True)
     dataset = train_data(cfg.image_size)
-    loader = DataLoader(dataset, batch_size=cfg.batch_size, shuffle=True, drop_last=True)
+    loader = DataLoader(
+        dataset,
+        batch_size=cfg.batch_size,
+        shuffle=True,
+        drop_last=True,
+        generator=own_generator(cfg),
+    )
     model = fresh_model(cfg)
     model, opt, loader = acc.prepare(model, fresh_optimizer(model), loader)
 
@@ -184,7 +208,13 @@ def setup_fabric(cfg: WorkerConfig) -> Trainer:
     fabric = Fabric(accelerator="cpu", strategy="ddp", devices=local, num_nodes=nodes)
     fabric.launch()  # under torchelastic: joins the group, starts no processes
     dataset = train_data(cfg.image_size)
-    loader = DataLoader(dataset, batch_size=cfg.batch_size, shuffle=True, drop_last=True)
+    loader = DataLoader(
+        dataset,
+        batch_size=cfg.batch_size,
+        shuffle=True,
+        drop_last=True,
+        generator=own_generator(cfg),
+    )
     model = fresh_model(cfg)
     model, opt = fabric.setup(model, fresh_optimizer(model))
     loader = fabric.setup_dataloaders(loader)
