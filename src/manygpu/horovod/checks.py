@@ -51,6 +51,11 @@ def describe(what: str, tensor: torch.Tensor | None, name: str | None, **args: o
     return f"{what}({', '.join(parts)})"
 
 
+def ranks_text(ranks: Sequence[int]) -> str:
+    """``rank 1`` or ``ranks [0, 2]``."""
+    return f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {list(ranks)}"
+
+
 def agree(
     op: str,
     tensor: torch.Tensor | None,
@@ -94,13 +99,17 @@ def render_mismatch(rows: Sequence[tuple[str, list[Entry] | None]], fallback: st
     head = f"rank {rank}: manygpu.horovod: ranks disagree on a collective: "
     layouts = [d for _, d in rows]
     if all(d is not None for d in layouts) and len({repr(d) for d in layouts}) > 1:
-        return head + layout_diff([d for d in layouts if d is not None])
+        what = rows[0][0].split("(")[0]
+        return f"{head}{what}: {layout_diff([d for d in layouts if d is not None])}"
     groups: dict[str, list[int]] = {}
     for r, (desc, _) in enumerate(rows):
         groups.setdefault(desc, []).append(r)
     if len(groups) == 1:
         return fallback  # same call everywhere: the call numbers differ (a skipped call)
-    said = "; ".join(f"ranks {ranks} call {desc}" for desc, ranks in groups.items())
+    said = "; ".join(
+        f"{ranks_text(ranks)} {'calls' if len(ranks) == 1 else 'call'} {desc}"
+        for desc, ranks in groups.items()
+    )
     return head + said + " (every rank must make the same calls with the same shapes)"
 
 
@@ -112,21 +121,22 @@ def layout_diff(per_rank: Sequence[Sequence[Entry]]) -> str:
     for name in names:
         present = [r for r, m in enumerate(maps) if name in m]
         if len(present) < len(maps):
-            problems.append(f"{name!r} exists only on ranks {present}")
+            problems.append(f"{name!r} exists only on {ranks_text(present)}")
             continue
         kinds: dict[str, list[int]] = {}
         for r, m in enumerate(maps):
             shape, dtype = m[name]
-            kinds.setdefault(f"{dtype}[{'x'.join(map(str, shape)) or 'scalar'}]", []).append(r)
+            kind = f"{dtype.removeprefix('torch.')}[{'x'.join(map(str, shape)) or 'scalar'}]"
+            kinds.setdefault(kind, []).append(r)
         if len(kinds) > 1:
-            said = ", ".join(f"{kind} on ranks {ranks}" for kind, ranks in kinds.items())
+            said = ", ".join(f"{kind} on {ranks_text(ranks)}" for kind, ranks in kinds.items())
             problems.append(f"{name!r} is {said}")
     if not problems:
         orders: dict[str, list[int]] = {}
         for r, entries in enumerate(per_rank):
             orders.setdefault(repr([n for n, _, _ in entries]), []).append(r)
-        return "the same tensors in a different order on ranks " + " vs ".join(
-            str(ranks) for ranks in orders.values()
+        return "the same tensors in a different order on " + " vs ".join(
+            ranks_text(ranks) for ranks in orders.values()
         )
     more = f" (and {len(problems) - 5} more)" if len(problems) > 5 else ""
     return "; ".join(problems[:5]) + more
@@ -144,7 +154,7 @@ def describe_stall(records: Mapping[int, tuple[int, str]], world: int, seq: int)
         for r, (s, d) in sorted(records.items())
         if s != seq
     ]
-    parts.append(f"ranks {waiting} waited in it")
+    parts.append(f"{ranks_text(waiting)} waited in it")
     return "; ".join(parts)
 
 
