@@ -68,5 +68,5 @@ def not_supported(name: str) -> NoReturn:
     """Raise the one-line error for ``name``: what is missing and what to use."""
     what, instead = LEFT_OUT[name]
     raise NotSupportedError(
-        f"hvd.{name}: {what} is not supported by manygpu.horovod; use {instead}"
+        f"hvd.{name} ({what}) is not supported by manygpu.horovod; use {instead}"
     )
