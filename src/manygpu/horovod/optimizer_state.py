@@ -74,8 +74,8 @@ def apply_spec(optimizer: torch.optim.Optimizer, spec: StateSpec) -> list[tuple[
     for group, options in zip(optimizer.param_groups, spec.options, strict=True):
         group.update(options)
     keep: dict[int, set[str]] = {}
-    for i, key, *_ in [*spec.tensors, *spec.scalars]:
-        keep.setdefault(i, set()).add(key)
+    for entry in [*spec.tensors, *spec.scalars]:
+        keep.setdefault(entry[0], set()).add(entry[1])
     for i, p in enumerate(params):  # drop what the root does not have
         if p in optimizer.state:
             for key in [k for k in optimizer.state[p] if k not in keep.get(i, set())]:
