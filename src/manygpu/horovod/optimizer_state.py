@@ -74,8 +74,8 @@ def apply_spec(optimizer: torch.optim.Optimizer, spec: StateSpec) -> list[tuple[
     for group, options in zip(optimizer.param_groups, spec.options, strict=True):
         group.update(options)
     keep: dict[int, set[str]] = {}
-    for entry in [*spec.tensors, *spec.scalars]:
-        keep.setdefault(entry[0], set()).add(entry[1])
+    for index, key in [(t[0], t[1]) for t in spec.tensors] + [(s[0], s[1]) for s in spec.scalars]:
+        keep.setdefault(index, set()).add(key)
     for i, p in enumerate(params):  # drop what the root does not have
         if p in optimizer.state:
             for key in [k for k in optimizer.state[p] if k not in keep.get(i, set())]:
