@@ -1,9 +1,10 @@
 """A job whose second asynchronous save hangs mid-write, waiting to be killed.
 
-``python ckpt_async_job.py CKPT_DIR OUT_DIR``: trains the ckpt_job model, saves
-step 3 asynchronously and waits for it (``OUT_DIR/params-3.pt`` holds its
-parameters), trains on, then saves step 6 with a writer that stops after the
-first buffer of ``model.pt`` and writes ``OUT_DIR/writing``: the parent kills
+``python ckpt_async_job.py CKPT_DIR OUT_DIR FORMAT``: trains the ckpt_job model,
+saves step 3 asynchronously in FORMAT (``full`` or ``dcp``) and waits for it
+(``OUT_DIR/params-3.pt`` holds its parameters), trains on, then saves step 6
+with a writer that stops after the first buffer of ``model.pt`` (``full``) or
+of its DCP shard (``dcp``) and writes ``OUT_DIR/writing``: the parent kills
 the process with SIGKILL while the background write is in progress.
 """
 
@@ -27,7 +28,8 @@ def _hang_in_model_file(marker: Path) -> None:
 
     def write(self: writer.DurableFile, data: object) -> int:
         n = real(self, data)
-        if self.path.name == "model.pt" and "step-00000006" in str(self.path):
+        held = self.path.name == "model.pt" or self.path.suffix == ".distcp"
+        if held and "step-00000006" in str(self.path):
             marker.write_text(str(self.path))
             never.wait()  # the background thread stops here until the kill
         return n
@@ -35,9 +37,9 @@ def _hang_in_model_file(marker: Path) -> None:
     writer.DurableFile.write = write  # type: ignore[method-assign]
 
 
-def main(directory: Path, out: Path) -> None:
+def main(directory: Path, out: Path, fmt: str) -> None:
     with Parallel(strategy="single") as par:
-        model, opt, sched, loader, ckpt = build(par, directory, every=0, async_save=True)
+        model, opt, sched, loader, ckpt = build(par, directory, every=0, fmt=fmt, async_save=True)
         state = TrainState()
         for x, y in loader:
             par.backward(nn.functional.mse_loss(model(x), y))
@@ -58,4 +60,4 @@ def main(directory: Path, out: Path) -> None:
 
 
 if __name__ == "__main__":
-    main(Path(sys.argv[1]), Path(sys.argv[2]))
+    main(Path(sys.argv[1]), Path(sys.argv[2]), sys.argv[3])

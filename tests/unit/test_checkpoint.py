@@ -28,7 +28,9 @@ def _run(
         return train(par, directory, total, every, **kw)  # type: ignore[arg-type]
 
 
-@pytest.mark.parametrize("fmt, async_save", [("full", False), ("full", True), ("dcp", False)])
+@pytest.mark.parametrize(
+    "fmt, async_save", [("full", False), ("full", True), ("dcp", False), ("dcp", True)]
+)
 def test_resume_is_bit_identical(tmp_path: Path, fmt: str, async_save: bool) -> None:
     ref_losses, ref_params = _run(tmp_path / "ref", 30, every=0)
     _run(tmp_path / "ck", 17, every=5, fmt=fmt, async_save=async_save)  # "dies" after step 17

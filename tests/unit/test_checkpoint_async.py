@@ -2,10 +2,12 @@
 
 - An asynchronous save whose background write is held mid-file (a writer
   that waits on an Event, no sleeps) while the loop takes the next optimizer
-  step still stores, bitwise, the state of the step it was asked for.
+  step still stores, bitwise, the state of the step it was asked for: for the
+  ``full`` format (our thread) and for ``dcp`` (``dcp.async_save``).
 - kill -9 during that background write leaves the previous checkpoint intact
-  (a real process, marked slow).
-- The snapshot buffers are allocated once and reused; no file is read back to
+  (a real process, marked slow), in both formats.
+- The snapshot buffers are allocated once and reused (ours for ``full``,
+  torch's stager for ``dcp``); no file is read back to
   checksum it (a save with file hashing disabled still commits); streamed
   checksums equal the file's in any chunking and name the damaged segment;
   schema 1 checkpoints (plain SHA-256) still load and verify.
@@ -22,6 +24,7 @@ import sys
 import threading
 import time
 import zlib
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -65,15 +68,23 @@ def _same(a: Any, b: Any) -> bool:
     return bool(a == b)
 
 
-@pytest.fixture
-def held_writer(monkeypatch: pytest.MonkeyPatch) -> tuple[threading.Event, threading.Event]:
-    """Background writes of ``model.pt`` stop after the first buffer until ``go`` is set."""
+HELD: dict[str, Callable[[Path], bool]] = {
+    "full": lambda path: path.name == formats.MODEL,  # written by our thread
+    "dcp": lambda path: path.suffix == ".distcp",  # a shard, written by DCP's thread
+}
+"""Per format, the file whose background write the tests hold mid-way."""
+
+
+def hold_writes(
+    monkeypatch: pytest.MonkeyPatch, fmt: str
+) -> tuple[threading.Event, threading.Event]:
+    """The first background write into ``HELD[fmt]``'s file stops after one buffer until ``go``."""
     started, go = threading.Event(), threading.Event()
     real = writer.DurableFile.write
 
     def write(self: writer.DurableFile, data: Any) -> int:
         n = real(self, data)
-        if self.path.name == formats.MODEL and not started.is_set():
+        if HELD[fmt](self.path) and not started.is_set():
             started.set()
             assert go.wait(timeout=60), "the test never released the writer"
         return n
@@ -82,18 +93,19 @@ def held_writer(monkeypatch: pytest.MonkeyPatch) -> tuple[threading.Event, threa
     return started, go
 
 
+@pytest.mark.parametrize("fmt", ["full", "dcp"])
 def test_async_save_stores_the_step_it_was_asked_for(
-    tmp_path: Path, held_writer: tuple[threading.Event, threading.Event]
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, fmt: str
 ) -> None:
-    started, go = held_writer
+    started, go = hold_writes(monkeypatch, fmt)
     with Parallel(strategy="single") as par:
-        model, opt, _, loader, ckpt = build(par, tmp_path, every=0, async_save=True)
+        model, opt, _, loader, ckpt = build(par, tmp_path, every=0, fmt=fmt, async_save=True)
         _step(par, model, opt, loader)  # Adam state exists
         module = par.unwrap(model)
         want_model, want_optim = _clone(module.state_dict()), _clone(opt.state_dict())
         final = ckpt.save(TrainState(step=1))
         try:
-            assert started.wait(timeout=60)  # the background thread is inside model.pt
+            assert started.wait(timeout=60)  # the background thread is inside a file
             assert not final.exists()  # ...so nothing is committed yet
             _step(par, model, opt, loader)  # the next step changes what is being saved
             with torch.no_grad():
@@ -102,11 +114,15 @@ def test_async_save_stores_the_step_it_was_asked_for(
         finally:
             go.set()
         ckpt.wait()
-        saved_model = torch.load(final / formats.MODEL, weights_only=True)
-        saved_optim = torch.load(final / formats.OPTIM, weights_only=True)
-        assert _same(saved_model, want_model) and _same(saved_optim, want_optim)
-        assert not _same(_clone(module.state_dict()), want_model)  # the race was real
         assert layout.verify(final).step == 1
+        assert not _same(_clone(module.state_dict()), want_model)  # the race was real
+        if fmt == "full":  # the files themselves
+            saved_model = torch.load(final / formats.MODEL, weights_only=True)
+            saved_optim = torch.load(final / formats.OPTIM, weights_only=True)
+            assert _same(saved_model, want_model) and _same(saved_optim, want_optim)
+        assert ckpt.resume(1).step == 1  # what a resume puts back
+        assert _same(_clone(module.state_dict()), want_model)
+        assert _same(_clone(opt.state_dict()), want_optim)
 
 
 def test_snapshot_buffers_are_allocated_once_and_reused(tmp_path: Path) -> None:
@@ -128,6 +144,44 @@ def test_snapshot_buffers_are_allocated_once_and_reused(tmp_path: Path) -> None:
             torch.load(layout.step_dir(tmp_path, 2) / formats.MODEL)["0.weight"],
             par.unwrap(model).state_dict()["0.weight"],
         )
+
+
+def test_dcp_staging_reuses_torchs_buffers_across_saves(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """torch's stager, held by our Staging, copies into the same CPU memory at every save."""
+    staging = Staging(pin=False)
+    weight = torch.randn(4, 3)
+    tree = {"w": weight, "optim": {"state": {0: {"exp_avg": torch.randn(5)}}, "lr": 0.1}}
+    stager = staging.dcp_stager()
+    first = stager.stage(tree)
+    weight.add_(1.0)
+    assert not torch.equal(first["w"], weight)  # a copy, not a view
+    assert staging.dcp_stager() is stager
+    second = stager.stage(tree)
+    assert second["w"].data_ptr() == first["w"].data_ptr() and torch.equal(second["w"], weight)
+    exp_avg = second["optim"]["state"][0]["exp_avg"]
+    assert exp_avg.data_ptr() == first["optim"]["state"][0]["exp_avg"].data_ptr()
+    staging.close()
+    # Through the checkpointer: the second async dcp save stages into the first one's memory.
+    with Parallel(strategy="single") as par:
+        model, opt, _, loader, ckpt = build(par, tmp_path, every=0, fmt="dcp", async_save=True)
+        _step(par, model, opt, loader)
+        seen: list[int] = []
+        real = type(ckpt._staging.dcp_stager()).stage
+
+        def stage(self: Any, state: Any, **kw: Any) -> Any:
+            staged = real(self, state, **kw)
+            seen.append(staged["model"]["0.weight"].data_ptr())
+            return staged
+
+        monkeypatch.setattr(type(ckpt._staging.dcp_stager()), "stage", stage)
+        for step in (1, 2):
+            _step(par, model, opt, loader)
+            ckpt.save(TrainState(step=step))
+        ckpt.close()
+        assert len(seen) == 2 and seen[0] == seen[1]
+        assert [p.name for p in layout.committed(tmp_path)] == ["step-00000001", "step-00000002"]
 
 
 def test_staging_copies_into_the_same_buffers_and_keeps_ties() -> None:
@@ -238,14 +292,15 @@ def test_resume_leaves_no_state_mapped_to_the_checkpoint_file(tmp_path: Path) ->
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("fmt", ["full", "dcp"])
 def test_kill_9_during_the_background_write_keeps_the_previous_checkpoint(
-    tmp_path: Path,
+    tmp_path: Path, fmt: str
 ) -> None:
     ck, out = tmp_path / "ck", tmp_path / "out"
     out.mkdir()
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(HELPERS), *sys.path]))
     job = subprocess.Popen(
-        [sys.executable, str(HELPERS / "ckpt_async_job.py"), str(ck), str(out)],
+        [sys.executable, str(HELPERS / "ckpt_async_job.py"), str(ck), str(out), fmt],
         env=env,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
@@ -258,7 +313,7 @@ def test_kill_9_during_the_background_write_keeps_the_previous_checkpoint(
             assert time.monotonic() < deadline, "the job never reached the second save"
             time.sleep(0.05)
         partial = Path((out / "writing").read_text())
-        assert partial.parent == layout.tmp_dir(ck, 6) and partial.stat().st_size > 0
+        assert layout.tmp_dir(ck, 6) in partial.parents and partial.stat().st_size > 0
         os.kill(job.pid, signal.SIGKILL)
     finally:
         if job.poll() is None:
@@ -268,7 +323,7 @@ def test_kill_9_during_the_background_write_keeps_the_previous_checkpoint(
     assert [p.name for p in layout.committed(ck)] == ["step-00000003"]
     layout.verify(layout.step_dir(ck, 3))  # every size and checksum intact
     with Parallel(strategy="single") as par:
-        model, _, _, _, ckpt = build(par, ck, every=0, async_save=True)
+        model, _, _, _, ckpt = build(par, ck, every=0, fmt=fmt, async_save=True)
         assert ckpt.resume().step == 3
         want = torch.load(out / "params-3.pt")
         got = list(par.unwrap(model).parameters())

@@ -226,12 +226,13 @@ def _dcp_state(parts: Parts) -> dict[str, Any]:
     return state
 
 
-@contextmanager
-def _hashing_fs(entries: dict[Path, dict[str, Any]]) -> Iterator[Any]:
-    """DCP's file system, writing through :class:`~.writer.DurableFile` (hashed as written)."""
-    from torch.distributed.checkpoint.filesystem import FileSystem
+def _hashing_writer(shards: Path, entries: dict[Path, dict[str, Any]], pool: Any) -> Any:
+    """DCP's ``FileSystemWriter`` writing through :class:`~.writer.DurableFile` (hashed as written).
 
-    from manygpu.checkpoint.integrity import hashing_pool
+    Each file's table entry lands in ``entries`` when the file is closed.
+    """
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.filesystem import FileSystem
 
     class HashingFileSystem(FileSystem):
         @contextmanager
@@ -252,8 +253,18 @@ def _hashing_fs(entries: dict[Path, dict[str, Any]]) -> Iterator[Any]:
             if Path(path) in entries:  # DCP writes .metadata.tmp, then renames it
                 entries[Path(new_path)] = entries.pop(Path(path))
 
-    with hashing_pool() as pool:
-        yield HashingFileSystem()
+    storage = dcp.FileSystemWriter(str(shards))
+    storage.fs = HashingFileSystem()
+    return storage
+
+
+def _no_dist(group: Any) -> bool:
+    """Whether DCP runs without collectives: no checkpoint group means a world of one."""
+    return group is None and (not dist.is_initialized() or dist.get_world_size() == 1)
+
+
+def _table(directory: Path, entries: dict[Path, dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    return {str(path.relative_to(directory)): entry for path, entry in entries.items()}
 
 
 def write_dcp(directory: Path, parts: Parts, group: Any = None) -> dict[str, dict[str, Any]]:
@@ -263,20 +274,56 @@ def write_dcp(directory: Path, parts: Parts, group: Any = None) -> dict[str, dic
     """
     import torch.distributed.checkpoint as dcp
 
+    from manygpu.checkpoint.integrity import hashing_pool
+
     entries: dict[Path, dict[str, Any]] = {}
-    with _hashing_fs(entries) as fs:
-        storage = dcp.FileSystemWriter(str(directory / SHARDS))
-        storage.fs = fs
+    with hashing_pool() as pool:
         dcp.save(
             _dcp_state(parts),
-            storage_writer=storage,
+            storage_writer=_hashing_writer(directory / SHARDS, entries, pool),
             process_group=group,
-            no_dist=not dist.is_initialized(),
+            no_dist=_no_dist(group),
         )
-    table = {str(path.relative_to(directory)): entry for path, entry in entries.items()}
-    if not dist.is_initialized() or dist.get_rank() == 0:
-        table |= write_files(directory, {EXTRAS: to_cpu_copy(parts.extras())})
-    return table
+    return _table(directory, entries)
+
+
+def start_dcp(
+    directory: Path, parts: Parts, *, group: Any, stage: Staging
+) -> Callable[[], dict[str, dict[str, Any]]]:
+    """Start writing this rank's shards in the background (``dcp.async_save``).
+
+    Returns once the state is copied into ``stage``'s reused CPU buffers (torch's
+    stager: pinned, non-blocking copies with CUDA); the training loop may then
+    change the parameters. ``group`` must be used by nothing else while the
+    write runs (DCP's collectives happen on its thread). Call the returned
+    function to wait for the write; it returns this rank's file-table entries.
+    """
+    from contextlib import ExitStack
+
+    import torch.distributed.checkpoint as dcp
+
+    from manygpu.checkpoint.integrity import hashing_pool
+
+    entries: dict[Path, dict[str, Any]] = {}
+    with ExitStack() as stack:  # the hashing pool lives until the write is done
+        pool = stack.enter_context(hashing_pool())
+        started = dcp.async_save(
+            _dcp_state(parts),
+            storage_writer=_hashing_writer(directory / SHARDS, entries, pool),
+            process_group=group,
+            async_stager=stage.dcp_stager(),
+            no_dist=_no_dist(group),
+        )
+        # A future, or (a stager that copies in the background) a response holding one.
+        upload: Any = getattr(started, "upload_completion", started)
+        close = stack.pop_all()
+
+    def finish() -> dict[str, dict[str, Any]]:
+        with close:
+            upload.result()
+        return _table(directory, entries)
+
+    return finish
 
 
 def read_dcp(directory: Path, parts: Parts, group: Any = None) -> None:
@@ -310,6 +357,8 @@ class Written:
     """Files the main rank still has to write (name -> state), maybe in the background."""
     table: dict[str, dict[str, Any]] = field(default_factory=dict)
     """File-table entries (size, checksum) of the files this rank already wrote."""
+    pending: Callable[[], dict[str, dict[str, Any]]] | None = None
+    """This rank's write still running in the background; returns its file-table entries."""
 
 
 class Format(ABC):
@@ -318,7 +367,10 @@ class Format(ABC):
     name: ClassVar[str]
     """``"full"`` or ``"dcp"``: what :func:`detect` returns and ``meta.json`` records."""
     writes_in_background: ClassVar[bool] = False
-    """Whether the main rank can write files in a thread after a CPU snapshot."""
+    """Whether the files can be written in a thread after a CPU snapshot."""
+
+    def check_background(self) -> None:
+        """Raise :class:`UsageError` if this torch cannot write the format in the background."""
 
     @abstractmethod
     def write(
@@ -372,9 +424,23 @@ class FullFormat(Format):
 
 
 class DcpFormat(Format):
-    """Shards written by every rank in parallel; needed for sharded strategies."""
+    """Shards written by every rank in parallel; needed for sharded strategies.
+
+    With ``copy`` the shards are written by ``torch.distributed.checkpoint``'s
+    ``async_save`` after its stager copied them into reused CPU buffers.
+    """
 
     name = "dcp"
+    writes_in_background = True
+
+    def check_background(self) -> None:
+        from torch.distributed.checkpoint import staging
+
+        if not hasattr(staging, "DefaultStager"):
+            raise UsageError(
+                f"Checkpointer(format='dcp', async_save=True) needs torch's DCP DefaultStager, "
+                f"which torch {torch.__version__} lacks; upgrade torch or use format='full'"
+            )
 
     def write(
         self,
@@ -386,7 +452,11 @@ class DcpFormat(Format):
         stage: Staging,
         copy: bool,
     ) -> Written:
-        return Written(table=write_dcp(directory, parts, group=group))
+        extras = {EXTRAS: to_cpu_copy(parts.extras())} if main else {}
+        if copy:
+            pending = start_dcp(directory, parts, group=group, stage=stage)
+            return Written(files=extras, pending=pending)
+        return Written(files=extras, table=write_dcp(directory, parts, group=group))
 
     def read(self, directory: Path, parts: Parts, *, group: Any) -> None:
         read_dcp(directory, parts, group=group)

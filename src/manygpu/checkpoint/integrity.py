@@ -1,12 +1,15 @@
 """Checksums of checkpoint files, computed while the bytes stream to disk.
 
-A file's checksum (``meta.json`` schema 2) is a list of CRC-32s (``zlib``, the
-standard library's), one per :data:`SEGMENT` bytes, written as 8 hex digits
-each. Why not one SHA-256 of the file (schema 1): SHA-256 runs at about
-1.4 GB/s on one core here, CRC-32 at about 2.8, and one digest per file cannot
-be split over cores; it was the slowest part of a save and of a resume.
-Segments hash on every core at once (``zlib`` releases the GIL for large
-buffers), both while a file is written (:class:`StreamDigest`, fed the same
+A file's checksum (``meta.json`` schema 2) is a list of CRC-32s (zlib's
+polynomial), one per :data:`SEGMENT` bytes, written as 8 hex digits each. They
+are computed with ``zlib-ng`` (:data:`crc32`): the same CRC-32 values as the
+standard library's ``zlib``, with the CPU's carry-less multiply instead of
+tables, about 9 GB/s on one core here against ``zlib``'s 3.4 (and SHA-256's
+1.4, schema 1: one SHA-256 per file cannot be split over cores either; it was
+the slowest part of a save and of a resume). Where ``zlib-ng`` cannot be
+installed the standard library computes the same values, slower. Segments
+hash on every core at once (both release the GIL for large buffers), both
+while a file is written (:class:`StreamDigest`, fed the same
 buffers the writer writes: the bytes are never read back) and when a resume
 verifies a file (:func:`file_digest`, over a read-only memory map of the page
 cache); a mismatch names the damaged byte range. The checksum guards against
@@ -22,11 +25,19 @@ from __future__ import annotations
 import hashlib
 import mmap
 import os
-import zlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
+
+try:
+    from zlib_ng.zlib_ng import crc32 as _fast_crc32
+except ImportError:  # no wheel for this platform: the same CRC-32, from the standard library
+    from zlib import crc32 as _fast_crc32
+
+crc32: Callable[[Any, int], int] = _fast_crc32
+"""``crc32(data, start)``: zlib's CRC-32 (``zlib-ng``'s SIMD code where installed)."""
 
 SEGMENT = 16 << 20
 """Bytes per independently checked segment (schema 2)."""
@@ -72,7 +83,7 @@ class _Segment:
         self.crc = 0
 
     def update(self, piece: memoryview) -> None:
-        self.crc = zlib.crc32(piece, self.crc)
+        self.crc = crc32(piece, self.crc)
 
 
 class StreamDigest:
@@ -126,7 +137,7 @@ def file_digest(path: Path, pool: ThreadPoolExecutor, *, schema: int = 2) -> str
         view = memoryview(mm)
         segments = [view[i : i + SEGMENT] for i in range(0, len(view), SEGMENT)]
         try:
-            crcs = list(pool.map(zlib.crc32, segments))
+            crcs = list(pool.map(lambda s: crc32(s, 0), segments))
         finally:
             for segment in segments:
                 segment.release()

@@ -11,9 +11,11 @@ how to write it, from the parts' :class:`~.formats.Format`.
 
 from __future__ import annotations
 
+import contextlib
 import shutil
 import threading
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from datetime import datetime, timedelta, timezone
 from pathlib import Path
@@ -53,10 +55,11 @@ class Checkpointer:
         model: the prepared model; optimizer / scheduler / loader likewise.
         every: save every this many steps in :meth:`after_step` (0: never).
         keep: newest checkpoints kept; older ones are deleted after a save.
-        async_save: write in a background thread after a CPU snapshot, so
-            training stalls only for the copy (``full`` format). The snapshot
-            goes into CPU buffers allocated at the first save and reused by
-            every later one (pinned on CUDA machines).
+        async_save: write in the background after a CPU snapshot, so training
+            stalls only for the copy. The snapshot goes into CPU buffers
+            allocated at the first save and reused by every later one (pinned
+            on CUDA machines); ``dcp`` saves go through torch's
+            ``dcp.async_save`` and its stager.
         handle_signals: on SIGTERM, save at the next :meth:`after_step` and exit 0.
         requeue: under Slurm, also ``scontrol requeue`` the job before exiting.
         format: ``"full"`` or ``"dcp"``; default: what the strategy needs.
@@ -95,6 +98,8 @@ class Checkpointer:
         self.loader = loader
         self.every, self.keep = every, keep
         self.async_save = async_save and self.parts.format.writes_in_background
+        if self.async_save:
+            self.parts.format.check_background()
         self.requeue = requeue
         # Checkpoint coordination waits on the main rank's disk work (writing,
         # fsync, hashing), which can outlast the training timeout: a gloo group
@@ -103,6 +108,13 @@ class Checkpointer:
         self._group = (
             dist.new_group(backend="gloo", timeout=timedelta(seconds=checkpoint_timeout_s))
             if par.world_size > 1
+            else None
+        )
+        # Background writes coordinate (DCP's collectives, the file table) on a
+        # group of their own: the training thread goes on using self._group.
+        self._bg_group = (
+            dist.new_group(backend="gloo", timeout=timedelta(seconds=checkpoint_timeout_s))
+            if self.async_save and par.world_size > 1
             else None
         )
         self._pending: threading.Thread | None = None
@@ -125,7 +137,8 @@ class Checkpointer:
 
         With ``async_save`` it returns once the state is copied: the training
         loop may change the parameters at once, the checkpoint holds them as
-        they were at this call.
+        they were at this call. It is committed (files fsynced, ``meta.json``
+        written, directory renamed) in the background; :meth:`wait` waits.
         """
         self._raise_everywhere()  # also: the staging buffers are free again
         tmp, final = layout.tmp_dir(self.root, state.step), layout.step_dir(self.root, state.step)
@@ -146,7 +159,7 @@ class Checkpointer:
             written = self.parts.format.write(
                 tmp,
                 self.parts,
-                group=self._group,
+                group=self._bg_group if self.async_save else self._group,
                 main=self.par.is_main,
                 stage=self._staging,
                 copy=self.async_save,
@@ -159,21 +172,23 @@ class Checkpointer:
             # Also the barrier: every rank's files are in tmp, their entries here.
             table = self._gather_table(failure, written.table)
         except CheckpointError:
+            pending = written.pending
+            if pending is not None:  # its thread ends with DCP's error or timeout
+                self._start(lambda: _quietly(pending))
             if self.par.is_main:  # a partial directory only takes space (a full disk)
                 shutil.rmtree(tmp, ignore_errors=True)
             raise
-        if self.par.is_main:
-            job = (tmp, final, meta, written.files, table)
-            if self.async_save:
-                self._pending = threading.Thread(
-                    target=self._finish, args=job, name="manygpu-checkpoint", daemon=False
-                )
-                self._pending.start()
-            else:
-                self._finish(*job)
-        if not self.async_save:
+        if self.async_save:  # every rank: its own writes, then the commit on the main rank
+            self._start(lambda: self._background(tmp, final, meta, written, table))
+        else:
+            if self.par.is_main:
+                self._finish(tmp, final, meta, written.files, table)
             self._raise_everywhere()  # nobody reads the directory before it is committed
         return final
+
+    def _start(self, job: Callable[[], None]) -> None:
+        self._pending = threading.Thread(target=job, name="manygpu-checkpoint", daemon=False)
+        self._pending.start()
 
     def _barrier(self) -> None:
         if self._group is not None:
@@ -193,31 +208,37 @@ class Checkpointer:
         return box[0]
 
     def _gather_table(
-        self, failure: str | None, table: dict[str, dict[str, Any]]
+        self, failure: str | None, table: dict[str, dict[str, Any]], group: Any = None
     ) -> dict[str, dict[str, Any]]:
-        """Every rank's file-table entries, merged; raise on every rank if any rank failed."""
+        """Every rank's file-table entries, merged; raise on every rank if any rank failed.
+
+        Over ``group`` (default: the checkpoint group the training thread uses).
+        """
+        group = group or self._group
         reports = [(failure, table)]
-        if self._group is not None:
+        if group is not None:
             reports = [(None, {})] * self.par.world_size
-            dist.all_gather_object(reports, (failure, table), group=self._group)
+            dist.all_gather_object(reports, (failure, table), group=group)
         found = [f for f, _ in reports if f]
         if found:
-            raise CheckpointError("saving the checkpoint failed: " + "; ".join(found))
+            raise CheckpointError(f"{_FAILED}: " + "; ".join(found))
         merged: dict[str, dict[str, Any]] = {}
         for _, entries in reports:
             merged |= entries
         return merged
 
     def _raise_everywhere(self) -> None:
-        """Finish a pending save; if the main rank's commit failed, every rank raises."""
+        """Finish a pending save on every rank; if it failed anywhere, every rank raises."""
         message = None
-        if self.par.is_main:
-            try:
-                self.wait()
-            except CheckpointError as exc:
-                message = str(exc)
-        if self.par.world_size > 1:
-            message = self._broadcast(message)
+        try:
+            self.wait()
+        except CheckpointError as exc:
+            message = str(exc)
+        if self._group is not None:
+            messages: list[str | None] = [None] * self.par.world_size
+            dist.all_gather_object(messages, message, group=self._group)
+            found = list(dict.fromkeys(m for m in messages if m))  # each once, in rank order
+            message = "; ".join(found) if found else None
         if message is not None:
             raise CheckpointError(message)
 
@@ -229,25 +250,65 @@ class Checkpointer:
         files: dict[str, Any],
         table: dict[str, dict[str, Any]],
     ) -> None:
+        """The main rank writes its files and commits (a blocking save)."""
         try:
             table = table | formats.write_files(tmp, files)
             layout.commit(tmp, final, meta, table)
             layout.prune(self.root, self.keep)
         except BaseException as exc:  # surfaced by wait() on the training thread
-            self._error = exc
-            if isinstance(exc, Exception):
-                self._error = CheckpointError(layout.write_failure(exc, tmp, files))
-                self._error.__cause__ = exc
+            self._fail(exc, tmp, files)
+
+    def _background(
+        self,
+        tmp: Path,
+        final: Path,
+        meta: dict[str, Any],
+        written: formats.Written,
+        table: dict[str, dict[str, Any]],
+    ) -> None:
+        """An asynchronous save's thread, on every rank: finish this rank's writes,
+        share their file-table entries, and the main rank commits."""
+        failure, mine = None, {}
+        try:
+            if written.pending is not None:
+                mine = written.pending()
+            if self.par.is_main:
+                mine |= formats.write_files(tmp, written.files)
+        except BaseException as exc:  # DCP's CheckpointException is not an Exception
+            failure = f"rank {self.par.rank}: {layout.write_failure(exc, tmp, written.files)}"
+        try:
+            table = table | self._gather_table(failure, mine, group=self._bg_group)
+            if self.par.is_main:
+                layout.commit(tmp, final, meta, table)
+                layout.prune(self.root, self.keep)
+        except BaseException as exc:  # surfaced by wait() on the training thread
+            self._fail(exc, tmp, written.files)
+
+    def _fail(self, exc: BaseException, tmp: Path, files: dict[str, Any]) -> None:
+        """Keep a save's error for :meth:`wait`; the main rank removes the partial directory."""
+        error = exc
+        if isinstance(exc, Exception) and not isinstance(exc, CheckpointError):
+            error = CheckpointError(layout.write_failure(exc, tmp, files))
+            error.__cause__ = exc
+        self._error = error
+        if self.par.is_main:
             shutil.rmtree(tmp, ignore_errors=True)  # at once: it may be what filled the disk
 
     def wait(self) -> None:
-        """Block until an asynchronous save has been committed (and raise its error)."""
+        """Block until this rank's part of an asynchronous save is done (and raise its error).
+
+        On the main rank that is the commit; the other ranks' part ends when
+        every file table has reached the main rank.
+        """
         if self._pending is not None:
             self._pending.join()
             self._pending = None
         if self._error is not None:
             error, self._error = self._error, None
-            raise CheckpointError(f"saving the checkpoint failed: {error}") from error
+            text = str(error)
+            if not text.startswith(_FAILED):
+                text = f"{_FAILED}: {text}"
+            raise CheckpointError(text) from error
 
     def _meta(self, state: TrainState) -> dict[str, Any]:
         """``meta.json``'s content for ``state`` (which is left as it is)."""
@@ -374,8 +435,20 @@ class Checkpointer:
         return epoch
 
     def close(self) -> None:
-        """Wait for a pending save."""
-        self.wait()
+        """Wait for a pending save, then let the snapshot buffers go."""
+        try:
+            self.wait()
+        finally:
+            self._staging.close()
+
+
+_FAILED = "saving the checkpoint failed"
+
+
+def _quietly(job: Callable[[], Any]) -> None:
+    """Run ``job`` and drop its error (the failed save that left it was reported)."""
+    with contextlib.suppress(BaseException):
+        job()
 
 
 def _check_counts(every: Any, keep: Any) -> None:

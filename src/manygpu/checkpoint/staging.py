@@ -12,6 +12,11 @@ the CPU only queues.
 A staging area serves one save at a time: the caller must wait for the
 previous save's background write before staging the next (the checkpointer
 does: a new save first waits for the pending one).
+
+DCP saves stage through torch's own stager instead (:meth:`Staging.dcp_stager`:
+``DefaultStager``, which knows DTensors and keeps one CPU copy per source
+storage, reused by every later save), held here so that its buffers live as
+long as the checkpointer.
 """
 
 from __future__ import annotations
@@ -43,8 +48,36 @@ class Staging:
         self._used: dict[_Key, int] = defaultdict(int)
         self._seen: dict[tuple[Any, ...], torch.Tensor] = {}
         self._from_cuda = False
+        self._dcp: Any = None
         self.allocated = 0
         """Buffers allocated so far (stays put once every shape has been seen)."""
+
+    def dcp_stager(self) -> Any:
+        """torch's ``AsyncStager`` for ``dcp.async_save``, made once and reused across saves.
+
+        It copies synchronously (the save returns only when the copy is done),
+        into pinned memory with non-blocking copies when :attr:`pin`.
+        """
+        if self._dcp is None:
+            from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+
+            self._dcp = DefaultStager(
+                StagingOptions(
+                    use_pinned_memory=self.pin,
+                    use_shared_memory=False,
+                    use_async_staging=False,
+                    use_non_blocking_copy=self.pin,
+                )
+            )
+        return self._dcp
+
+    def close(self) -> None:
+        """Let every buffer go (torch's stager included)."""
+        if self._dcp is not None:
+            self._dcp.close()
+            self._dcp = None
+        self._pool.clear()
+        self._seen.clear()
 
     def stage(self, trees: dict[str, Any]) -> dict[str, Any]:
         """Copies of ``trees`` (name -> state dict) whose tensors live in our buffers.
