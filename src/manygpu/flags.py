@@ -40,6 +40,8 @@ class Flag:
     """Parsed value -> field value, for checks that must read as a ``UsageError``."""
     switch: bool = False
     """A flag without a value: present means ``True``."""
+    repeat: bool = False
+    """May be given several times; the values are collected in order (argparse ``append``)."""
 
 
 def option(
@@ -50,12 +52,23 @@ def option(
     choices: tuple[str, ...] | None = None,
     metavar: str | None = None,
     convert: Callable[[Any], Any] | None = None,
+    repeat: bool = False,
 ) -> Any:
     """A dataclass field with a default that is also the command-line flag ``names``."""
     flag = Flag(
-        names=names, help=help, parse=parse, choices=choices, metavar=metavar, convert=convert
+        names=names,
+        help=help,
+        parse=parse,
+        choices=choices,
+        metavar=metavar,
+        convert=convert,
+        repeat=repeat,
     )
     return field(default=default, metadata={METADATA_KEY: flag})
+
+
+HIDDEN = argparse.SUPPRESS
+"""``help=HIDDEN`` keeps a flag out of ``--help``: for flags one manygpu process passes another."""
 
 
 def switch(*names: str, help: str | None = None) -> Any:

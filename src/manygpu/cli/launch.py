@@ -10,7 +10,9 @@ import argparse
 from typing import Any
 
 from manygpu.cli.parser import add_flags, given_flags
+from manygpu.errors import UsageError
 from manygpu.launch.spec import (
+    HostOptions,
     JobOptions,
     LaunchRequest,
     LaunchSpec,
@@ -23,7 +25,12 @@ HELP = """Start SCRIPT (or -m MODULE) once per worker, like torchrun.
 Workers get RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, MASTER_ADDR,
 MASTER_PORT and GROUP_RANK, so any torchrun script runs unchanged. Defaults:
 one worker per local GPU, or 2 CPU workers (gloo) on a machine without GPUs.
-Under Slurm (srun, one task per node) the nodes and master come from Slurm."""
+Under Slurm (srun, one task per node) the nodes and master come from Slurm,
+and under mpirun (one launcher per node: mpirun --map-by ppr:1:node) from MPI.
+
+Many machines from one command: -H host1:4,host2:4 (or --hostfile FILE)
+starts this launcher on every host over ssh (hosts named as this machine run
+here), all meeting at the first host; -np N caps the processes in all."""
 
 
 def add_parser(sub: Any) -> None:
@@ -38,6 +45,7 @@ def add_parser(sub: Any) -> None:
     )
     add_launch_options(p)
     add_torchrun_options(p)
+    add_flags(p, HostOptions)
     p.add_argument(
         "-m",
         "--module",
@@ -86,7 +94,27 @@ def launch_request(
 
 
 def run(ns: argparse.Namespace) -> int:
+    hosts = HostOptions(**given_flags(HostOptions, ns))
+    if hosts.given:
+        return launch_hosts(launch_request(ns, ns.entry, ns.is_module, tuple(ns.args)), hosts)
+    if hosts.np is not None:
+        # Horovod's `horovodrun -np 2 python train.py`: processes on this machine.
+        if ns.nproc_per_node not in (None, hosts.np):
+            raise UsageError(
+                f"-np {hosts.np} and --nproc-per-node {ns.nproc_per_node} disagree; give one"
+            )
+        ns.nproc_per_node = hosts.np
     return launch_job(ns, ns.entry, ns.is_module, tuple(ns.args))
+
+
+def launch_hosts(request: LaunchRequest, hosts: HostOptions) -> int:
+    """Run ``request`` on the hosts of ``hosts`` from here, over ssh."""
+    import os
+
+    from manygpu.launch.hostrun import launch_hosts as run_on_hosts
+    from manygpu.runtime import env as envmod
+
+    return run_on_hosts(request, hosts, envmod.current(), os.getcwd())
 
 
 def launch_job(

@@ -58,7 +58,10 @@ def add_flags(
         if flag.switch:
             kwargs["action"] = "store_true"
         else:
-            kwargs["default"] = f.default
+            # A repeated flag collects into a fresh list (its field's ``convert`` makes it a tuple).
+            kwargs["default"] = None if flag.repeat else f.default
+            if flag.repeat:
+                kwargs["action"] = "append"
             if flag.parse is not None:
                 kwargs["type"] = flag.parse
             if flag.choices is not None:

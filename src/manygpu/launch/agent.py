@@ -31,7 +31,7 @@ from torch.distributed.elastic.rendezvous.api import (
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
 from manygpu.errors import UsageError
-from manygpu.launch import blame, rendezvous
+from manygpu.launch import blame, driven, rendezvous
 from manygpu.launch.netcheck import (
     check_port_free,
     check_resolves,
@@ -40,6 +40,7 @@ from manygpu.launch.netcheck import (
     split_endpoint,
 )
 from manygpu.launch.spec import LaunchSpec
+from manygpu.runtime import env as envmod
 
 DEFAULT_RDZV_TIMEOUT_S = 300.0
 """How long nodes wait for each other by default (``--timeout`` sets it)."""
@@ -121,6 +122,8 @@ def worker_env(spec: LaunchSpec) -> dict[str, str]:
     env = dict(spec.extra_env)
     if spec.timeout_s is not None:
         env["MANYGPU_TIMEOUT"] = str(spec.timeout_s)
+    if spec.ps_servers is not None:
+        env[envmod.PS_SERVERS] = str(spec.ps_servers)
     return env
 
 
@@ -168,12 +171,18 @@ def _describe(o: blame.Outcome, failure: ProcessFailure) -> str:
     return f"rank {o.rank} {o.how}{pid}{detail}"
 
 
-def report_failure(err: ChildFailedError) -> int:
+def report_failure(err: ChildFailedError, to_driver: bool = False) -> int:
     """Print the root cause (the first failure in time), then its consequences.
 
     Returns the root cause's exit code (137 for a SIGKILL, 3 for ``sys.exit(3)``).
+    ``to_driver``: every outcome as a line for the driver of a launch over
+    hosts, which reports the job's first failure over all of them.
     """
     outcomes = _outcomes(err)
+    if to_driver:
+        for o in outcomes:
+            driven.report(o, _describe(o, err.failures[o.rank]))
+        return blame.root_cause(outcomes).exit_code
     root = blame.root_cause(outcomes)
     print(f"manygpu: {_describe(root, err.failures[root.rank])}", file=sys.stderr)
     for o in sorted(outcomes, key=lambda o: (o.time_ns, o.rank)):
@@ -188,6 +197,8 @@ def report_failure(err: ChildFailedError) -> int:
 def launch(spec: LaunchSpec) -> int:
     """Run the job to the end; returns its exit code (0, or the failing rank's)."""
     preflight(spec)
+    if spec.driven:
+        driven.watch_stdin()
     # Without a log directory torch makes a torchelastic_* one in TMPDIR and
     # leaves it there; ours goes once the failure report has read it.
     own_logs = None if spec.log_dir is not None else tempfile.mkdtemp(prefix="manygpu-logs-")
@@ -208,7 +219,7 @@ def _run(spec: LaunchSpec) -> int:
     try:
         elastic_launch(config, executable)(*args)
     except ChildFailedError as err:
-        return report_failure(err)
+        return report_failure(err, to_driver=spec.driven)
     except (RendezvousStateError, RendezvousConnectionError) as exc:
         print(f"manygpu: {str(exc).splitlines()[0]}", file=sys.stderr)
         return 1

@@ -16,7 +16,7 @@ from typing import Any
 
 from manygpu.errors import UsageError
 from manygpu.launch.netcheck import split_endpoint
-from manygpu.launch.spec import AGREED_ID, JobOptions, LaunchRequest, LaunchSpec
+from manygpu.launch.spec import AGREED_ID, JobOptions, LaunchRequest, LaunchSpec, parse_nnodes
 from manygpu.runtime import env as envmod
 from manygpu.runtime.cluster import DEFAULT_PORT, slurm_master
 from manygpu.runtime.device import threads_per_process
@@ -72,18 +72,6 @@ def parse_rdzv_conf(text: str | None) -> dict[str, str]:
             raise UsageError(f"--rdzv-conf item {item!r} is not KEY=VALUE")
         conf[key.strip()] = value.strip()
     return conf
-
-
-def parse_nnodes(text: str | None) -> tuple[int, int]:
-    """``"2"`` -> (2, 2); ``"1:4"`` -> (1, 4)."""
-    if text is None:
-        return 1, 1
-    lo, _, hi = text.partition(":")
-    try:
-        bounds = (int(lo), int(hi or lo))
-    except ValueError:
-        raise UsageError(f"--nnodes {text!r} is not N or MIN:MAX") from None
-    return bounds
 
 
 def _slurm_nodes(env: Environ) -> tuple[int, int, str, int] | None:

@@ -14,7 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from manygpu.errors import UsageError
-from manygpu.flags import nonnegative_int, option, positive_float, positive_int, switch
+from manygpu.flags import HIDDEN, nonnegative_int, option, positive_float, positive_int, switch
 
 RDZV_BACKENDS = ("c10d", "static")
 START_METHODS = ("spawn", "fork", "forkserver")
@@ -40,6 +40,18 @@ def parse_ranks(text: str | None) -> tuple[int, ...] | None:
     if not all(p.isascii() and p.isdigit() for p in parts):
         raise UsageError(f"--local-ranks-filter {text!r}: give local ranks like 0 or 0,2")
     return tuple(int(p) for p in parts)
+
+
+def parse_nnodes(text: str | None) -> tuple[int, int]:
+    """``"2"`` -> (2, 2); ``"1:4"`` -> (1, 4)."""
+    if text is None:
+        return 1, 1
+    lo, _, hi = text.partition(":")
+    try:
+        bounds = (int(lo), int(hi or lo))
+    except ValueError:
+        raise UsageError(f"--nnodes {text!r} is not N or MIN:MAX") from None
+    return bounds
 
 
 AGREED_ID = "manygpu-agreed"
@@ -140,6 +152,18 @@ class JobOptions:
     )
     """Seconds between SIGTERM and SIGKILL when stopping workers: the time a
     preempted job has to save (keep it below Slurm's KillWait / --signal lead)."""
+    ps_servers: int | None = option(
+        "--ps",
+        parse=positive_int,
+        metavar="K",
+        help="parameter servers: the first K ranks serve the others (strategy 'ps'); "
+        "a worker killed by a signal is then left to them (async training goes on)",
+    )
+    """The first ``K`` ranks are parameter servers (handed to workers as ``MANYGPU_PS_SERVERS``)."""
+    driven: bool = switch("--driven", help=HIDDEN)
+    """Started by a launch over several hosts (:mod:`manygpu.launch.hostrun`): stop the
+    workers when stdin closes (the driver or its ssh connection went away) and report
+    failures as lines the driver reads (:mod:`manygpu.launch.driven`)."""
     torchrun: TorchrunOptions = field(default_factory=TorchrunOptions)
     """torchrun's own flags (tee, redirects, --no-python ...)."""
 
@@ -246,6 +270,12 @@ class LaunchSpec(JobOptions):
             )
         if self.max_restarts < 0:
             raise UsageError(f"--max-restarts must be >= 0, got {self.max_restarts}")
+        ranks = self.nproc_per_node * self.min_nodes
+        if self.ps_servers is not None and not 1 <= self.ps_servers < ranks:
+            raise UsageError(
+                f"--ps {self.ps_servers}: give 1 to {ranks - 1} servers, so that at least one "
+                f"of the job's {ranks} processes is a worker"
+            )
         if self.timeout_s is not None and self.timeout_s <= 0:
             raise UsageError(f"--timeout must be > 0 seconds, got {self.timeout_s}")
         if self.gpus is not None and len(self.gpus) != self.nproc_per_node:
@@ -254,3 +284,97 @@ class LaunchSpec(JobOptions):
                 f"but --nproc-per-node is {self.nproc_per_node}; "
                 "give one or the other"
             )
+
+
+def _exports(values: list[str] | None) -> tuple[str, ...]:
+    """``-x`` given several times -> a tuple (checked when the hosts are planned)."""
+    return tuple(values or ())
+
+
+@dataclass(frozen=True, kw_only=True)
+class HostOptions:
+    """One command starts the job on several hosts, over ssh (``-H`` / ``--hostfile``).
+
+    Without ``-H`` or ``--hostfile`` only ``-np`` applies: processes on this machine.
+    """
+
+    hosts: str | None = option(
+        "-H",
+        "--hosts",
+        help="run on these hosts, HOST[:SLOTS],... (over ssh; local names run here)",
+    )
+    """Hosts as typed, Horovod's and mpirun's ``-H a:4,b:4``; a host without slots runs
+    --nproc-per-node processes (default: its GPUs, or 2 on a CPU)."""
+    hostfile: str | None = option(
+        "--hostfile", help="file of hosts: 'HOST:SLOTS' or 'HOST slots=N' lines, # comments"
+    )
+    """A file of hosts (Horovod ``host:slots``, OpenMPI / DeepSpeed ``host slots=N``)."""
+    np: int | None = option(
+        "-np",
+        "--np",
+        parse=positive_int,
+        help="processes in all (default: every slot); without -H: processes on this machine",
+    )
+    """Processes in all, filled into the hosts' slots in order."""
+    exports: tuple[str, ...] = option(
+        "-x",
+        "--export",
+        repeat=True,
+        convert=_exports,
+        metavar="KEY[=VALUE]",
+        help="set KEY=VALUE, or pass this KEY, on every host (repeatable, as mpirun -x)",
+    )
+    """``-x KEY[=VALUE]`` as given."""
+    ssh_port: int | None = option("--ssh-port", parse=positive_int, help="ssh port of the hosts")
+    """ssh's ``-p``."""
+    ssh_identity: str | None = option("--ssh-identity", help="ssh private key file (ssh -i)")
+    """ssh's ``-i``."""
+    ssh_config: str | None = option(
+        "--ssh-config", help="ssh config file to use instead of ~/.ssh/config (ssh -F)"
+    )
+    """ssh's ``-F``; ``None`` keeps the user's own ssh configuration."""
+    ssh_connect_timeout: float = option(
+        "--ssh-connect-timeout",
+        default=10.0,
+        parse=positive_float,
+        help="seconds to wait for a host's ssh connection (default 10)",
+    )
+    """ssh's ``ConnectTimeout``: how soon an unreachable host is named."""
+    remote_python: str | None = option(
+        "--remote-python", help="Python on the other hosts (default: this one's path)"
+    )
+    """The interpreter other hosts run (default: ``sys.executable``)."""
+    remote_dir: str | None = option(
+        "--remote-dir", help="working directory on the other hosts (default: this one)"
+    )
+    """Where other hosts run (default: the current directory)."""
+    dry_run: bool = switch("--dry-run", help="print each host's command and exit")
+    """Print the command each host would run, start nothing."""
+
+    def __post_init__(self) -> None:
+        if self.hosts is not None and self.hostfile is not None:
+            raise UsageError("give -H/--hosts or --hostfile, not both")
+        if self.np is not None and self.np < 1:
+            raise UsageError(f"-np must be at least 1, got {self.np}")
+        if self.ssh_port is not None and not 1 <= self.ssh_port <= 65535:
+            raise UsageError(f"--ssh-port {self.ssh_port} is outside 1..65535")
+        if not self.given:
+            used = [flag for flag, value in self._ssh_flags() if value]
+            if used:
+                raise UsageError(f"{used[0]} is for a launch over hosts; add -H or --hostfile")
+
+    @property
+    def given(self) -> bool:
+        """Whether the job runs on a list of hosts."""
+        return self.hosts is not None or self.hostfile is not None
+
+    def _ssh_flags(self) -> list[tuple[str, object]]:
+        return [
+            ("-x", self.exports),
+            ("--ssh-port", self.ssh_port),
+            ("--ssh-identity", self.ssh_identity),
+            ("--ssh-config", self.ssh_config),
+            ("--remote-python", self.remote_python),
+            ("--remote-dir", self.remote_dir),
+            ("--dry-run", self.dry_run),
+        ]

@@ -75,6 +75,18 @@ def _seconds(env: Environ, name: str, default: float, *, zero_ok: bool) -> float
     return value
 
 
+PS_SERVERS = "MANYGPU_PS_SERVERS"
+"""How many of the first ranks are parameter servers (``manygpu launch --ps K``)."""
+
+
+def ps_servers(env: Environ) -> int | None:
+    """The ``K`` of ``manygpu launch --ps K``; ``None`` when the job has no servers."""
+    value = get_int(env, PS_SERVERS)
+    if value is not None and value < 1:
+        raise UsageError(f"{PS_SERVERS}={value} must be >= 1; fix or unset it")
+    return value
+
+
 TOOL_CONFIG = "MANYGPU_TOOL_CONFIG"
 """Where a launched tool's command hands its workers their configuration (JSON)."""
 
@@ -112,3 +124,22 @@ def visible_devices(env: Environ) -> list[str] | None:
     if raw is None:
         return None
     return [part.strip() for part in raw.split(",") if part.strip()]
+
+
+FORWARD_PREFIXES = ("NCCL_", "GLOO_", "MANYGPU_")
+"""Variables a launch over several hosts hands to every host: the collectives'
+settings and ours. Everything else stays here unless ``-x`` names it."""
+FORWARD_NAMES = ("PYTHONPATH", "CUDA_DEVICE_ORDER")
+FORWARD_SUFFIX = "_VISIBLE_DEVICES"
+"""CUDA_VISIBLE_DEVICES and its kin (HIP_, ROCR_, NVIDIA_...)."""
+
+
+def forwarded(env: Environ) -> dict[str, str]:
+    """The variables of ``env`` that other hosts of the job get, as mpirun / DeepSpeed do."""
+    return {
+        name: value
+        for name, value in env.items()
+        if name.startswith(FORWARD_PREFIXES)
+        or name in FORWARD_NAMES
+        or name.endswith(FORWARD_SUFFIX)
+    }

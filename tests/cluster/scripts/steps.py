@@ -1,0 +1,31 @@
+"""Train for STEPS steps of about STEP_S seconds (ddp, tiny model), leaving marks in OUT.
+
+Usage: OUT STEPS STEP_S. Writes OUT/started-<rank> after the first step (the job
+is running on every host) and OUT/done-<rank>-<world> at the end; an elastic
+restart starts over with the new world size.
+"""
+
+import sys
+import time
+from pathlib import Path
+
+import torch
+from reference import make_data, make_model
+from torch import nn
+
+from manygpu import Parallel
+
+out, steps, step_s = Path(sys.argv[1]), int(sys.argv[2]), float(sys.argv[3])
+with Parallel(strategy="ddp", timeout_s=60) as par:
+    model = make_model()
+    model, opt = par.prepare(model, torch.optim.SGD(model.parameters(), lr=0.01))
+    x, y = make_data(8)
+    for step in range(steps):
+        par.backward(nn.functional.mse_loss(model(x), y))
+        opt.step()
+        opt.zero_grad()
+        if step == 0:
+            print(f"rank {par.rank} of {par.world_size} is training", flush=True)
+            (out / f"started-{par.rank}").write_text("")
+        time.sleep(step_s)
+    (out / f"done-{par.rank}-{par.world_size}").write_text("")
