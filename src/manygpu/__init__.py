@@ -19,6 +19,7 @@ if TYPE_CHECKING:
         FSDPOptions,
         MeshSpec,
         PipelineOptions,
+        PSOptions,
         TensorOptions,
     )
     from manygpu.strategies import available as available_strategies
@@ -34,6 +35,7 @@ _WHERE = {
     "DDPOptions": "manygpu.strategies.options",
     "FSDPOptions": "manygpu.strategies.options",
     "PipelineOptions": "manygpu.strategies.options",
+    "PSOptions": "manygpu.strategies.options",
     "TensorOptions": "manygpu.strategies.options",
     "MeshSpec": "manygpu.strategies.mesh",
 }
@@ -60,6 +62,7 @@ __all__ = [
     "LaunchError",
     "ManyGPUError",
     "MeshSpec",
+    "PSOptions",
     "Parallel",
     "ParallelConfig",
     "PipelineOptions",

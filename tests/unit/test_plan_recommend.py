@@ -10,7 +10,7 @@ from manygpu.plan.desc import ModelDesc, transformer
 from manygpu.plan.hardware import Cluster, preset
 from manygpu.plan.recommend import recommend
 
-NAMES = {"single", "ddp", "zero1", "zero2", "fsdp", "model", "pipeline", "tensor"}
+NAMES = {"single", "ddp", "zero1", "zero2", "fsdp", "model", "pipeline", "tensor", "ps"}
 
 
 def test_a_small_model_gets_ddp() -> None:

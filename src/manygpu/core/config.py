@@ -14,9 +14,11 @@ from manygpu.strategies import (
     FSDPOptions,
     MeshSpec,
     PipelineOptions,
+    PSOptions,
     TensorOptions,
     card,
     default_strategy,
+    serving_strategy,
     strategy_for_mesh,
 )
 
@@ -64,6 +66,8 @@ class ParallelConfig:
     """Knobs of ``"pipeline"`` (loss_fn, microbatches, schedule, split points)."""
     tensor: TensorOptions = field(default_factory=TensorOptions)
     """Knobs of ``"tensor"`` (the plan)."""
+    ps: PSOptions = field(default_factory=PSOptions)
+    """Knobs of ``"ps"`` (servers, sync or async, max_staleness)."""
     mesh: MeshSpec | Mapping[str, int] | None = None
     """Sizes per named dimension (``pp``, ``dp``, ``fsdp``, ``tp``), e.g.
     ``{"dp": 2, "tp": -1}``; ``-1`` is inferred from the world size."""
@@ -120,10 +124,16 @@ class ParallelConfig:
             return self.compile
         return CompileOptions() if self.compile else None
 
-    def resolved_strategy(self, world_size: int) -> str:
-        """The strategy name actually used for a job of ``world_size``."""
+    def resolved_strategy(self, world_size: int, *, served: bool = False) -> str:
+        """The strategy name actually used for a job of ``world_size``.
+
+        ``served``: launched with parameter servers (``manygpu launch --ps K``),
+        which then is the strategy unless the script names one.
+        """
         if self.strategy not in (None, "hybrid", "auto"):
             return self.strategy
         if self.strategy != "auto" and isinstance(self.mesh, MeshSpec):
             return strategy_for_mesh(self.mesh)
+        if served and self.strategy is None:
+            return serving_strategy()
         return default_strategy(world_size)  # for "auto": until the model is known

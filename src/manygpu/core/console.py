@@ -21,6 +21,8 @@ class MainConsole:
         self.is_main = is_main
         self.rank = rank
         self._live: tuple[Progress, TaskID] | None = None
+        self._status = ""
+        self._note = ""
 
     @cached_property
     def _console(self) -> Console:
@@ -72,6 +74,15 @@ class MainConsole:
 
     def set_status(self, text: str) -> None:
         """Text shown at the end of the live progress bar (e.g. the loss)."""
+        self._status = text
+        self._show()
+
+    def set_note(self, text: str) -> None:
+        """The strategy's own progress (e.g. parameter servers' updates), after the status."""
+        self._note = text
+        self._show()
+
+    def _show(self) -> None:
         if self._live is not None:
             bar, task = self._live
-            bar.update(task, status=text)
+            bar.update(task, status="  ".join(t for t in (self._status, self._note) if t))

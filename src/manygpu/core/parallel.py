@@ -49,7 +49,13 @@ from manygpu.runtime import env as envmod
 from manygpu.runtime.cluster import ClusterInfo, detect_cluster
 from manygpu.runtime.device import choose_backend, choose_device, set_cpu_threads
 from manygpu.runtime.process_group import init_distributed, teardown
-from manygpu.strategies import MeshSpec, Strategy, StrategyOptions, get_strategy
+from manygpu.strategies import (
+    MeshSpec,
+    Strategy,
+    StrategyOptions,
+    get_strategy,
+    serving_strategy,
+)
 from manygpu.warn import warn_user
 
 if TYPE_CHECKING:
@@ -95,8 +101,12 @@ class Parallel:
         self.config = config if config is not None else ParallelConfig(**fields)
         environ = envmod.current()
         self.cluster = cluster if cluster is not None else detect_cluster(environ)
-        self.strategy_name = self.config.resolved_strategy(self.cluster.world_size)
+        launched_servers = envmod.ps_servers(environ)
+        self.strategy_name = self.config.resolved_strategy(
+            self.cluster.world_size, served=launched_servers is not None
+        )
         strategy_cls = get_strategy(self.strategy_name)
+        _check_served(strategy_cls, launched_servers)
         device = choose_device(self.cluster.local_rank, self.config.device)
         capability, self._device_name = cuda_facts(device)
         self.precision_choice: PrecisionChoice = resolve_precision(
@@ -104,7 +114,7 @@ class Parallel:
             refused=strategy_cls.refused_precisions,
         )  # fmt: skip
         """What ``precision=`` became on this device (``"auto"`` resolved)."""
-        options = self._strategy_options()
+        options = self._strategy_options(launched_servers)
         strategy_cls.validate_world(self.cluster, options)
         strategy_cls.validate_features(options)
         self.timeout_s = self.config.timeout_s or envmod.timeout_s(environ)
@@ -112,13 +122,16 @@ class Parallel:
             torch.cuda.set_device(device)
         else:
             set_cpu_threads(self.cluster.local_world_size, environ)
-        self._ctx = init_distributed(
+        self._ctx = strategy_cls.join(
             self.cluster,
+            options,
             device=device,
             backend=choose_backend(device, self.config.backend),
             timeout_s=self.timeout_s,
-            force=strategy_cls.needs_process_group,
         )
+        # The job as this rank's role sees it: a parameter-server job's workers
+        # count workers only (the servers never run the loop).
+        self.cluster = self._ctx.cluster
         self.strategy: Strategy = strategy_cls(self._ctx, options)
         self.precision = PrecisionPlugin(self.precision_choice.precision, device)
         self._restore_tf32 = apply_tf32(self.precision_choice)
@@ -154,8 +167,15 @@ class Parallel:
 
     @property
     def is_main(self) -> bool:
-        """True on rank 0, the process that logs and saves."""
-        return self.cluster.is_main
+        """True on rank 0, the process that logs and saves (never a parameter server)."""
+        return self.cluster.is_main and not self.is_server
+
+    @property
+    def is_server(self) -> bool:
+        """True on a parameter server (strategy ``"ps"``): its ``prepare`` serves the
+        workers and then ends the process with exit code 0, so code after it runs on
+        workers only."""
+        return self.strategy.serves
 
     @property
     def device(self) -> torch.device:
@@ -304,6 +324,10 @@ class Parallel:
         :attr:`device`. Call only when :attr:`sync_gradients` is True.
         """
         params = list(parameters.parameters() if isinstance(parameters, nn.Module) else parameters)
+        if self.sync_gradients:
+            combined = self.strategy.combined_clip(params, max_norm, norm_type)
+            if combined is not None:  # clipped where the gradients are combined
+                return combined
         if not self.sync_gradients:
             # Mid-accumulation the gradients are partial (and scaled): clipping or
             # unscaling them now would corrupt the sum still being accumulated.
@@ -392,8 +416,12 @@ class Parallel:
         self.console.print(*objects, **kwargs)
 
     def progress(self, items: Iterable[T], description: str = "") -> Iterator[T]:
-        """A progress bar over ``items`` on the main process."""
-        return self.console.progress(items, description)
+        """A progress bar over ``items`` on the main process (with the strategy's status)."""
+        for item in self.console.progress(items, description):
+            yield item
+            note = self.strategy.status()
+            if note is not None:
+                self.console.set_note(note)
 
     def seed_everything(self, seed: int) -> None:
         """Seed python, numpy and torch with ``seed`` + this rank's data-shard index.
@@ -448,7 +476,7 @@ class Parallel:
         )
         if name != self.strategy_name:
             # The chosen strategy's own checks and group needs, not the provisional one's.
-            chosen, options = get_strategy(name), self._strategy_options()
+            chosen, options = get_strategy(name), self._strategy_options(None)
             chosen.validate_world(self.cluster, options)
             chosen.validate_features(options)
             if chosen.needs_process_group and not self._ctx.owns_group and self.world_size == 1:
@@ -460,9 +488,10 @@ class Parallel:
             self.strategy_name = name
         self.print(f"manygpu: strategy='auto' chose {name!r}")
 
-    def _strategy_options(self) -> StrategyOptions:
+    def _strategy_options(self, launched_servers: int | None) -> StrategyOptions:
         cfg = self.config
         return StrategyOptions(
+            ps=cfg.ps.with_launched(launched_servers),
             ddp=cfg.ddp,
             fsdp=cfg.fsdp,
             model_stages=cfg.model_stages,
@@ -516,3 +545,13 @@ class Parallel:
         if self.world_size > 1 and any(hint in text for hint in _PEER_FAILURE_HINTS):
             detail = first_line(exc)
             raise CollectiveTimeoutError(self.rank, operation, self.timeout_s, detail) from exc
+
+
+def _check_served(strategy_cls: type[Strategy], launched_servers: int | None) -> None:
+    """``manygpu launch --ps K`` makes the first K ranks servers: only a serving strategy fits."""
+    if launched_servers is not None and not strategy_cls.card.serves:
+        raise UsageError(
+            f"launched with --ps {launched_servers} (parameter servers), but the script asks "
+            f"for strategy {strategy_cls.name!r}: use strategy={serving_strategy()!r} or "
+            "launch without --ps"
+        )

@@ -16,7 +16,7 @@ import sys
 import threading
 import traceback
 
-from manygpu.launch import blame, exit_timer
+from manygpu.launch import blame, exit_timer, ps_keeper
 from manygpu.runtime import env as envmod
 
 
@@ -158,6 +158,8 @@ def _finish() -> None:
 def main() -> None:
     _die_with_parent()
     _guard_descendants()
+    if ps_keeper.applies(envmod.current()):
+        ps_keeper.keep()  # from here on, this is the child that runs the script
     _default_group_timeout()
     try:
         run(sys.argv[1:])

@@ -51,6 +51,26 @@ def ring_gather_s(nbytes: float, ranks: int, bw_gbs: float, latency_us: float) -
     return ring_allreduce_s(nbytes, ranks, bw_gbs, latency_us) / 2
 
 
+def push_pull_s(
+    grad_bytes: float,
+    weight_bytes: float,
+    workers: int,
+    servers: int,
+    bw_gbs: float,
+    latency_us: float,
+) -> float:
+    """One synchronous parameter-server exchange: every worker pushes, then pulls.
+
+    Each worker sends its whole gradient (``grad_bytes``, split over the
+    servers) and receives the whole model; each server's link carries
+    ``workers / servers`` of them. Both phases wait for the busier end:
+
+        T = (max(G, W G / K) + max(P, W P / K)) / B + 2 alpha
+    """
+    busiest = max(1.0, workers / servers)
+    return (grad_bytes + weight_bytes) * busiest / (bw_gbs * 1e9) + 2 * latency_us * 1e-6
+
+
 def exposed_s(chunk_s: float, chunks: int, window_s: float, overlap: bool) -> float:
     """Communication left on the critical path (the formula in the module docstring)."""
     total = chunk_s * chunks
@@ -77,6 +97,8 @@ class StepEstimate:
     exposed_s: float
     ideal_s: float
     """One device's compute for the batch / replica devices: perfect scaling."""
+    servers: int = 0
+    """Devices that serve parameters and train no replica (parameter servers)."""
 
     @property
     def step_s(self) -> float:
@@ -85,11 +107,11 @@ class StepEstimate:
     @property
     def efficiency(self) -> float:
         """Throughput / (world x one device's throughput)."""
-        return self.ideal_s / self.step_s
+        return self.ideal_s / self.step_s * (self.world - self.servers) / self.world
 
     @property
     def samples_per_s(self) -> float:
-        return self.world // self.replica_devices * self.batch / self.step_s
+        return (self.world - self.servers) // self.replica_devices * self.batch / self.step_s
 
 
 def _buckets(nbytes: float, bucket_mb: float) -> tuple[int, float]:
@@ -124,6 +146,9 @@ def estimate(
     tensor ways.
     """
     n = cluster.world_size if world is None else world
+    if card(strategy).comm.grads == "push_pull":  # `stages` counts the servers
+        return _parameter_server(desc, cluster, strategy, n, stages, batch, precision, mfu,
+                                 grad_bytes)  # fmt: skip
     if n < 1 or batch < 1 or stages < 1 or n % stages:
         raise UsageError(f"need world >= 1 divisible by stages >= 1, got {n} and {stages}")
     model = card(strategy).comm
@@ -215,4 +240,36 @@ def _model_parallel(
     return StepEstimate(
         strategy=strategy, world=n, replica_devices=ways, batch=batch, compute_s=compute,
         comm_s=inner + k * ar, exposed_s=exposed, ideal_s=one / ways,
+    )  # fmt: skip
+
+
+def _parameter_server(
+    desc: ModelDesc,
+    cluster: Cluster,
+    strategy: str,
+    n: int,
+    servers: int,
+    batch: int,
+    precision: str,
+    mfu: float | None,
+    grad_bytes: float | None,
+) -> StepEstimate:
+    """Sync parameter servers: ``servers`` of the ``n`` devices serve, the rest train.
+
+    The exchange (:func:`push_pull_s`) starts after the backward and the next
+    step waits for the weights: none of it is hidden. Weights travel in fp32
+    (the servers keep fp32 parameters; mixed precision is autocast).
+    """
+    if not 1 <= servers < n or batch < 1:
+        raise UsageError(f"parameter servers need 1 <= servers < world, got {servers} of {n}")
+    precision = resolve_precision(precision, cluster.device)
+    one = desc.compute_s(batch, cluster.tflops(precision, "matmul", mfu),
+                         cluster.tflops(precision, "conv", mfu))  # fmt: skip
+    gb = bytes_per_param(precision, "sgd")
+    grad = desc.parameters * (gb.grads if grad_bytes is None else grad_bytes)
+    bw, lat = cluster.ring_link(n)
+    comm = push_pull_s(grad, desc.parameters * 4.0, n - servers, servers, bw, lat)
+    return StepEstimate(
+        strategy=strategy, world=n, replica_devices=1, batch=batch, compute_s=one,
+        comm_s=comm, exposed_s=comm, ideal_s=one, servers=servers,
     )  # fmt: skip

@@ -94,6 +94,7 @@ def _ways(entry: StrategyCard, world: int, gpus_per_node: int) -> list[int]:
         "local_devices": list(range(2, gpus_per_node + 1)),
         "node_divisors": [w for w in splits if w <= gpus_per_node],
         "divisors": splits,
+        "servers": [k for k in (1, 2, 4, 8, 16, 32) if k <= world // 2],
         "never": [],
     }[entry.plan_ways]
 

@@ -11,15 +11,24 @@ from manygpu.strategies.options import (
     DDPOptions,
     FSDPOptions,
     PipelineOptions,
+    PSOptions,
     TensorOptions,
 )
-from manygpu.strategies.registry import available, card, default_strategy, get_strategy, register
+from manygpu.strategies.registry import (
+    available,
+    card,
+    default_strategy,
+    get_strategy,
+    register,
+    serving_strategy,
+)
 
 __all__ = [
     "CompileOptions",
     "DDPOptions",
     "FSDPOptions",
     "MeshSpec",
+    "PSOptions",
     "PipelineOptions",
     "Strategy",
     "StrategyOptions",
@@ -29,5 +38,6 @@ __all__ = [
     "default_strategy",
     "get_strategy",
     "register",
+    "serving_strategy",
     "strategy_for_mesh",
 ]

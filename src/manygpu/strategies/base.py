@@ -16,13 +16,14 @@ from torch import nn
 
 from manygpu.errors import UsageError
 from manygpu.runtime.cluster import ClusterInfo
-from manygpu.runtime.process_group import DistContext
+from manygpu.runtime.process_group import DistContext, init_distributed
 from manygpu.strategies.mesh import MeshSpec, check_dims
 from manygpu.strategies.options import (
     CompileOptions,
     DDPOptions,
     FSDPOptions,
     PipelineOptions,
+    PSOptions,
     TensorOptions,
     compile_in_place,
 )
@@ -46,6 +47,8 @@ class StrategyOptions:
     """Used by ``"pipeline"``."""
     tensor: TensorOptions = field(default_factory=TensorOptions)
     """Used by ``"tensor"``."""
+    ps: PSOptions = field(default_factory=PSOptions)
+    """Used by ``"ps"`` (servers decided: the script's or ``manygpu launch --ps``'s)."""
     mesh: MeshSpec | None = None
     """Sizes per named dimension for strategies that compose (``None``: their default)."""
     precision: str = "fp32"
@@ -85,6 +88,9 @@ class Strategy(ABC):
     """Why ``channels_last=True`` cannot work here and what to do, or ``None``."""
     compile_refusal: ClassVar[str | None] = None
     """Why ``compile=True`` cannot work here and what to do, or ``None``."""
+    serves: bool = False
+    """This process serves the others and never runs the training loop (a parameter
+    server: its ``prepare`` ends the process cleanly once the workers are done)."""
 
     def __init__(self, ctx: DistContext, options: StrategyOptions) -> None:
         self.ctx = ctx
@@ -124,6 +130,26 @@ class Strategy(ABC):
                 f"{cls.channels_last_refusal}"
             )
 
+    @classmethod
+    def join(
+        cls,
+        cluster: ClusterInfo,
+        options: StrategyOptions,
+        *,
+        device: torch.device,
+        backend: str,
+        timeout_s: float,
+    ) -> DistContext:
+        """Join the job's process group; the context's ``cluster`` is the job as this rank sees it.
+
+        Default: one group over every rank. A strategy whose ranks have roles
+        (parameter servers) gives each role its own group and view.
+        """
+        return init_distributed(
+            cluster, device=device, backend=backend, timeout_s=timeout_s,
+            force=cls.needs_process_group,
+        )  # fmt: skip
+
     def data_shard(self) -> tuple[int, int]:
         """``(index, count)``: which of how many data shards this rank reads."""
         if self.shards_data:
@@ -154,6 +180,22 @@ class Strategy(ABC):
         The gradient norm sums its pieces over it; shards that are DTensors
         name their own groups. ``None``: plain tensors are whole (replicated).
         """
+        return None
+
+    def combined_clip(
+        self, parameters: list[torch.Tensor], max_norm: float, norm_type: float
+    ) -> torch.Tensor | None:
+        """Clip where the gradients are combined and return the norm; ``None``: clip here.
+
+        One process clips its global batch's gradient. Strategies whose ranks
+        combine gradients in the backward (DDP, FSDP) hold that gradient after
+        it, so the default clips locally; parameter servers average after the
+        workers push, so they clip the average there.
+        """
+        return None
+
+    def status(self) -> str | None:
+        """One line of progress for the main process's bar after each step (``None``: none)."""
         return None
 
     def consolidate_optimizer(self, optimizer: torch.optim.Optimizer) -> None:

@@ -39,8 +39,10 @@ class CommModel:
     replica: Literal["one_process", "device", "ways"] = "device"
     """What holds one model replica: one process over all its devices (single,
     model), one device (data parallelism), or ``ways`` devices (pipeline, tensor)."""
-    grads: Literal["none", "all_reduce", "reduce_scatter"] = "all_reduce"
-    """How gradients are combined over the data-parallel ranks, in buckets."""
+    grads: Literal["none", "all_reduce", "reduce_scatter", "push_pull"] = "all_reduce"
+    """How gradients are combined over the data-parallel ranks: in buckets by a
+    collective, or (``push_pull``) pushed whole to parameter servers after the
+    backward, which send the updated weights back (``ways`` = servers)."""
     weight_gathers: int = 0
     """All-gathers of the weights per step: before forward (1), again before backward (2)."""
     gather_after_step: bool = False

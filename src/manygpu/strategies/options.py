@@ -176,3 +176,59 @@ def compile_in_place(module: Module, options: CompileOptions) -> None:
     on it stay as they are, so checkpoints and ``unwrap`` do not change.
     """
     module.compile(**options.kwargs())
+
+
+PSMode = Literal["sync", "async"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class PSOptions:
+    """Knobs of ``"ps"``: parameter servers (TensorFlow's ``ParameterServerStrategy``).
+
+    The first ``servers`` ranks hold the parameters and the optimizer state,
+    split by size; the other ranks are workers that run the training loop,
+    push their gradients and pull the updated parameters at each ``step()``.
+    """
+
+    servers: int | None = None
+    """How many of the job's ranks serve (the first ones). ``None``: the ``K``
+    of ``manygpu launch --ps K``, else 1."""
+    mode: PSMode = "sync"
+    """``"sync"``: each step averages every worker's gradient before one update
+    (the same result as one process on the global batch, like ddp).
+    ``"async"``: each gradient is applied as it arrives; workers never wait
+    for each other (within ``max_staleness``) and a dead worker is dropped."""
+    max_staleness: int | None = None
+    """``"async"`` only: how many steps a worker may run ahead of the slowest
+    live worker, i.e. how many of that worker's updates its parameters may
+    lack; it waits beyond that (bounded delay). ``0`` lets no worker start a
+    step before every other finished the previous one; ``None``: unbounded."""
+
+    def __post_init__(self) -> None:
+        servers = self.servers
+        if servers is not None and (
+            isinstance(servers, bool) or not isinstance(servers, int) or servers < 1
+        ):
+            raise UsageError(f"PSOptions(servers=...) takes an integer >= 1, not {servers!r}")
+        if self.mode not in ("sync", "async"):
+            raise UsageError(f"unknown parameter-server mode {self.mode!r}; choose sync or async")
+        s = self.max_staleness
+        if s is not None and (isinstance(s, bool) or not isinstance(s, int) or s < 0):
+            raise UsageError(
+                f"PSOptions(max_staleness=...) takes an integer >= 0 or None, not {s!r}"
+            )
+        if s is not None and self.mode == "sync":
+            raise UsageError(
+                "max_staleness bounds the lag of mode='async'; a sync step has none: "
+                "drop max_staleness or use mode='async'"
+            )
+
+    def with_launched(self, launched: int | None) -> PSOptions:
+        """These options with ``servers`` decided: the launcher's ``--ps K`` must agree."""
+        if launched is not None and self.servers is not None and launched != self.servers:
+            raise UsageError(
+                f"the script asks for PSOptions(servers={self.servers}) but was launched with "
+                f"--ps {launched}; make them agree, or give only one"
+            )
+        servers = self.servers if self.servers is not None else launched or 1
+        return PSOptions(servers=servers, mode=self.mode, max_staleness=self.max_staleness)

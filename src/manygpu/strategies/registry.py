@@ -21,7 +21,7 @@ from manygpu.strategies.costs import CommModel, MemoryModel
 if TYPE_CHECKING:
     from manygpu.strategies.base import Strategy
 
-Ways = Literal["one", "local_devices", "node_divisors", "divisors", "never"]
+Ways = Literal["one", "local_devices", "node_divisors", "divisors", "servers", "never"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -45,7 +45,11 @@ class StrategyCard:
     plan_ways: Ways
     """Model-split sizes the planner tries: none (``one``), 2..GPUs of a node
     (``local_devices``), divisors of the world within a node (``node_divisors``)
-    or across nodes (``divisors``); ``never``: not a planner candidate."""
+    or across nodes (``divisors``), server counts (``servers``: 1, 2, 4... up to
+    half the world); ``never``: not a planner candidate."""
+    serves: bool = False
+    """Its first ranks serve the others (parameter servers): ``manygpu launch
+    --ps K`` picks it when the script names no strategy."""
 
 
 _DP = CommModel(grads="all_reduce")
@@ -94,6 +98,15 @@ _CARDS: tuple[StrategyCard, ...] = (
     StrategyCard(name="dp", where="manygpu.strategies.dp:DataParallelStrategy", simplicity=8,
                  changes_loop=False, checkpoint=FULL, memory=MemoryModel(),
                  comm=_DP, one_process=True, plan_ways="never"),
+    # Parameter servers: the loop is unchanged, but the job's first ranks serve
+    # instead of training, so "auto" never picks it; workers keep whole weights
+    # and gradients, the servers the optimizer state (split over `ways` of them:
+    # an upper bound for either role). Gradients go whole to the servers after
+    # the backward and the weights come back: exposed, not overlapped.
+    StrategyCard(name="ps", where="manygpu.strategies.ps:ParameterServerStrategy",
+                 simplicity=9, changes_loop=True, checkpoint=FULL,
+                 memory=MemoryModel(optimizer="ways"), comm=CommModel(grads="push_pull"),
+                 one_process=False, plan_ways="servers", serves=True),
 )  # fmt: skip
 _BY_NAME = {card.name: card for card in _CARDS}
 
@@ -129,6 +142,11 @@ def default_strategy(world_size: int) -> str:
     """What runs when none is named: the simplest unchanged loop for this many processes."""
     fits = [c for c in cards() if not c.changes_loop and c.plan_ways != "never"]
     return next(c.name for c in fits if c.one_process == (world_size == 1))
+
+
+def serving_strategy() -> str:
+    """The strategy whose first ranks serve the others (what ``--ps K`` launches)."""
+    return next(c.name for c in cards() if c.serves)
 
 
 def register(name: str) -> Callable[[type[Strategy]], type[Strategy]]:
