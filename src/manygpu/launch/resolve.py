@@ -18,7 +18,7 @@ from manygpu.errors import UsageError
 from manygpu.launch.netcheck import split_endpoint
 from manygpu.launch.spec import AGREED_ID, JobOptions, LaunchRequest, LaunchSpec, parse_nnodes
 from manygpu.runtime import env as envmod
-from manygpu.runtime.cluster import DEFAULT_PORT, slurm_master
+from manygpu.runtime.cluster import DEFAULT_PORT, mpi_port, mpi_ranks, slurm_master
 from manygpu.runtime.device import threads_per_process
 from manygpu.runtime.env import Environ
 
@@ -86,14 +86,45 @@ def _slurm_nodes(env: Environ) -> tuple[int, int, str, int] | None:
     return nnodes, envmod.get_int(env, "SLURM_NODEID") or 0, addr, port
 
 
+def _mpi_nodes(env: Environ, master_addr: str | None) -> tuple[int, int, str, int] | None:
+    """(nnodes, node_rank, master_addr, port) when mpirun started one launcher per node.
+
+    ``mpirun --map-by ppr:1:node -x MASTER_ADDR=node0 manygpu launch ...``: each
+    launcher is one MPI rank, its node's index; the first node serves the store.
+    """
+    ranks = mpi_ranks(env)
+    if ranks is None or ranks[1] <= 1:
+        return None
+    rank, size, _, local_size = ranks
+    if local_size > 1:
+        raise UsageError(
+            f"mpirun started {local_size} launchers on this node; start one per node "
+            "(mpirun --map-by ppr:1:node manygpu launch ...), or run manygpu launch alone"
+        )
+    addr = master_addr or envmod.get_str(env, "MASTER_ADDR")
+    if addr is None:
+        raise UsageError(
+            f"mpirun started this launcher as node {rank} of {size} but not where node 0 "
+            "is: pass -x MASTER_ADDR=<first node> to mpirun, or give --master-addr"
+        )
+    return size, rank, addr, mpi_port(env)
+
+
+def _outer_nodes(req: LaunchRequest, env: Environ) -> tuple[int, int, str, int] | None:
+    """The nodes of a launcher started once per node by Slurm (srun) or by mpirun."""
+    if req.nnodes is not None:
+        return None
+    return _slurm_nodes(env) or _mpi_nodes(env, req.master_addr)
+
+
 def _rendezvous(
     req: LaunchRequest, env: Environ, multi: bool, elastic: bool
 ) -> tuple[str, str, int]:
     """(backend, endpoint, node_rank) for the request."""
-    slurm = _slurm_nodes(env) if req.nnodes is None else None
-    addr = req.master_addr or (slurm[2] if slurm else None)
-    port = req.master_port if req.master_port is not None else (slurm[3] if slurm else None)
-    node_rank = req.node_rank if req.node_rank is not None else (slurm[1] if slurm else 0)
+    outer = _outer_nodes(req, env)
+    addr = req.master_addr or (outer[2] if outer else None)
+    port = req.master_port if req.master_port is not None else (outer[3] if outer else None)
+    node_rank = req.node_rank if req.node_rank is not None else (outer[1] if outer else 0)
     if elastic and req.rdzv_backend == "static":
         raise UsageError(
             "--nnodes MIN:MAX needs the c10d rendezvous (static waits for MAX nodes); "
@@ -131,8 +162,8 @@ def resolve(req: LaunchRequest, env: Environ, cuda_count: int) -> LaunchSpec:
         nproc = len(gpus)
     else:
         nproc = cuda_count or CPU_DEFAULT_PROCS
-    if req.nnodes is None and (slurm := _slurm_nodes(env)) is not None:
-        min_nodes = max_nodes = slurm[0]
+    if (outer := _outer_nodes(req, env)) is not None:
+        min_nodes = max_nodes = outer[0]
     else:
         min_nodes, max_nodes = parse_nnodes(req.nnodes)
     backend, endpoint, node_rank = _rendezvous(

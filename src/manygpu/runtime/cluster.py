@@ -145,31 +145,51 @@ _MPI_VARS = {
 }
 
 
-def _from_mpi(env: Environ) -> ClusterInfo | None:
+def mpi_ranks(env: Environ) -> tuple[int, int, int, int] | None:
+    """(rank, size, local rank, local size) when an MPI launcher started this process."""
     for rank_var, size_var, lrank_var, lsize_var in _MPI_VARS.values():
         if envmod.get_str(env, rank_var) is None or envmod.get_str(env, size_var) is None:
             continue
         world = envmod.get_int(env, size_var) or 1
-        local_world = envmod.get_int(env, lsize_var) or world
-        local_rank = envmod.get_int(env, lrank_var) or 0
-        rank = envmod.get_int(env, rank_var) or 0
-        addr = envmod.get_str(env, "MASTER_ADDR")
-        if addr is None and local_world < world:
-            raise UsageError(
-                "MPI job spans several nodes but MASTER_ADDR is not set; "
-                "export MASTER_ADDR=<first node> (e.g. mpirun -x MASTER_ADDR=host0)"
-            )
-        return ClusterInfo(
-            source="mpi",
-            rank=rank,
-            world_size=world,
-            local_rank=local_rank,
-            local_world_size=local_world,
-            node_rank=rank // max(local_world, 1),
-            master_addr=addr or "127.0.0.1",
-            master_port=envmod.get_int(env, "MASTER_PORT") or DEFAULT_PORT,
+        return (
+            envmod.get_int(env, rank_var) or 0,
+            world,
+            envmod.get_int(env, lrank_var) or 0,
+            envmod.get_int(env, lsize_var) or world,
         )
     return None
+
+
+def mpi_port(env: Environ) -> int:
+    """``MASTER_PORT``, else a port from the MPI job's id (the same on every node)."""
+    port = envmod.get_int(env, "MASTER_PORT")
+    if port is not None:
+        return port
+    job = envmod.get_str(env, "PMIX_NAMESPACE", "OMPI_MCA_ess_base_jobid")
+    return 20000 + zlib.crc32(job.encode()) % 10000 if job else DEFAULT_PORT
+
+
+def _from_mpi(env: Environ) -> ClusterInfo | None:
+    ranks = mpi_ranks(env)
+    if ranks is None:
+        return None
+    rank, world, local_rank, local_world = ranks
+    addr = envmod.get_str(env, "MASTER_ADDR")
+    if addr is None and local_world < world:
+        raise UsageError(
+            "MPI job spans several nodes but MASTER_ADDR is not set; "
+            "export MASTER_ADDR=<first node> (e.g. mpirun -x MASTER_ADDR=host0)"
+        )
+    return ClusterInfo(
+        source="mpi",
+        rank=rank,
+        world_size=world,
+        local_rank=local_rank,
+        local_world_size=local_world,
+        node_rank=rank // max(local_world, 1),
+        master_addr=addr or "127.0.0.1",
+        master_port=envmod.get_int(env, "MASTER_PORT") or DEFAULT_PORT,
+    )
 
 
 def _single() -> ClusterInfo:
