@@ -226,6 +226,18 @@ def reference(variant: str) -> dict[str, list[Any]]:
     return {k: v.tolist() for k, v in model.state_dict().items()}
 
 
+def _overlap(hvd: Any) -> list[int]:
+    """Buckets launched by the end of backward (before step) out of all buckets."""
+    torch.manual_seed(1)
+    model = nn.Sequential(nn.Linear(5, 8), nn.Tanh(), nn.Linear(8, 3))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    opt = hvd.DistributedOptimizer(opt, model.named_parameters(), bucket_cap_mb=1e-4)
+    _loss(model, torch.randn(4, 5), torch.randn(4, 3)).backward()
+    launched = [opt._hvd._next, len(opt._hvd.buckets)]
+    opt.step()
+    return launched
+
+
 def _states(hvd: Any) -> dict[str, Any]:
     """Ranks with different weights and optimizer states end with rank 1's."""
     r = hvd.rank()
@@ -265,6 +277,7 @@ def _job() -> dict[str, Any]:
             "objects": _objects(hvd, r),
             "train": {v: _train_rank(hvd, v) for v in VARIANTS},
             "states": _states(hvd),
+            "overlap": _overlap(hvd),
         }
     finally:
         hvd.shutdown()
@@ -383,3 +396,5 @@ def test_every_function_and_training_equals_one_process(world: int) -> None:
     _check_data(results, world)
     _check_training(results)
     _check_states(results)
+    # Every bucket's all-reduce started during backward, none waited for step().
+    assert all(res["overlap"] == [4, 4] for res in results)
