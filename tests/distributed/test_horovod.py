@@ -21,9 +21,9 @@ preload("manygpu.horovod")
 
 TOL = 1e-5
 """DistributedOptimizer vs one process, float32, same global batch (rounding only)."""
-FP16_TOL = 2e-3
+FP16_TOL = 5e-4
 """With Compression.fp16: gradients travel with ~3 significant digits (float16's 11-bit
-mantissa), 3 steps at lr 0.1 of gradients of size ~1; measured error ~1e-4."""
+mantissa), 3 steps at lr 0.1; the error measured at 2 ranks is 4e-5 (plain: 3e-8)."""
 GLOBAL_BATCH = 12
 STEPS = 3
 
