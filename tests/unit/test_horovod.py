@@ -191,6 +191,8 @@ def test_one_process_answers_like_horovod(one: None) -> None:
     assert hvd.broadcast_object("o", root_rank=0) == "o" and hvd.allgather_object(1) == [1]
     assert hvd.join() == 0
     hvd.barrier()
+    leaf = torch.ones(2, requires_grad=True)  # in place on a leaf that requires grad
+    assert hvd.allreduce_(leaf, prescale_factor=3.0) is leaf and leaf.tolist() == [3.0, 3.0]
     handle = hvd.allreduce_async(x)
     assert hvd.poll(handle) and hvd.synchronize(handle).tolist() == [1.0, 4.0]
     with pytest.raises(UsageError, match="unknown handle"):

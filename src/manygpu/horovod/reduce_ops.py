@@ -118,9 +118,15 @@ def allreduce_async_(
     key = ("allreduce", name, int(rop), prescale_factor, postscale_factor)
     seq = agree("all_reduce", tensor, key=key, desc=desc)
     world = session().topology.size
-    scale_(tensor, prescale_factor, "prescale_factor")
-    work = dist.all_reduce(tensor, op=_DIST_OPS[rop], async_op=True) if active() else None
-    return submit([work], lambda: finish_(tensor, rop, postscale_factor, world), desc, seq)
+    data = tensor.detach()  # same storage; a leaf that requires grad can be written through it
+    scale_(data, prescale_factor, "prescale_factor")
+    work = dist.all_reduce(data, op=_DIST_OPS[rop], async_op=True) if active() else None
+
+    def finish() -> torch.Tensor:
+        finish_(data, rop, postscale_factor, world)
+        return tensor
+
+    return submit([work], finish, desc, seq)
 
 
 def allreduce_async(
