@@ -10,6 +10,7 @@ only the order of the sums differs).
 
 from __future__ import annotations
 
+import json
 import re
 import signal
 import subprocess
@@ -80,7 +81,13 @@ def _run(
     )
 
 
-def _start(cluster: EmulatedCluster, argv: list[str], log: Path) -> subprocess.Popen[str]:
+def _start(
+    cluster: EmulatedCluster,
+    argv: list[str],
+    log: Path,
+    cwd: Path | None = None,
+    env: dict[str, str] | None = None,
+) -> subprocess.Popen[str]:
     """Start the driver on host 0 in the background (``ip netns exec`` execs it: same pid)."""
     with open(log, "w") as fh:
         return cluster.popen(
@@ -89,7 +96,8 @@ def _start(cluster: EmulatedCluster, argv: list[str], log: Path) -> subprocess.P
             stdout=fh,
             stderr=subprocess.STDOUT,
             stdin=subprocess.DEVNULL,
-            env=subprocess_env(namespace=True),
+            env=subprocess_env(namespace=True) | (env or {}),
+            cwd=cwd,
         )
 
 
@@ -224,21 +232,20 @@ def test_the_first_failing_rank_gives_the_exit_code_and_is_reported_first(
 def test_ctrl_c_stops_every_process_on_every_host(
     hosts: tuple[EmulatedCluster, SshHosts], tmp_path: Path
 ) -> None:
+    """Also: what reaches the other host's ranks is -x, .manygpu_env and the
+    forwarded variables, never the rest of this machine's environment."""
     cluster, ssh = hosts
     log = tmp_path / "driver.log"
     out = tmp_path / "out"
     out.mkdir()
-    driver = _start(
-        cluster,
-        [
-            *_argv(cluster, ssh, _two(cluster, 1)),
-            str(SCRIPTS / "steps.py"),
-            str(out),
-            "2000",
-            "0.05",
-        ],
-        log,
-    )
+    job = tmp_path / "job"  # the driver's directory, and so every host's
+    job.mkdir()
+    (job / ".manygpu_env").write_text("# for every host\nFROM_FILE=file value\nNCCL_DEBUG=WARN\n")
+    names = ["FROM_FILE", "NCCL_DEBUG", "FROM_X", "PASSED", "SECRET_HERE"]
+    argv = _argv(cluster, ssh, _two(cluster, 1), "-x", "FROM_X=x value", "-x", "PASSED")
+    argv += [str(SCRIPTS / "steps.py"), str(out), "2000", "0.05", *names]
+    here = {"PASSED": "passed", "SECRET_HERE": "stays here", "NCCL_DEBUG": "INFO"}
+    driver = _start(cluster, argv, log, cwd=job, env=here)
     try:
         _wait_for([out / "started-0", out / "started-1"], driver, log, timeout=100)
         driver.send_signal(signal.SIGINT)
@@ -252,6 +259,14 @@ def test_ctrl_c_stops_every_process_on_every_host(
     assert "manygpu: SIGINT: stopped the job on every host" in text
     assert re.search(r"^10\.213\.0\.[12]/1: rank 1 of 2 is training$", text, re.M), text[-2000:]
     assert not list(out.glob("done-*"))
+    seen = {s["addr"]: s["env"] for s in (json.loads(p.read_text()) for p in out.glob("started-*"))}
+    expected = {"FROM_FILE": "file value", "FROM_X": "x value", "PASSED": "passed"}
+    assert seen[cluster.addresses[1]] == expected | {"NCCL_DEBUG": "WARN", "SECRET_HERE": None}
+    # Host 0 runs here, in this environment, plus the same variables.
+    assert seen[cluster.addresses[0]] == expected | {
+        "NCCL_DEBUG": "WARN",
+        "SECRET_HERE": "stays here",
+    }
 
 
 @pytest.mark.timeout(150)
@@ -306,7 +321,7 @@ def test_an_elastic_job_survives_a_killed_host(
         "last_call_timeout=2,keep_alive_interval=1,keep_alive_max_attempt=2",
     ]
     argv = [*_argv(cluster, ssh, _two(cluster, 1), *elastic), str(SCRIPTS / "steps.py")]
-    driver = _start(cluster, [*argv, str(out), "100", "0.05"], log)
+    driver = _start(cluster, [*argv, str(out), "40", "0.05"], log)
     try:
         _wait_for([out / "started-0", out / "started-1"], driver, log, timeout=100)
         assert cluster.kill_host(1)

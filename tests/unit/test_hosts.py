@@ -6,6 +6,7 @@ and through the CLI it exits 2.
 
 from __future__ import annotations
 
+import argparse
 from pathlib import Path
 
 import pytest
@@ -221,3 +222,17 @@ def test_hostfile_errors_through_the_cli_name_the_file_line(
     assert _run(["launch", "--hostfile", str(hostfile), "--dry-run", str(script)]) == 2
     err = capsys.readouterr().err
     assert f"{hostfile} line 2: slots 'lots'" in err and err.count("\n") == 1
+
+
+def test_np_without_hosts_is_processes_on_this_machine(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`horovodrun -np 2 python train.py` becomes `manygpu launch -np 2 train.py`."""
+    import manygpu.cli.launch as cli_launch
+
+    seen: list[argparse.Namespace] = []
+    monkeypatch.setattr(cli_launch, "launch_job", lambda ns, *a, **k: seen.append(ns) or 0)
+    script = tmp_path / "train.py"
+    script.write_text("")
+    assert main(["launch", "-np", "3", str(script)]) == 0
+    assert seen[0].nproc_per_node == 3

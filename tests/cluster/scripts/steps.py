@@ -1,10 +1,14 @@
 """Train for STEPS steps of about STEP_S seconds (ddp, tiny model), leaving marks in OUT.
 
-Usage: OUT STEPS STEP_S. Writes OUT/started-<rank> after the first step (the job
-is running on every host) and OUT/done-<rank>-<world> at the end; an elastic
+Usage: OUT STEPS STEP_S [NAME ...]. Writes OUT/started-<rank> after the first
+step (the job is running on every host): JSON of this rank's address and of the
+variables NAME... it sees; OUT/done-<rank>-<world> at the end. An elastic
 restart starts over with the new world size.
 """
 
+import json
+import os
+import socket
 import sys
 import time
 from pathlib import Path
@@ -26,6 +30,11 @@ with Parallel(strategy="ddp", timeout_s=60) as par:
         opt.zero_grad()
         if step == 0:
             print(f"rank {par.rank} of {par.world_size} is training", flush=True)
-            (out / f"started-{par.rank}").write_text("")
+            # This host's address: the source address towards the rendezvous host.
+            with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sock:
+                sock.connect((os.environ["MASTER_ADDR"], 9))
+                addr = sock.getsockname()[0]
+            seen = {name: os.environ.get(name) for name in sys.argv[4:]}
+            (out / f"started-{par.rank}").write_text(json.dumps({"addr": addr, "env": seen}))
         time.sleep(step_s)
     (out / f"done-{par.rank}-{par.world_size}").write_text("")
