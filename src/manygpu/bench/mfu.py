@@ -10,56 +10,30 @@ and is reported with the result so a reader can check it.
 from __future__ import annotations
 
 import copy
-from dataclasses import dataclass
 
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
 from manygpu.bench.models import Workload
-
-
-@dataclass(frozen=True)
-class Peak:
-    """Dense peak TFLOP/s of one GPU from its vendor's data sheet (no sparsity)."""
-
-    half: float
-    """bf16 / fp16 on tensor cores."""
-    tf32: float | None
-    """fp32 inputs on tensor cores as TF32 (``None``: the GPU has no TF32, e.g. V100)."""
-    fp32: float
-    """Plain IEEE fp32 on the CUDA cores."""
-
-
-PEAK_TFLOPS: dict[str, Peak] = {
-    "H100 PCIe": Peak(756.0, 378.0, 51.0),
-    "H100": Peak(989.0, 494.7, 67.0),  # SXM (the name of an SXM part has no form factor)
-    "H200": Peak(989.0, 494.7, 67.0),
-    "A100": Peak(312.0, 156.0, 19.5),
-    "V100": Peak(125.0, None, 15.7),
-}
-
-
-def device_peak(device_name: str) -> Peak | None:
-    """The table's entry for ``device_name`` (as CUDA names it), or ``None`` if unknown."""
-    for key, peak in PEAK_TFLOPS.items():
-        if all(part in device_name for part in key.split()):
-            return peak
-    return None
+from manygpu.plan.devices import data_sheet
 
 
 def peak_tflops(device_name: str, precision: str, tf32: bool = False) -> float | None:
     """The peak that bounds a run: 16-bit for bf16/fp16, TF32 or plain fp32 otherwise.
 
-    ``tf32`` says whether fp32 matmuls (and convolutions) ran as TF32, which
-    doubles-to-sevenfolds the ceiling; using the plain fp32 rate then would
-    overstate MFU.
+    From the data sheets in :mod:`manygpu.plan.devices` (the planner's figures
+    too); ``None`` for a device not in them (CPUs). A 16-bit precision the GPU
+    lacks (bf16 on a V100) gets its fp16 tensor-core peak: one 16-bit reference
+    per GPU. ``tf32`` says whether fp32 matmuls (and convolutions) ran as TF32,
+    which doubles-to-sevenfolds the ceiling; using the plain fp32 rate then
+    would overstate MFU.
     """
-    peak = device_peak(device_name)
-    if peak is None:
+    sheet = data_sheet(device_name)
+    if sheet is None:
         return None
     if precision in ("bf16", "fp16"):
-        return peak.half
-    return peak.tf32 if tf32 and peak.tf32 is not None else peak.fp32
+        return sheet.get(precision, sheet.get("fp16"))
+    return sheet["tf32"] if tf32 and "tf32" in sheet else sheet["fp32"]
 
 
 def tf32_in_use(convolutions: bool) -> bool:

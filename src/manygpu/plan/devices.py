@@ -50,6 +50,36 @@ GPT2_TRAIN_FLOPS_PER_TOKEN = 6 * 124_439_808 + 12 * 12 * 768 * 1024
 """GPT-2 124M (12 x 768, sequence 1024): 860 MFLOP per token, forward + backward."""
 
 
+# Dense peaks (no sparsity), TFLOP/s, from NVIDIA data sheets (Tesla P100 PCIe; V100 SXM2; T4;
+# A100 SXM4 80GB; H100 SXM5 and PCIe; H200 SXM, whose TF32 / bf16 / fp16 figures are given with
+# 2:4 sparsity and halved here). The one home of these figures: the planner's devices below take
+# theirs from here, and so does the MFU of ``bench`` (manygpu.bench.mfu). Keyed by the words a
+# CUDA device name contains ("NVIDIA H100 PCIe"); the key with the most words wins.
+DATA_SHEETS: dict[str, dict[str, float]] = {
+    "P100": {"fp32": 9.3, "fp16": 18.7},
+    "V100": {"fp32": 15.7, "fp16": 125.0},
+    "T4": {"fp32": 8.1, "fp16": 65.0},
+    "A100": {"fp32": 19.5, "tf32": 156.0, "bf16": 312.0, "fp16": 312.0},
+    "H100": {"fp32": 67.0, "tf32": 494.7, "bf16": 989.0, "fp16": 989.0},  # SXM: no form factor
+    "H100 PCIe": {"fp32": 51.0, "tf32": 378.0, "bf16": 756.0, "fp16": 756.0},  # in its name
+    "H200": {"fp32": 67.0, "tf32": 494.7, "bf16": 989.0, "fp16": 989.0},
+}
+
+
+def data_sheet(gpu_name: str) -> Mapping[str, float] | None:
+    """Dense peak TFLOP/s per precision the GPU has math for, or ``None`` if not in the table.
+
+    The most specific key wins, so an "H100 PCIe" is not taken for the SXM part.
+    """
+    upper = gpu_name.upper()
+    hits = [key for key in DATA_SHEETS if all(w in upper for w in key.upper().split())]
+    return DATA_SHEETS[max(hits, key=lambda k: len(k.split()))] if hits else None
+
+
+# The sheets the measured fractions below are taken against.
+_V100, _A100, _H100 = DATA_SHEETS["V100"], DATA_SHEETS["A100"], DATA_SHEETS["H100"]
+
+
 def _fraction(samples_per_s: float, flops_per_sample: float, peak_tflops: float) -> float:
     """Achieved / peak of a published throughput."""
     return samples_per_s * flops_per_sample / (peak_tflops * 1e12)
@@ -59,23 +89,23 @@ def _fraction(samples_per_s: float, flops_per_sample: float, peak_tflops: float)
 # NVIDIA DeepLearningExamples, ResNet-50 v1.5 for PyTorch (pytorch-21.03 container), training
 # performance, 1 GPU: DGX-1 16GB V100 FP32 367 img/s and mixed precision 1,200 img/s; DGX A100
 # 80GB TF32 938 img/s and mixed precision 2,470 img/s.
-V100_CONV_FP32 = _fraction(367, RESNET50_TRAIN_FLOPS, 15.7)  # 57%
-V100_CONV_16BIT = _fraction(1200, RESNET50_TRAIN_FLOPS, 125.0)  # 23%
-A100_CONV_TF32 = _fraction(938, RESNET50_TRAIN_FLOPS, 156.0)  # 15%
-A100_CONV_16BIT = _fraction(2470, RESNET50_TRAIN_FLOPS, 312.0)  # 19%
+V100_CONV_FP32 = _fraction(367, RESNET50_TRAIN_FLOPS, _V100["fp32"])  # 57%
+V100_CONV_16BIT = _fraction(1200, RESNET50_TRAIN_FLOPS, _V100["fp16"])  # 23%
+A100_CONV_TF32 = _fraction(938, RESNET50_TRAIN_FLOPS, _A100["tf32"])  # 15%
+A100_CONV_16BIT = _fraction(2470, RESNET50_TRAIN_FLOPS, _A100["bf16"])  # 19%
 # TensorFlow tf_cnn_benchmarks, P100, synthetic data, batch 64: ResNet-50 238 img/s.
-P100_CONV_FP32 = _fraction(238, RESNET50_TRAIN_FLOPS, 9.3)  # 62%
+P100_CONV_FP32 = _fraction(238, RESNET50_TRAIN_FLOPS, DATA_SHEETS["P100"]["fp32"])  # 62%
 # One H100 SXM 80GB, torch 2.11 + cu130, batch 128 (issue 14's table): fp32 (cuDNN's default
 # TF32 convolutions) 1,751 img/s; bf16 + channels_last + fused AdamW + TF32 2,613 img/s (the
 # recipe manygpu's defaults follow; the same run in NCHW reached 2,087, see the tests).
-H100_CONV_TF32 = _fraction(1751, RESNET50_TRAIN_FLOPS, 494.7)  # 8.6%
-H100_CONV_16BIT = _fraction(2613, RESNET50_TRAIN_FLOPS, 989.0)  # 6.4%
+H100_CONV_TF32 = _fraction(1751, RESNET50_TRAIN_FLOPS, _H100["tf32"])  # 8.6%
+H100_CONV_16BIT = _fraction(2613, RESNET50_TRAIN_FLOPS, _H100["bf16"])  # 6.4%
 
 # --- transformers: GPT-2 124M training, tokens/s on one device ---------------------------------
 # One H100 SXM 80GB, torch 2.11 + cu130, batch 16 x 1024, AdamW (issue 14's table):
 # Parallel(precision="bf16") 353,033 tokens/s (30.5% MFU); Parallel() in fp32 53,647.
-TENSOR_MATMUL = _fraction(353_033, GPT2_TRAIN_FLOPS_PER_TOKEN, 989.0)  # 31%
-CUDA_CORE_MATMUL = _fraction(53_647, GPT2_TRAIN_FLOPS_PER_TOKEN, 67.0)  # 69%
+TENSOR_MATMUL = _fraction(353_033, GPT2_TRAIN_FLOPS_PER_TOKEN, _H100["bf16"])  # 31%
+CUDA_CORE_MATMUL = _fraction(53_647, GPT2_TRAIN_FLOPS_PER_TOKEN, _H100["fp32"])  # 69%
 # No single-device GPT figure for the other GPUs in our sources: their matmul fractions
 # reuse these two (tensor-core math / CUDA-core math); assumptions, not measurements.
 
@@ -127,8 +157,12 @@ class Device:
         return next(p for p in ("bf16", "fp16", "fp32") if p in self.peak_tflops)
 
 
-def _gpu(name: str, memory_gb: float, peaks: dict[str, float], conv: dict[str, float]) -> Device:
-    """A GPU whose matmul fractions are the measured tensor-core / CUDA-core ones."""
+def _gpu(name: str, memory_gb: float, sheet: str, conv: dict[str, float]) -> Device:
+    """A GPU planned at the precisions it has conv fractions for, with the data sheet's peaks.
+
+    Its matmul fractions are the measured tensor-core / CUDA-core ones.
+    """
+    peaks = {p: DATA_SHEETS[sheet][p] for p in conv}
     matmul = {p: CUDA_CORE_MATMUL if p == "fp32" else TENSOR_MATMUL for p in peaks}
     return Device(
         name=name, memory_gb=memory_gb, peak_tflops=peaks, conv_fraction=conv,
@@ -136,23 +170,19 @@ def _gpu(name: str, memory_gb: float, peaks: dict[str, float], conv: dict[str, f
     )  # fmt: skip
 
 
-# Peaks: NVIDIA data sheets (Tesla P100 PCIe; V100 SXM2; T4; A100 SXM4 80GB; H100 SXM5, whose
-# TF32 / bf16 / fp16 figures of 989 / 1,979 are with 2:4 sparsity, halved here).
 DEVICES: dict[str, Device] = {
     # Pascal has no tensor cores: fp16 brings no speed the table could vouch for, so fp32 only.
-    "p100": _gpu("P100 PCIe 16GB", 16, {"fp32": 9.3}, {"fp32": P100_CONV_FP32}),
-    "v100": _gpu("V100 SXM2 16GB", 16, {"fp32": 15.7, "fp16": 125.0},
-                 {"fp32": V100_CONV_FP32, "fp16": V100_CONV_16BIT}),
+    "p100": _gpu("P100 PCIe 16GB", 16, "P100", {"fp32": P100_CONV_FP32}),
+    "v100": _gpu("V100 SXM2 16GB", 16, "V100", {"fp32": V100_CONV_FP32, "fp16": V100_CONV_16BIT}),
     # Turing's tensor cores are Volta's: no single-T4 training figure here, so the V100's
     # conv fractions (assumed).
-    "t4": _gpu("T4 16GB", 16, {"fp32": 8.1, "fp16": 65.0},
-               {"fp32": V100_CONV_FP32, "fp16": V100_CONV_16BIT}),
+    "t4": _gpu("T4 16GB", 16, "T4", {"fp32": V100_CONV_FP32, "fp16": V100_CONV_16BIT}),
     # fp32 with TF32 off: no figure; the V100's CUDA-core fraction (assumed).
-    "a100": _gpu("A100 SXM4 80GB", 80, {"fp32": 19.5, "tf32": 156.0, "bf16": 312.0, "fp16": 312.0},
+    "a100": _gpu("A100 SXM4 80GB", 80, "A100",
                  {"fp32": V100_CONV_FP32, "tf32": A100_CONV_TF32, "bf16": A100_CONV_16BIT,
                   "fp16": A100_CONV_16BIT}),
     # fp32 with TF32 off: no figure; the V100's CUDA-core fraction (assumed).
-    "h100": _gpu("H100 SXM5 80GB", 80, {"fp32": 67.0, "tf32": 494.7, "bf16": 989.0, "fp16": 989.0},
+    "h100": _gpu("H100 SXM5 80GB", 80, "H100",
                  {"fp32": V100_CONV_FP32, "tf32": H100_CONV_TF32, "bf16": H100_CONV_16BIT,
                   "fp16": H100_CONV_16BIT}),
 }  # fmt: skip
