@@ -8,9 +8,10 @@ interleaved in a rotating order:
   ``optimizer.state_dict()`` with ``torch.save`` (and, timed apart, fsyncs them:
   ``torch.save + fsync``), then every rank loads them with ``torch.load`` and
   ``load_state_dict`` (the reference);
-- ``full`` / ``full-async`` / ``dcp``: manygpu's Checkpointer (hashing, fsync,
-  meta.json and the atomic rename included), then ``resume()`` (verification
-  of every file's checksum included).
+- ``full`` / ``full-async`` / ``dcp`` / ``dcp-async``: manygpu's Checkpointer
+  (hashing, fsync, meta.json and the atomic rename included), then ``resume()``
+  (verification of every file's checksum included). ``dcp-async`` goes through
+  torch's ``dcp.async_save`` and its stager.
 
 "stall" is how long ``save()`` blocks training (for async saves: the copy into
 the reused CPU buffers). Ratios are taken per round against that round's
@@ -35,7 +36,7 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
-VARIANTS = ("torch.save", "full", "full-async", "dcp")
+VARIANTS = ("torch.save", "full", "full-async", "dcp", "dcp-async")
 
 
 def _fsync(path: Path) -> None:
@@ -78,8 +79,8 @@ def _manygpu(par: Any, model: Any, opt: Any, directory: Path, variant: str) -> d
 
     # keep=2: the timed second save deletes nothing (torch.save does not either).
     ckpt = Checkpointer(par, directory, model=model, optimizer=opt, keep=2,
-                        format="dcp" if variant == "dcp" else "full",
-                        async_save=variant == "full-async", handle_signals=False)
+                        format=variant.split("-")[0], async_save=variant.endswith("-async"),
+                        handle_signals=False)
     row = {}
     for step in (1, 2):  # the second save reuses the async snapshot buffers: time that one
         par.barrier()
@@ -93,6 +94,7 @@ def _manygpu(par: Any, model: Any, opt: Any, directory: Path, variant: str) -> d
     start = time.perf_counter()
     ckpt.resume()
     row["load_s"] = time.perf_counter() - start
+    ckpt.close()  # lets the snapshot buffers go before the next variant
     return row
 
 
@@ -113,7 +115,8 @@ def worker(args: argparse.Namespace) -> None:
     params = sum(p.numel() for p in model.parameters())
     rows = []
     for rnd in range(args.rounds):
-        for variant in VARIANTS[rnd % 4:] + VARIANTS[: rnd % 4]:  # rotate the order
+        turn = rnd % len(VARIANTS)
+        for variant in VARIANTS[turn:] + VARIANTS[:turn]:  # rotate the order
             directory = Path(args.dir) / f"{variant}-{rnd}"
             if variant == "torch.save":
                 row = _plain(par, module, inner, directory)

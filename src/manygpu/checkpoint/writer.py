@@ -149,8 +149,14 @@ def _torch_save(obj: Any, fh: DurableFile) -> None:
         zip_file.write_end_of_file()
 
 
-def save(obj: Any, path: Path) -> dict[str, Any]:
-    """``torch.save(obj, path)``, hashed while written and durable; returns its table entry."""
-    with hashing_pool() as pool, DurableFile(path, pool) as fh:
+def save(obj: Any, path: Path, pool: ThreadPoolExecutor | None = None) -> dict[str, Any]:
+    """``torch.save(obj, path)``, hashed while written and durable; returns its table entry.
+
+    ``pool`` hashes the segments (one of its own when not given).
+    """
+    if pool is None:
+        with hashing_pool() as own:
+            return save(obj, path, own)
+    with DurableFile(path, pool) as fh:
         _torch_save(obj, fh)
     return fh.entry()
