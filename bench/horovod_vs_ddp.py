@@ -206,6 +206,7 @@ def drive(cfg: Config, launch_args: list[str], timeout_s: float) -> dict[str, An
             "platform": platform.platform(),
             "python": platform.python_version(),
             "cpus": os.cpu_count(),
+            "load_average_at_end": list(os.getloadavg()) if hasattr(os, "getloadavg") else None,
         },
         "config": asdict(cfg),
         "run": {k: v for k, v in run.items() if k != "blocks"},
