@@ -149,7 +149,7 @@ def test_dry_run_prints_each_hosts_command_and_starts_nothing(
     res = _run(cluster, [*_argv(cluster, ssh, _two(cluster, 2), "--dry-run"), str(script)], 60)
     assert res.returncode == 0, res.stderr
     head, here, there = res.stdout.splitlines()
-    assert head.startswith(f"# 2 hosts meet at {cluster.addresses[0]}:29400 (c10d)")
+    assert head.startswith(f"# 2 hosts, rendezvous {cluster.addresses[0]}:29400 (c10d)")
     assert here.startswith(f"{cluster.addresses[0]} (here): cd ")
     assert there.startswith(f"{cluster.addresses[1]}: ssh -T -o BatchMode=yes")
     assert f"-F {ssh.config}" in there and f"--nproc-per-node 2 {script}" in there

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import shlex
 import subprocess
+from pathlib import Path
 
 import pytest
 
@@ -153,7 +154,7 @@ def test_worker_env_of_a_tool_reaches_every_host() -> None:
 def test_dry_run_prints_the_rendezvous_then_each_hosts_exact_command() -> None:
     p = _plan()
     lines = hostplan.dry_run(p)
-    assert lines[0] == "# 2 hosts meet at 10.0.0.1:29400 (c10d); each line runs on its host"
+    assert lines[0] == "# 2 hosts, rendezvous 10.0.0.1:29400 (c10d); each line runs on its host"
     assert lines[1].startswith("node0 (here): cd /work/proj && exec env ")
     assert lines[2] == "node1: " + shlex.join(p.nodes[1].argv)
     assert shlex.split(lines[2].removeprefix("node1: ")) == list(p.nodes[1].argv)
@@ -277,3 +278,41 @@ def test_outcome_lines_round_trip() -> None:
     assert o.exit_code == parsed.exit_code
     assert driven.parse("[rank0]:manygpu-outcome {") is None
     assert driven.parse(driven.TAG + "{not json") is None
+
+
+def test_this_machine_listed_twice_is_refused() -> None:
+    here = Here(
+        local_names=frozenset({"localhost", "127.0.0.1"}),
+        address=None,
+        python="python",
+        cwd="/",
+        run_id="manygpu-0123456789abcdef",
+    )
+    listed = parse_hosts("localhost:1,127.0.0.1:1")
+    with pytest.raises(UsageError, match=r"names this machine 2 times \(localhost, 127.0.0.1\)"):
+        plan(LaunchRequest(entry="t.py"), HostOptions(hosts="x"), listed, {}, here)
+
+
+def test_local_names_are_this_machine() -> None:
+    import socket
+
+    from manygpu.launch.hostrun import is_local_name
+
+    assert is_local_name("localhost") and is_local_name("127.0.0.1")
+    assert is_local_name(socket.gethostname())
+    assert not is_local_name("192.0.2.1")  # TEST-NET-1: never this machine
+    assert not is_local_name("no-such-host.invalid")
+
+
+def test_hostfile_dry_run_through_the_cli(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from manygpu.cli.main import main
+
+    hostfile = tmp_path / "hosts"
+    hostfile.write_text("# one line, OpenMPI style\nlocalhost slots=3\n")
+    assert main(["launch", "--hostfile", str(hostfile), "--dry-run", "train.py", "--lr", "1"]) == 0
+    head, line = capsys.readouterr().out.splitlines()
+    assert head.startswith("# 1 host, rendezvous 127.0.0.1:29400 (c10d)")
+    assert line.startswith("localhost (here): cd ")
+    assert line.endswith("--nproc-per-node 3 train.py --lr 1")

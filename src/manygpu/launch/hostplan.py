@@ -220,6 +220,12 @@ def plan(
             ``-x``), on top of its login environment.
     """
     lo, hi = check_request(req, len(hosts))
+    here_too = [h.name for h in hosts if h.name in here.local_names]
+    if len(here_too) > 1:
+        raise UsageError(
+            f"the host list names this machine {len(here_too)} times ({', '.join(here_too)}); "
+            "list it once with all its slots"
+        )
     host, port, store = _endpoint(req, hosts, here)
     endpoint = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
     common = [
@@ -305,5 +311,6 @@ def _node(
 def dry_run(plan_: HostPlan) -> list[str]:
     """The lines ``--dry-run`` prints: the rendezvous, then each host's exact command."""
     nodes = f"{plan_.min_nodes}..{plan_.max_nodes}" if plan_.elastic else f"{plan_.max_nodes}"
-    head = f"# {nodes} hosts meet at {plan_.endpoint} (c10d); each line runs on its host"
+    nodes += " host" if nodes == "1" else " hosts"
+    head = f"# {nodes}, rendezvous {plan_.endpoint} (c10d); each line runs on its host"
     return [head, *(node.shown() for node in plan_.nodes)]

@@ -358,7 +358,8 @@ def _host_failure(node: _Running) -> driven.RankOutcome | None:
         return None
     host, why = node.cmd.host, node.last_error
     if node.stopped:
-        text = f"{host}: stopped (exit code {code})"
+        how = f"exit code {code}" if code >= 0 else signal.Signals(-code).name
+        text = f"{host}: stopped ({how})"
     elif code == SSH_FAILED and not node.cmd.local:
         text = f"lost host {host}: {why or 'ssh exited 255'}"
     else:
