@@ -66,7 +66,7 @@ def _sync_recipes(servers: int, ports: list[int]) -> list[dict[str, Any]]:
     return out
 
 
-@pytest.mark.parametrize("servers, workers", [(1, 2), (2, 3)])
+@pytest.mark.parametrize("servers, workers", [(1, 2), (1, 3), (2, 2), (2, 3)])
 def test_sync_matches_one_process(servers: int, workers: int) -> None:
     ports = [free_port() for _ in RECIPES]
     results = run_ranks(_sync_recipes, servers + workers, servers, ports, timeout=300)

@@ -209,3 +209,22 @@ def test_the_keeper_passes_exits_on_and_outlives_a_kill(capsys: pytest.CaptureFi
         err.count("\n") == 1 and "rank 2 (a parameter-server worker) was killed by SIGKILL" in err
     )
     assert os.WIFSIGNALED(_status(sig=signal.SIGKILL))
+
+
+def test_the_progress_bar_shows_the_loss_and_the_servers_progress() -> None:
+    from manygpu.core.console import MainConsole
+    from manygpu.strategies.ps_client import PSStats
+
+    shown: list[str] = []
+
+    class Bar:
+        def update(self, task: object, status: str) -> None:
+            shown.append(status)
+
+    console = MainConsole(True, 0)
+    console._live = (Bar(), 0)  # type: ignore[assignment]
+    console.set_status("loss 0.5")
+    stats = PSStats(mode="async", updates=[120, 118], lags=[0, 2, -1])
+    console.set_note(stats.line())
+    assert shown[-1] == "loss 0.5  ps async: updates 120/118, staleness per worker 0 2 gone"
+    assert PSStats(mode="sync", updates=[7]).line() == "ps sync: updates 7"
