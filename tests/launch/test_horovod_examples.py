@@ -4,7 +4,8 @@
 different initial weights, so the broadcast from rank 0 is what makes the two
 ranks train as one: their result must equal one process on the same global
 batch (twice the per-rank batch at the same scaled learning rate).
-``synthetic_benchmark.py`` must run and report images per second. Both are
+``synthetic_benchmark.py`` must run and report images per second, under
+``manygpu launch`` and plain torchrun. Both are
 run by their path, as a multi-host launch (``-H``) would run them.
 """
 
@@ -16,6 +17,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -51,10 +53,17 @@ def test_mnist_recipe_on_two_ranks_equals_one_process(tmp_path: Path) -> None:
         assert torch.allclose(got[name], want[name], rtol=0, atol=TOL), name
 
 
-def test_synthetic_benchmark_reports_images_per_second(tmp_path: Path) -> None:
+LAUNCHERS = {
+    "manygpu": ["-m", "manygpu", "launch", "--nproc-per-node", "2"],
+    "torchrun": ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"],
+}
+
+
+@pytest.mark.parametrize("launcher", sorted(LAUNCHERS))
+def test_synthetic_benchmark_reports_images_per_second(tmp_path: Path, launcher: str) -> None:
     res = _run(
-        ["-m", "manygpu", "launch", "--nproc-per-node", "2",
-         str(EXAMPLES / "synthetic_benchmark.py"), "--model", "resnet_cnn", "--image-size", "32",
+        [*LAUNCHERS[launcher], str(EXAMPLES / "synthetic_benchmark.py"),
+         "--model", "resnet_cnn", "--image-size", "32",
          "--num-classes", "10", "--batch-size", "4", "--num-warmup-batches", "1",
          "--num-batches-per-iter", "2", "--num-iters", "2", "--fp16-allreduce",
          "--json", "bench.json"],
