@@ -272,3 +272,20 @@ def test_distributed_optimizer_alone_is_the_optimizer(one: None) -> None:
         hvd.DistributedOptimizer(wrapped)
     wrapped.set_backward_passes_per_step(3)
     assert wrapped.backward_passes_per_step == 3
+
+
+def test_groups_choose_the_buckets(one: None) -> None:
+    model = nn.Sequential(nn.Linear(3, 4), nn.Linear(4, 2))  # weight, bias, weight, bias
+    params = list(model.parameters())
+
+    def buckets(**kwargs: object) -> list[list[int]]:
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        return hvd.DistributedOptimizer(opt, **kwargs)._hvd.buckets  # type: ignore[attr-defined]
+
+    # Indices are in reverse parameter order: 0 is the last layer's bias.
+    assert buckets() == [[0, 1, 2, 3]]
+    assert buckets(num_groups=2) == [[0, 1], [2, 3]]
+    assert buckets(groups=[[params[0], params[1]]]) == [[0], [1], [2, 3]]
+    assert buckets(bucket_cap_mb=1e-5) == [[0], [1], [2], [3]]
+    model[1].double()  # a group is one flat tensor: split where the dtype changes
+    assert buckets(num_groups=1) == [[0, 1], [2, 3]]

@@ -143,7 +143,8 @@ def _buckets(
         chosen = [[where[id(p)] for p in group if id(p) in where] for group in groups]
         listed = {i for group in chosen for i in group}
         chosen += [[i] for i in range(len(params)) if i not in listed]  # Horovod: one each
-        parts = [sorted(group) for group in chosen if group]
+        # In the order gradients arrive (a bucket waits for those before it).
+        parts = sorted((sorted(group) for group in chosen if group), key=lambda g: g[0])
     elif num_groups or isinstance(groups, int):
         parts = split_even(len(params), int(groups if isinstance(groups, int) else num_groups))
     else:
