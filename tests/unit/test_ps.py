@@ -228,3 +228,17 @@ def test_the_progress_bar_shows_the_loss_and_the_servers_progress() -> None:
     console.set_note(stats.line())
     assert shown[-1] == "loss 0.5  ps async: updates 120/118, staleness per worker 0 2 gone"
     assert PSStats(mode="sync", updates=[7]).line() == "ps sync: updates 7"
+
+
+def test_servers_use_no_gpu_and_workers_take_a_nodes_gpus_from_the_first() -> None:
+    from dataclasses import replace
+
+    ps = get_strategy("ps")
+    options = StrategyOptions(ps=PSOptions(servers=2))
+    node = replace(two_rank_cluster(), world_size=8, local_world_size=4)
+    slots = [
+        ps.device_slot(replace(node, rank=r, local_rank=r % 4, node_rank=r // 4), options)
+        for r in range(8)
+    ]
+    assert slots == [None, None, 0, 1, 0, 1, 2, 3]
+    assert get_strategy("ddp").device_slot(replace(node, rank=5, local_rank=1), options) == 1

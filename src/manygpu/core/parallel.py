@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import random
 from collections.abc import Iterable, Iterator
+from dataclasses import replace
 from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
@@ -107,14 +108,15 @@ class Parallel:
         )
         strategy_cls = get_strategy(self.strategy_name)
         _check_served(strategy_cls, launched_servers)
-        device = choose_device(self.cluster.local_rank, self.config.device)
+        options = self._strategy_options(launched_servers, "fp32")  # precision: below
+        device = self._device(strategy_cls, options)
         capability, self._device_name = cuda_facts(device)
         self.precision_choice: PrecisionChoice = resolve_precision(
             self.config.precision, device_type=device.type, capability=capability,
             refused=strategy_cls.refused_precisions,
         )  # fmt: skip
         """What ``precision=`` became on this device (``"auto"`` resolved)."""
-        options = self._strategy_options(launched_servers)
+        options = replace(options, precision=self.precision_choice.precision)
         strategy_cls.validate_world(self.cluster, options)
         strategy_cls.validate_features(options)
         self.timeout_s = self.config.timeout_s or envmod.timeout_s(environ)
@@ -476,7 +478,8 @@ class Parallel:
         )
         if name != self.strategy_name:
             # The chosen strategy's own checks and group needs, not the provisional one's.
-            chosen, options = get_strategy(name), self._strategy_options(None)
+            chosen = get_strategy(name)
+            options = self._strategy_options(None, self.precision_choice.precision)
             chosen.validate_world(self.cluster, options)
             chosen.validate_features(options)
             if chosen.needs_process_group and not self._ctx.owns_group and self.world_size == 1:
@@ -488,7 +491,12 @@ class Parallel:
             self.strategy_name = name
         self.print(f"manygpu: strategy='auto' chose {name!r}")
 
-    def _strategy_options(self, launched_servers: int | None) -> StrategyOptions:
+    def _device(self, strategy_cls: type[Strategy], options: StrategyOptions) -> torch.device:
+        """This rank's device: the strategy's slot among this node's GPUs (none: the CPU)."""
+        slot = strategy_cls.device_slot(self.cluster, options)
+        return torch.device("cpu") if slot is None else choose_device(slot, self.config.device)
+
+    def _strategy_options(self, launched_servers: int | None, precision: str) -> StrategyOptions:
         cfg = self.config
         return StrategyOptions(
             ps=cfg.ps.with_launched(launched_servers),
@@ -498,7 +506,7 @@ class Parallel:
             pipeline=cfg.pipeline,
             tensor=cfg.tensor,
             mesh=cfg.mesh if isinstance(cfg.mesh, MeshSpec) else None,
-            precision=self.precision_choice.precision,
+            precision=precision,
             grad_accum_steps=cfg.grad_accum_steps,
             compile=cfg.compile_options,
             channels_last=cfg.channels_last,

@@ -131,6 +131,15 @@ class Strategy(ABC):
             )
 
     @classmethod
+    def device_slot(cls, cluster: ClusterInfo, options: StrategyOptions) -> int | None:
+        """Which of this node's GPUs this rank drives (``None``: none, it runs on the CPU).
+
+        Default: the one of its local rank. Parameter servers compute on the CPU,
+        and the workers of a node take its GPUs from the first one.
+        """
+        return cluster.local_rank
+
+    @classmethod
     def join(
         cls,
         cluster: ClusterInfo,

@@ -75,6 +75,14 @@ class ParameterServerStrategy(Strategy):
             )
 
     @classmethod
+    def device_slot(cls, cluster: ClusterInfo, options: StrategyOptions) -> int | None:
+        """Servers use no GPU; a node's workers take its GPUs from the first one."""
+        servers_here = servers_on_node(cluster, _servers(options))
+        if cluster.local_rank < servers_here:
+            return None
+        return cluster.local_rank - servers_here
+
+    @classmethod
     def join(
         cls,
         cluster: ClusterInfo,
@@ -159,6 +167,16 @@ class ParameterServerStrategy(Strategy):
         with contextlib.suppress(Exception):
             if self._client is not None:
                 self._client.bye()
+
+
+def servers_on_node(cluster: ClusterInfo, servers: int) -> int:
+    """How many of the job's first ``servers`` ranks run on this node.
+
+    A node's processes hold consecutive global ranks (as torchrun numbers
+    them), from ``rank - local_rank`` on.
+    """
+    first = cluster.rank - cluster.local_rank
+    return max(0, min(servers - first, cluster.local_world_size))
 
 
 def _servers(options: StrategyOptions) -> int:
