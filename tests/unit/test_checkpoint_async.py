@@ -146,6 +146,39 @@ def test_snapshot_buffers_are_allocated_once_and_reused(tmp_path: Path) -> None:
         )
 
 
+@pytest.mark.parametrize("fmt", ["full", "dcp"])
+@pytest.mark.parametrize("async_save", [True, False])
+def test_a_failed_write_is_one_line_and_leaves_the_last_checkpoint(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, fmt: str, async_save: bool
+) -> None:
+    """A disk filling up mid-write: save() or wait() names it, nothing half-written stays."""
+    with Parallel(strategy="single") as par:
+        model, opt, _, loader, ckpt = build(par, tmp_path, every=0, fmt=fmt, async_save=async_save)
+        _step(par, model, opt, loader)
+        ckpt.save(TrainState(step=1))
+        ckpt.wait()
+        real = writer.DurableFile.write
+
+        def full_disk(self: writer.DurableFile, data: Any) -> int:
+            if HELD[fmt](self.path):
+                raise OSError(28, "No space left on device")
+            return real(self, data)
+
+        monkeypatch.setattr(writer.DurableFile, "write", full_disk)
+        _step(par, model, opt, loader)
+        with pytest.raises(CheckpointError, match="no space left on the device") as info:
+            ckpt.save(TrainState(step=2))  # async: returns; the write fails in the background
+            ckpt.wait()
+        assert "\n" not in str(info.value) and "CheckpointException" not in str(info.value)
+        monkeypatch.setattr(writer.DurableFile, "write", real)
+        assert [p.name for p in tmp_path.iterdir()] == ["step-00000001"]
+        layout.verify(layout.step_dir(tmp_path, 1))
+        ckpt.wait()  # the error was reported once
+        ckpt.save(TrainState(step=3))  # and the next save works
+        ckpt.close()
+        assert [p.name for p in layout.committed(tmp_path)] == ["step-00000001", "step-00000003"]
+
+
 def test_dcp_staging_reuses_torchs_buffers_across_saves(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

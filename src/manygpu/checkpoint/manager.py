@@ -166,8 +166,10 @@ class Checkpointer:
             )
             written.table |= table
             failure = None
-        except Exception as exc:  # every rank must hear of it, or the others hang
-            failure = f"rank {self.par.rank}: {layout.write_failure(exc, tmp)}"
+        except BaseException as exc:  # every rank must hear of it, or the others hang
+            if isinstance(exc, KeyboardInterrupt | SystemExit):
+                raise
+            failure = _failure(exc, self.par.rank, tmp)
         try:
             # Also the barrier: every rank's files are in tmp, their entries here.
             table = self._gather_table(failure, written.table)
@@ -219,7 +221,7 @@ class Checkpointer:
         if group is not None:
             reports = [(None, {})] * self.par.world_size
             dist.all_gather_object(reports, (failure, table), group=group)
-        found = [f for f, _ in reports if f]
+        found = list(dict.fromkeys(f for f, _ in reports if f))  # DCP's: the same on every rank
         if found:
             raise CheckpointError(f"{_FAILED}: " + "; ".join(found))
         merged: dict[str, dict[str, Any]] = {}
@@ -275,7 +277,7 @@ class Checkpointer:
             if self.par.is_main:
                 mine |= formats.write_files(tmp, written.files)
         except BaseException as exc:  # DCP's CheckpointException is not an Exception
-            failure = f"rank {self.par.rank}: {layout.write_failure(exc, tmp, written.files)}"
+            failure = _failure(exc, self.par.rank, tmp, written.files)
         try:
             table = table | self._gather_table(failure, mine, group=self._bg_group)
             if self.par.is_main:
@@ -443,6 +445,21 @@ class Checkpointer:
 
 
 _FAILED = "saving the checkpoint failed"
+
+
+def _failure(exc: BaseException, rank: int, tmp: Path, files: Any = None) -> str:
+    """``rank N: what went wrong``, naming the rank where it happened.
+
+    DCP raises one ``CheckpointException`` on every rank, holding each failed
+    rank's own error: the first of those is what happened, and where.
+    """
+    failures = getattr(exc, "failures", None)
+    if isinstance(failures, dict) and failures:
+        origin, pair = next(iter(failures.items()))
+        cause = pair[0] if isinstance(pair, tuple) else pair
+        if isinstance(cause, BaseException):
+            rank, exc = int(origin), cause
+    return f"rank {rank}: {layout.write_failure(exc, tmp, files)}"
 
 
 def _quietly(job: Callable[[], Any]) -> None:
