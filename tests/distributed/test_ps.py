@@ -241,3 +241,11 @@ def test_checkpoint_resumes_on_another_number_of_workers(tmp_path: Path) -> None
                 assert torch.equal(got["state"]["state"][index][key], value), (index, key)
         for a, b in zip(got["params"], model.parameters(), strict=True):
             assert (a - b.detach()).abs().max().item() < TOL
+    # The same checkpoint resumes one process too (the optimizer's own state_dict format).
+    with Parallel(strategy="single") as par:
+        model = par.prepare(_model())
+        opt = par.prepare(_optimizer(model))
+        assert Checkpointer(par, directory, model=model, optimizer=opt).resume().step == 3
+        for a, b in zip(model.parameters(), saved["params"], strict=True):
+            assert torch.equal(a.detach(), b)
+        assert opt.state_dict()["state"][0]["exp_avg"].abs().sum() > 0
