@@ -55,8 +55,9 @@ def predicted_s(algorithm: str, nbytes: int, hosts: int, link: float) -> float |
 def run(args: argparse.Namespace) -> dict[str, object]:
     out_dir = Path(tempfile.mkdtemp(prefix="mg-emu-"))
     result_json = out_dir / "comm.json"
-    env = dict(os.environ, GLOO_SOCKET_IFNAME="eth0", OMP_NUM_THREADS="1",
-               PYTHONPATH=str(ROOT / "src"))
+    env = dict(
+        os.environ, GLOO_SOCKET_IFNAME="eth0", OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT / "src")
+    )
     with EmulatedCluster(args.hosts, LinkShape(rate=args.rate)) as cluster:
         argv = [
             [sys.executable, "-m", "manygpu", "bench", "comm", "--nnodes", str(args.hosts),
@@ -67,7 +68,7 @@ def run(args: argparse.Namespace) -> dict[str, object]:
              "--iters", str(args.iters), "--warmup", "1",
              "--json", str(result_json), "--label", f"{args.hosts} hosts @ {args.rate}"]
             for i in range(args.hosts)
-        ]
+        ]  # fmt: skip
         procs = cluster.run_all(argv, timeout=args.timeout, env=env)
     for i, proc in enumerate(procs):
         if proc.returncode != 0:
@@ -94,26 +95,51 @@ def analyse(data: dict[str, object], hosts: int, rate: str) -> dict[str, object]
             line["ps_over_ring"] = algos["ps"].time_us / algos["ring"].time_us
         lines.append(line)
     fits = {k: vars(v) for k, v in report.fits(rows).items()}
-    return {"hosts": hosts, "rate": rate, "link_gbs": link / 1e9, "sizes": lines, "fits": fits,
-            "predicted_ps_over_ring": float(hosts), "raw": data}
+    return {
+        "hosts": hosts,
+        "rate": rate,
+        "link_gbs": link / 1e9,
+        "sizes": lines,
+        "fits": fits,
+        "predicted_ps_over_ring": float(hosts),
+        "raw": data,
+    }
 
 
 def show(analysis: dict[str, object]) -> None:
-    t = Table(title=f"all-reduce over {analysis['hosts']} emulated hosts, links "
-                    f"{analysis['rate']} ({analysis['link_gbs']:.3f} GB/s)")
-    for col in ("size", "native ms", "ring ms", "ring model ms", "ps ms", "ps model ms",
-                "ps/ring", "ring busbw GB/s"):
+    t = Table(
+        title=f"all-reduce over {analysis['hosts']} emulated hosts, links "
+        f"{analysis['rate']} ({analysis['link_gbs']:.3f} GB/s)"
+    )
+    for col in (
+        "size",
+        "native ms",
+        "ring ms",
+        "ring model ms",
+        "ps ms",
+        "ps model ms",
+        "ps/ring",
+        "ring busbw GB/s",
+    ):
         t.add_column(col, justify="right")
     for line in analysis["sizes"]:  # type: ignore[attr-defined]
-        t.add_row(report.human_bytes(line["bytes"]), f"{line.get('native_ms', 0):.1f}",
-                  f"{line['ring_ms']:.1f}", f"{line['ring_predicted_ms']:.1f}",
-                  f"{line['ps_ms']:.1f}", f"{line['ps_predicted_ms']:.1f}",
-                  f"{line['ps_over_ring']:.2f}", f"{line['ring_busbw_gbs']:.3f}")
+        t.add_row(
+            report.human_bytes(line["bytes"]),
+            f"{line.get('native_ms', 0):.1f}",
+            f"{line['ring_ms']:.1f}",
+            f"{line['ring_predicted_ms']:.1f}",
+            f"{line['ps_ms']:.1f}",
+            f"{line['ps_predicted_ms']:.1f}",
+            f"{line['ps_over_ring']:.2f}",
+            f"{line['ring_busbw_gbs']:.3f}",
+        )
     console = Console(soft_wrap=True, width=160)
     console.print(t)
     for name, fit in analysis["fits"].items():  # type: ignore[attr-defined]
-        console.print(f"alpha-beta fit {name}: alpha {fit['alpha_us'] / 1e3:.2f} ms, "
-                      f"bandwidth {fit['bandwidth_gbs']:.4f} GB/s")
+        console.print(
+            f"alpha-beta fit {name}: alpha {fit['alpha_us'] / 1e3:.2f} ms, "
+            f"bandwidth {fit['bandwidth_gbs']:.4f} GB/s"
+        )
 
 
 def main() -> None:

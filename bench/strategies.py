@@ -70,14 +70,24 @@ def worker(strategy: str, steps: int, out: str) -> None:
     inner = getattr(opt, "optimizer", opt)
     inner = getattr(inner, "optim", inner)  # ZeroRedundancyOptimizer: its shard's one
     state = sum(_local_bytes(p) * 2 for p in model.parameters())  # params + grads
-    state += sum(_local_bytes(v) for s in inner.state.values() for v in s.values()
-                 if hasattr(v, "numel") and v.dim() > 0)
+    state += sum(
+        _local_bytes(v)
+        for s in inner.state.values()
+        for v in s.values()
+        if hasattr(v, "numel") and v.dim() > 0
+    )
     step_ms = torch.tensor([statistics.median(times) * 1e3])
     step_ms = par.reduce(step_ms, "max")
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-    row = {"strategy": strategy, "ranks": par.world_size, "step_ms": float(step_ms),
-           "state_mb": state / 2**20, "peak_rss_mb": rss, "device": str(par.device),
-           "peak_gpu_mb": torch.cuda.max_memory_allocated() / 2**20 if cuda else None}
+    row = {
+        "strategy": strategy,
+        "ranks": par.world_size,
+        "step_ms": float(step_ms),
+        "state_mb": state / 2**20,
+        "peak_rss_mb": rss,
+        "device": str(par.device),
+        "peak_gpu_mb": torch.cuda.max_memory_allocated() / 2**20 if cuda else None,
+    }
     rows = par.gather(torch.tensor([row["state_mb"], rss]))
     if par.is_main:
         row["state_mb_per_rank"] = rows.reshape(-1, 2)[:, 0].tolist()
@@ -122,32 +132,55 @@ def main() -> None:
         order = [s for s in order if s in args.only.split(",")]
     rows = []
     for rnd in range(args.rounds):
-        for strategy in order[rnd % len(order):] + order[: rnd % len(order)]:
+        for strategy in order[rnd % len(order) :] + order[: rnd % len(order)]:
             row = run_one(strategy, args.steps) | {"round": rnd}
             rows.append(row)
-            print(f"round {rnd} {strategy:<7} {row['step_ms']:8.1f} ms  "
-                  f"state {row['state_mb']:6.1f} MB  rss {row['peak_rss_mb']:7.0f} MB", flush=True)
+            print(
+                f"round {rnd} {strategy:<7} {row['step_ms']:8.1f} ms  "
+                f"state {row['state_mb']:6.1f} MB  rss {row['peak_rss_mb']:7.0f} MB",
+                flush=True,
+            )
     table = Table(title="8 x Linear(1024,1024) + Adam, batch 32 per rank (median over rounds)")
-    for col in ("strategy", "ranks", "step ms", "samples/s", "state MB / rank", "peak RSS MB",
-                "peak GPU MB"):
+    for col in (
+        "strategy",
+        "ranks",
+        "step ms",
+        "samples/s",
+        "state MB / rank",
+        "peak RSS MB",
+        "peak GPU MB",
+    ):
         table.add_column(col, justify="right")
     summary = {}
     for strategy in order:
         mine = [r for r in rows if r["strategy"] == strategy]
-        med = {k: statistics.median(r[k] for r in mine) for k in ("step_ms", "state_mb",
-                                                                  "peak_rss_mb")}
+        med = {
+            k: statistics.median(r[k] for r in mine) for k in ("step_ms", "state_mb", "peak_rss_mb")
+        }
         summary[strategy] = med | {"ranks": mine[0]["ranks"]}
         batches = DATA_COPIES.get(strategy, mine[0]["ranks"])
         summary[strategy]["samples_per_s"] = batches * 32 / med["step_ms"] * 1e3
         gpu = mine[0].get("peak_gpu_mb")
         summary[strategy]["peak_gpu_mb"] = gpu
-        table.add_row(strategy, str(mine[0]["ranks"]), f"{med['step_ms']:.1f}",
-                      f"{summary[strategy]['samples_per_s']:,.0f}",
-                      f"{med['state_mb']:.1f}", f"{med['peak_rss_mb']:.0f}",
-                      "-" if gpu is None else f"{gpu:.0f}")
+        table.add_row(
+            strategy,
+            str(mine[0]["ranks"]),
+            f"{med['step_ms']:.1f}",
+            f"{summary[strategy]['samples_per_s']:,.0f}",
+            f"{med['state_mb']:.1f}",
+            f"{med['peak_rss_mb']:.0f}",
+            "-" if gpu is None else f"{gpu:.0f}",
+        )
     Console(soft_wrap=True, width=120).print(table)
-    write_json(Path(args.json), {"command": " ".join(sys.argv), "machine": machine_info(),
-                                 "summary": summary, "rows": rows})
+    write_json(
+        Path(args.json),
+        {
+            "command": " ".join(sys.argv),
+            "machine": machine_info(),
+            "summary": summary,
+            "rows": rows,
+        },
+    )
     print(f"wrote {args.json}")
 
 
