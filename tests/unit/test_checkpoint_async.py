@@ -316,12 +316,26 @@ def test_resume_leaves_no_state_mapped_to_the_checkpoint_file(tmp_path: Path) ->
         want = _clone(opt.state_dict())
         ckpt.save(TrainState(step=1))
         _step(par, model, opt, loader)
+        held = {
+            (id(p), k): v.data_ptr()
+            for p, state in opt.state.items()
+            for k, v in state.items()
+            if isinstance(v, torch.Tensor)
+        }
         ckpt.resume(1)
         assert _same(opt.state_dict(), want)
-        for state in opt.state.values():
-            for value in state.values():
+        for param, state in opt.state.items():
+            for key, value in state.items():
                 if isinstance(value, torch.Tensor):
                     assert value.untyped_storage().filename is None
+                    # A live optimizer's state tensors receive the values in place.
+                    assert value.data_ptr() == held[(id(param), key)]
+        fresh = torch.optim.Adam(par.unwrap(model).parameters(), lr=1e-2)  # no state yet
+        mapped = formats._load(layout.step_dir(tmp_path, 1) / formats.OPTIM, mmap=True)
+        formats._load_optimizer(fresh, mapped)
+        assert _same(fresh.state_dict(), want)
+        for state in fresh.state.values():  # cloned out of the mapping
+            assert all(v.untyped_storage().filename is None for v in state.values())
 
 
 @pytest.mark.slow

@@ -205,18 +205,40 @@ def _tensors(tree: Any) -> Iterator[torch.Tensor]:
             yield from _tensors(v)
 
 
-def _unmap(optimizer: torch.optim.Optimizer, loaded: Any) -> None:
-    """Give optimizer state that still lives in the mapped file memory of its own.
+def _load_optimizer(optimizer: torch.optim.Optimizer, loaded: Any) -> None:
+    """``optimizer.load_state_dict(loaded)``, every state tensor in memory of its own.
 
-    ``load_state_dict`` keeps a CPU tensor of the right dtype as it is: left
-    mapped, the state would pin the checkpoint file's disk space after the
-    checkpoint is pruned. Device state was copied by the load and is untouched.
+    ``loaded`` is mapped from the file, and ``load_state_dict`` keeps a CPU
+    tensor of the right dtype as it is: left mapped, the state would pin the
+    checkpoint file's disk space after the checkpoint is pruned. A state tensor
+    the optimizer already held (same shape, dtype and device: a resume into a
+    running job) receives the values in place, so no new memory is allocated
+    and faulted in (0.9 s of a 1.85 s resume here, for 800 MB of Adam state);
+    otherwise the tensor is cloned. Device state was copied by the load.
     """
+    held = {
+        (id(param), key): value
+        for param, state in optimizer.state.items()
+        for key, value in state.items()
+        if isinstance(value, torch.Tensor)
+    }
+    optimizer.load_state_dict(loaded)
     mapped = {t.data_ptr() for t in _tensors(loaded) if t.numel()}
-    for state in optimizer.state.values():
+    for param, state in optimizer.state.items():
         for key, value in state.items():
-            if isinstance(value, torch.Tensor) and value.numel() and value.data_ptr() in mapped:
+            if not (isinstance(value, torch.Tensor) and value.numel()):
+                continue
+            if value.data_ptr() not in mapped:
+                continue
+            old = held.get((id(param), key))
+            if old is not None and _layout(old) == _layout(value):
+                state[key] = old.copy_(value)
+            else:
                 state[key] = value.clone()
+
+
+def _layout(tensor: torch.Tensor) -> tuple[Any, ...]:
+    return tensor.shape, tensor.dtype, tensor.device
 
 
 def _read_model(directory: Path, parts: Parts) -> None:
@@ -230,9 +252,7 @@ def read_full(directory: Path, parts: Parts) -> None:
     if parts.optimizer is not None:
         if not (directory / OPTIM).is_file():
             raise CheckpointError(f"checkpoint {directory} holds no optimizer state")
-        optim_state = _load(directory / OPTIM, mmap=True)
-        parts.optimizer.load_state_dict(optim_state)
-        _unmap(parts.optimizer, optim_state)
+        _load_optimizer(parts.optimizer, _load(directory / OPTIM, mmap=True))
     parts.load_extras(_load(directory / EXTRAS))
 
 
@@ -407,9 +427,11 @@ class Format(ABC):
         """This rank's part of a save (every rank calls it: it may be collective).
 
         Returns the files the main rank still has to write (name -> state), so
-        that writing can happen in the background; with ``copy`` they are
-        copies in ``stage``'s reusable CPU buffers, safe from the training
-        that goes on.
+        that writing can happen in the background, and with ``copy`` this
+        rank's own background write (:attr:`Written.pending`): either way the
+        state was copied into ``stage``'s reusable CPU buffers, safe from the
+        training that goes on. ``group`` is then used by the background write
+        alone.
         """
 
     @abstractmethod
