@@ -4,9 +4,10 @@
   takes the next step (DDP's all-reduce runs beside DCP's collectives, which
   have a process group of their own); the committed checkpoint holds, bitwise,
   the state of the step the save was asked for.
-- A run that saves asynchronously every 5 steps and stops after step 17
-  resumes at step 15 and ends with the same losses and parameters as a run
-  that never stopped.
+- A run that saves asynchronously every 5 steps (``dcp``, and ``full``, whose
+  other ranks also finish in the background) and stops after step 17 resumes
+  at step 15 and ends with the same losses and parameters as a run that never
+  stopped.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import threading
 from pathlib import Path
 from typing import Any
 
+import pytest
 import torch
 from ckpt_job import build, train
 from dist_harness import run_ranks
@@ -108,17 +110,21 @@ def test_async_dcp_saves_the_step_it_was_asked_for_on_every_rank(tmp_path: Path)
     assert sum(name.endswith(".distcp") for name in found.meta["files"]) == 2
 
 
-def _train(directory: str, total: int, every: int) -> tuple[dict[int, float], torch.Tensor]:
+def _train(
+    directory: str, total: int, every: int, fmt: str
+) -> tuple[dict[int, float], torch.Tensor]:
     with Parallel(strategy="ddp", timeout_s=60) as par:
-        return train(par, directory, total, every, fmt="dcp", async_save=every > 0)
+        return train(par, directory, total, every, fmt=fmt, async_save=every > 0)
 
 
-def test_async_dcp_resume_is_bit_identical_on_two_ranks(tmp_path: Path) -> None:
-    ref_losses, ref_params = run_ranks(_train, 2, str(tmp_path / "ref"), 30, 0, timeout=120)[0]
+@pytest.mark.parametrize("fmt", ["full", "dcp"])
+def test_async_resume_is_bit_identical_on_two_ranks(tmp_path: Path, fmt: str) -> None:
+    ref = run_ranks(_train, 2, str(tmp_path / "ref"), 30, 0, fmt, timeout=120)[0]
+    ref_losses, ref_params = ref
     ck = str(tmp_path / "ck")
-    run_ranks(_train, 2, ck, 17, 5, timeout=120)  # "dies" after step 17
+    run_ranks(_train, 2, ck, 17, 5, fmt, timeout=120)  # "dies" after step 17
     assert [p.name for p in layout.committed(Path(ck))][-1] == "step-00000015"
-    losses, params = run_ranks(_train, 2, ck, 30, 5, timeout=120)[0]  # resumes at 15
+    losses, params = run_ranks(_train, 2, ck, 30, 5, fmt, timeout=120)[0]  # resumes at 15
     assert min(losses) == 16
     assert all(losses[s] == ref_losses[s] for s in losses)  # exactly the same losses
     assert torch.equal(params, ref_params)
