@@ -378,3 +378,18 @@ def test_kill_9_during_the_background_write_keeps_the_previous_checkpoint(
         ckpt.save(TrainState(step=7))
         ckpt.wait()
         assert not layout.tmp_dir(ck, 6).exists()  # the dead save's debris is cleaned
+
+
+def test_async_dcp_on_a_torch_without_its_stager_is_a_usage_error(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from torch.distributed.checkpoint import staging
+
+    from manygpu.errors import UsageError
+
+    monkeypatch.delattr(staging, "DefaultStager")
+    with Parallel(strategy="single") as par, pytest.raises(UsageError) as info:
+        build(par, tmp_path, every=0, fmt="dcp", async_save=True)
+    assert "format='full'" in str(info.value) and "\n" not in str(info.value)
+    with Parallel(strategy="single") as par:  # a blocking dcp save does not need it
+        build(par, tmp_path, every=0, fmt="dcp")
