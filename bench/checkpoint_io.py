@@ -78,9 +78,16 @@ def _manygpu(par: Any, model: Any, opt: Any, directory: Path, variant: str) -> d
     from manygpu.checkpoint import Checkpointer, TrainState
 
     # keep=2: the timed second save deletes nothing (torch.save does not either).
-    ckpt = Checkpointer(par, directory, model=model, optimizer=opt, keep=2,
-                        format=variant.split("-")[0], async_save=variant.endswith("-async"),
-                        handle_signals=False)
+    ckpt = Checkpointer(
+        par,
+        directory,
+        model=model,
+        optimizer=opt,
+        keep=2,
+        format=variant.split("-")[0],
+        async_save=variant.endswith("-async"),
+        handle_signals=False,
+    )
     row = {}
     for step in (1, 2):  # the second save reuses the async snapshot buffers: time that one
         par.barrier()
@@ -123,18 +130,24 @@ def worker(args: argparse.Namespace) -> None:
             else:
                 row = _manygpu(par, model, opt, directory, variant)
             last = directory / "step-00000002" if variant != "torch.save" else directory
-            size = sum(f.stat().st_size for f in last.rglob("*") if f.is_file()
-                       and not f.name.startswith(("rng-", "meta")))
+            size = sum(
+                f.stat().st_size
+                for f in last.rglob("*")
+                if f.is_file() and not f.name.startswith(("rng-", "meta"))
+            )
             rows.append({"variant": variant, "round": rnd, "bytes": size, **row})
             par.barrier()
             if par.is_main:
                 shutil.rmtree(directory, ignore_errors=True)
-                par.print(f"round {rnd} {variant:<10} stall {row['stall_s']:6.2f}s  "
-                          f"save {row['save_s']:6.2f}s  load {row['load_s']:6.2f}s  "
-                          f"{size / 1e6:,.0f} MB")
+                par.print(
+                    f"round {rnd} {variant:<10} stall {row['stall_s']:6.2f}s  "
+                    f"save {row['save_s']:6.2f}s  load {row['load_s']:6.2f}s  "
+                    f"{size / 1e6:,.0f} MB"
+                )
     if par.is_main:
-        Path(args.out).write_text(json.dumps({"parameters": params, "ranks": par.world_size,
-                                              "rows": rows}))
+        Path(args.out).write_text(
+            json.dumps({"parameters": params, "ranks": par.world_size, "rows": rows})
+        )
     par.close()
 
 
@@ -144,8 +157,9 @@ def ratios(rows: list[dict[str, Any]]) -> dict[str, dict[str, float]]:
     out: dict[str, dict[str, list[float]]] = {}
     for r in rows:
         base = ref[r["round"]]
-        got = out.setdefault(r["variant"], {"save": [], "save_vs_fsync": [], "stall": [],
-                                            "load": []})
+        got = out.setdefault(
+            r["variant"], {"save": [], "save_vs_fsync": [], "stall": [], "load": []}
+        )
         got["save"].append(r["save_s"] / base["save_s"])
         got["save_vs_fsync"].append(r["save_s"] / (base["save_s"] + base["fsync_s"]))
         got["stall"].append(r["stall_s"] / base["save_s"])
@@ -159,28 +173,51 @@ def summarize(data: dict[str, Any], command: str) -> dict[str, Any]:
 
     from manygpu.bench.report import machine_info
 
-    table = Table(title=f"checkpoint of {data['parameters'] / 1e6:.1f}M parameters + Adam, "
-                        f"{data['ranks']} ranks (median over rounds; x = / torch.save)")
-    for col in ("variant", "stall (s)", "save (s)", "load (s)", "MB", "stall x", "save x",
-                "save x (vs +fsync)", "load x"):
+    table = Table(
+        title=f"checkpoint of {data['parameters'] / 1e6:.1f}M parameters + Adam, "
+        f"{data['ranks']} ranks (median over rounds; x = / torch.save)"
+    )
+    for col in (
+        "variant",
+        "stall (s)",
+        "save (s)",
+        "load (s)",
+        "MB",
+        "stall x",
+        "save x",
+        "save x (vs +fsync)",
+        "load x",
+    ):
         table.add_column(col, justify="right")
     rel = ratios(data["rows"])
     summary = {}
     for variant in VARIANTS:
         rows = [r for r in data["rows"] if r["variant"] == variant]
-        med = {k: statistics.median(r[k] for r in rows) for k in ("stall_s", "save_s", "load_s",
-                                                                  "bytes")}
+        med = {
+            k: statistics.median(r[k] for r in rows)
+            for k in ("stall_s", "save_s", "load_s", "bytes")
+        }
         if variant == "torch.save":
             med["fsync_s"] = statistics.median(r["fsync_s"] for r in rows)
         summary[variant] = med | {"ratio": rel[variant]}
         x = rel[variant]
-        table.add_row(variant, f"{med['stall_s']:.2f}", f"{med['save_s']:.2f}",
-                      f"{med['load_s']:.2f}", f"{med['bytes'] / 1e6:,.0f}", f"{x['stall']:.2f}",
-                      f"{x['save']:.2f}", f"{x['save_vs_fsync']:.2f}", f"{x['load']:.2f}")
+        table.add_row(
+            variant,
+            f"{med['stall_s']:.2f}",
+            f"{med['save_s']:.2f}",
+            f"{med['load_s']:.2f}",
+            f"{med['bytes'] / 1e6:,.0f}",
+            f"{x['stall']:.2f}",
+            f"{x['save']:.2f}",
+            f"{x['save_vs_fsync']:.2f}",
+            f"{x['load']:.2f}",
+        )
     Console(soft_wrap=True, width=160).print(table)
     fsync = summary["torch.save"]["fsync_s"]
-    print(f"torch.save + fsync: {summary['torch.save']['save_s'] + fsync:.2f} s "
-          f"(fsync alone {fsync:.2f} s); manygpu's saves include their fsync")
+    print(
+        f"torch.save + fsync: {summary['torch.save']['save_s'] + fsync:.2f} s "
+        f"(fsync alone {fsync:.2f} s); manygpu's saves include their fsync"
+    )
     return {"command": command, "machine": machine_info(), "summary": summary, **data}
 
 
@@ -198,9 +235,22 @@ def main() -> None:
         return
     raw = Path(args.dir) / "raw.json"
     Path(args.dir).mkdir(parents=True, exist_ok=True)
-    cmd = [sys.executable, "-m", "manygpu", "launch", "--nproc-per-node", str(args.nproc),
-           __file__, "--worker", "--rounds", str(args.rounds), "--dir", args.dir, "--out",
-           str(raw)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "manygpu",
+        "launch",
+        "--nproc-per-node",
+        str(args.nproc),
+        __file__,
+        "--worker",
+        "--rounds",
+        str(args.rounds),
+        "--dir",
+        args.dir,
+        "--out",
+        str(raw),
+    ]
     env = dict(os.environ, PYTHONPATH=str(ROOT / "src"))
     subprocess.run(cmd, check=True, env=env)
     result = summarize(json.loads(raw.read_text()), " ".join(sys.argv))
