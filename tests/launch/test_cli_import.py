@@ -1,4 +1,5 @@
-"""Building the ``manygpu`` parser imports no torch, so ``manygpu --help`` answers at once.
+"""Building the ``manygpu`` parser imports no torch, so ``manygpu --help`` answers at once;
+nor does the driver of a launch over hosts (``manygpu launch -H``), which only starts ssh.
 
 Each check runs in a fresh interpreter (this one has torch loaded already).
 """
@@ -18,6 +19,16 @@ BUILD_PARSER = f"""
 import json, sys
 from manygpu.cli.main import build_parser
 build_parser()
+print(json.dumps([name for name in {HEAVY!r} if name in sys.modules]))
+"""
+
+# The driver's whole code path: hostrun imports, at its top, every module the
+# driver runs (its functions import nothing more).
+DRIVE_HOSTS = f"""
+import json, sys
+from manygpu.cli.main import main
+assert main(["launch", "-H", "localhost:1,192.0.2.1:1", "--dry-run", "train.py"]) == 0
+import manygpu.launch.hostrun
 print(json.dumps([name for name in {HEAVY!r} if name in sys.modules]))
 """
 
@@ -55,3 +66,7 @@ def test_cli_modules_import_nothing_heavy_to_build_the_parser() -> None:
 
 def test_building_the_parser_imports_nothing_heavy() -> None:
     assert _heavy_after(BUILD_PARSER) == []
+
+
+def test_the_driver_of_a_launch_over_hosts_imports_nothing_heavy() -> None:
+    assert _heavy_after(DRIVE_HOSTS) == []
