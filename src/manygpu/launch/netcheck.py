@@ -67,6 +67,9 @@ def check_port_free(host: str, port: int) -> None:
     except socket.gaierror as exc:
         raise UsageError(f"cannot resolve master address {host!r}: {exc.strerror}") from None
     with socket.socket(family, socket.SOCK_STREAM) as sock:
+        # As the store itself binds (rendezvous.listen_fd): a port left in TIME_WAIT
+        # by a job that just ended is free to it; only a live listener is a clash.
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             sock.bind((host, port))
         except OSError as exc:
