@@ -164,7 +164,7 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "passes2": {"backward_passes_per_step": 2},
     "fp16": {"compression": "fp16"},
     "predivide": {"gradient_predivide_factor": 4.0},
-    "tiny_buckets": {"bucket_cap_mb": 1e-4},  # one parameter per bucket
+    "tiny_buckets": {"bucket_cap_mb": 1e-6},  # one parameter per bucket
     "clip": {},  # synchronize(), clip_grad_norm_, step() in skip_synchronize()
     "adam": {},  # rank 0 stepped before wrapping; the others' state is empty
 }
@@ -231,7 +231,7 @@ def _overlap(hvd: Any) -> list[int]:
     torch.manual_seed(1)
     model = nn.Sequential(nn.Linear(5, 8), nn.Tanh(), nn.Linear(8, 3))
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    opt = hvd.DistributedOptimizer(opt, model.named_parameters(), bucket_cap_mb=1e-4)
+    opt = hvd.DistributedOptimizer(opt, model.named_parameters(), bucket_cap_mb=1e-6)
     _loss(model, torch.randn(4, 5), torch.randn(4, 3)).backward()
     launched = [opt._hvd._next, len(opt._hvd.buckets)]
     opt.step()

@@ -49,18 +49,18 @@ def test_cross_ranks_follow_local_ranks_across_hosts() -> None:
     assert cross_of(uneven, 2) == (1, 2, False)
 
 
-def test_buckets_respect_cap_first_cap_and_dtype() -> None:
+def test_buckets_close_at_the_cap_and_where_the_dtype_changes() -> None:
     sizes = [400, 400, 400, 400, 4000, 10]
-    keys = ["f32"] * 4 + ["f32", "f16"]
-    assert plan_buckets(sizes, keys, cap_bytes=1000, first_cap_bytes=500) == [
-        [0],
-        [1, 2],
-        [3],
-        [4],
-        [5],
-    ]
+    keys = ["f32"] * 5 + ["f16"]
+    # As DDP's: a bucket closes once it reaches the cap, the item that reached it included.
+    assert plan_buckets(sizes, keys, cap_bytes=800) == [[0, 1], [2, 3], [4], [5]]
+    assert plan_buckets(sizes, keys, cap_bytes=1000) == [[0, 1, 2], [3, 4], [5]]
     assert plan_buckets(sizes, keys, cap_bytes=10**6) == [[0, 1, 2, 3, 4], [5]]
     assert plan_buckets([], [], cap_bytes=1) == []
+    # A classifier's large first linear layer travels with the small layers after it,
+    # not at the head of a bucket that waits for the rest of backward (demo-cnn, reversed).
+    cnn = [40, 5120, 512, 1179648, 256, 73728, 128, 1152]
+    assert plan_buckets(cnn, ["f32"] * 8, cap_bytes=1 << 20) == [[0, 1, 2, 3], [4, 5, 6, 7]]
     assert split_even(5, 2) == [[0, 1, 2], [3, 4]]
     assert split_even(2, 5) == [[0], [1]]
 
@@ -286,6 +286,7 @@ def test_groups_choose_the_buckets(one: None) -> None:
     assert buckets() == [[0, 1, 2, 3]]
     assert buckets(num_groups=2) == [[0, 1], [2, 3]]
     assert buckets(groups=[[params[0], params[1]]]) == [[0], [1], [2, 3]]
-    assert buckets(bucket_cap_mb=1e-5) == [[0], [1], [2], [3]]
+    assert buckets(bucket_cap_mb=1e-5) == [[0, 1], [2], [3]]  # 10 bytes: 8 + 32, 16, 48
+    assert buckets(bucket_cap_mb=1e-6) == [[0], [1], [2], [3]]
     model[1].double()  # a group is one flat tensor: split where the dtype changes
     assert buckets(num_groups=1) == [[0, 1], [2, 3]]

@@ -25,7 +25,7 @@ import torch
 from manygpu.comm.common import active
 from manygpu.errors import UsageError
 from manygpu.horovod.basics import check_process_set, global_process_set, session
-from manygpu.horovod.buckets import DEFAULT_CAP_MB, FIRST_CAP_MB, MIB, plan_buckets, split_even
+from manygpu.horovod.buckets import DEFAULT_CAP_MB, MIB, plan_buckets, split_even
 from manygpu.horovod.checks import agree
 from manygpu.horovod.compression import Compression, Compressor
 from manygpu.horovod.grad_sync import GradientSync
@@ -149,8 +149,7 @@ def _buckets(
         parts = split_even(len(params), int(groups if isinstance(groups, int) else num_groups))
     else:
         nbytes = [p.numel() * p.element_size() for p in params]
-        cap, first = int(cap_mb * MIB), int(min(FIRST_CAP_MB, cap_mb) * MIB)
-        return plan_buckets(nbytes, keys, cap_bytes=cap, first_cap_bytes=first)
+        return plan_buckets(nbytes, keys, cap_bytes=int(cap_mb * MIB))
     # A bucket is one flat tensor: split groups that mix devices or dtypes.
     out = []
     for part in parts:
@@ -187,7 +186,8 @@ def DistributedOptimizer(
         num_groups, groups: Horovod's explicit grouping; they choose the buckets.
         sparse_as_dense: accepted; sparse gradients are always sent dense here.
         process_set: only the global set.
-        bucket_cap_mb: (manygpu) bucket size when no groups are given.
+        bucket_cap_mb: (manygpu) bucket size in MiB when no groups are given; the
+            default is the ``ddp`` strategy's (see :mod:`manygpu.horovod.buckets`).
     """
     del sparse_as_dense  # always dense (see the docstring)
     check_process_set(process_set)
