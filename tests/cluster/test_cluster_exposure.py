@@ -53,6 +53,18 @@ def _wait_for(paths: list[Path], procs: list[subprocess.Popen[str]]) -> None:
         time.sleep(0.2)
 
 
+def _wait_listening(
+    cluster: EmulatedCluster, host: int, addr: str, proc: subprocess.Popen[str]
+) -> None:
+    """Until ``host`` listens on ``addr`` (the launcher's store is up)."""
+    deadline = time.monotonic() + 90
+    while addr not in _listeners(cluster, host):
+        if proc.poll() is not None:
+            raise AssertionError(f"the node ended early:\n{proc.communicate()[1][-3000:]}")
+        assert time.monotonic() < deadline, f"nothing listens on {addr}"
+        time.sleep(0.1)
+
+
 def _stop(procs: list[subprocess.Popen[str]]) -> None:
     for proc in procs:
         if proc.poll() is None:
@@ -86,7 +98,7 @@ def test_a_host_outside_the_job_runs_no_code_in_it(tmp_path: Path) -> None:
     with EmulatedCluster(2, LinkShape(rate="1gbit")) as cluster:
         node = _launch(cluster, 0, tmp_path)  # waits for a second node that never comes
         try:
-            time.sleep(3)
+            _wait_listening(cluster, 0, f"{cluster.addresses[0]}:{PORT}", node)
             attack = subprocess.run(
                 cluster.command(
                     1,

@@ -115,30 +115,34 @@ def _report(output: str) -> list[str]:
 
 
 @pytest.mark.timeout(240)
-@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
 def test_two_hosts_two_processes_match_one_process(
-    hosts: tuple[EmulatedCluster, SshHosts], strategy: str, tmp_path: Path
+    hosts: tuple[EmulatedCluster, SshHosts], tmp_path: Path
 ) -> None:
+    """ddp, then fsdp, in one job: each host starts once for both strategies."""
     cluster, ssh = hosts
-    steps, batch = 4, 12
+    steps, batch, strategies = 4, 12, ["ddp", "fsdp"]
     script = SCRIPTS / "strategy_equivalence.py"
     argv = _argv(cluster, ssh, _two(cluster, 2), "--timeout", "60", str(script))
-    res = _run(cluster, [*argv, str(tmp_path), str(steps), str(batch), strategy], timeout=200)
+    res = _run(cluster, [*argv, str(tmp_path), str(steps), str(batch), ",".join(strategies)], 200)
     assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-3000:]
     ref = reference_train(steps, batch)
-    records = [torch.load(tmp_path / f"rank{r}.pt", weights_only=True) for r in range(4)]
-    nodes: dict[int, list[int]] = {}
-    for rank, rec in enumerate(records):
-        assert rec["world"] == 4 and rec["strategy"] == strategy
-        assert rec["master_addr"] in cluster.addresses  # met over the namespace network
-        assert (rec["params"] - ref).abs().max().item() < TOL
-        assert torch.equal(rec["params"], records[0]["params"])
-        nodes.setdefault(rec["node"], []).append(rank)
-    assert sorted(len(r) for r in nodes.values()) == [2, 2]
-    # Every rank's line reached host 0's terminal, prefixed by its host and rank.
-    seen = set(re.findall(r"^(10\.213\.0\.[12])/(\d): rank \2 of 4 done$", res.stdout, re.M))
-    assert {int(rank) for _, rank in seen} == {0, 1, 2, 3}
-    assert {addr for addr, _ in seen} == set(cluster.addresses)
+    for strategy in strategies:
+        records = [
+            torch.load(tmp_path / f"{strategy}-rank{r}.pt", weights_only=True) for r in range(4)
+        ]
+        nodes: dict[int, list[int]] = {}
+        for rank, rec in enumerate(records):
+            assert rec["world"] == 4 and rec["strategy"] == strategy
+            assert rec["master_addr"] in cluster.addresses  # met over the namespace network
+            assert (rec["params"] - ref).abs().max().item() < TOL, strategy
+            assert torch.equal(rec["params"], records[0]["params"])
+            nodes.setdefault(rec["node"], []).append(rank)
+        assert sorted(len(r) for r in nodes.values()) == [2, 2]
+        # Every rank's line reached host 0's terminal, prefixed by its host and rank.
+        line = rf"^(10\.213\.0\.[12])/(\d): rank \2 of 4 done \({strategy}\)$"
+        seen = set(re.findall(line, res.stdout, re.M))
+        assert {int(rank) for _, rank in seen} == {0, 1, 2, 3}, strategy
+        assert {addr for addr, _ in seen} == set(cluster.addresses)
 
 
 def test_dry_run_prints_each_hosts_command_and_starts_nothing(

@@ -66,7 +66,7 @@ def test_one_launcher_per_node_from_mpirun_matches_one_process(tmp_path: Path) -
     for node, res in enumerate(results):
         assert res.returncode == 0, f"node {node}:\n{res.stderr[-3000:]}"
     ref = reference_train(steps, batch)
-    records = [torch.load(tmp_path / f"rank{r}.pt", weights_only=True) for r in range(4)]
+    records = [torch.load(tmp_path / f"ddp-rank{r}.pt", weights_only=True) for r in range(4)]
     for rank, rec in enumerate(records):
         assert rec["world"] == 4 and rec["node"] == rank // 2  # the MPI rank is the node's
         assert rec["master_addr"] == master

@@ -1,7 +1,9 @@
-"""One host's share of a cross-host run under STRATEGY: train, then save full parameters per rank.
+"""One host's share of a cross-host run: train under each STRATEGY, save full parameters per rank.
 
-Usage: OUT_DIR STEPS BATCH STRATEGY. Each rank trains on its slice of the same
-global batches as tests/helpers/reference.py's one-process loop.
+Usage: OUT_DIR STEPS BATCH STRATEGY[,STRATEGY...]. Each rank trains a fresh
+model on its slice of the same global batches as tests/helpers/reference.py's
+one-process loop, once per strategy, in one job (one start-up of every host
+for all of them), and writes OUT_DIR/STRATEGY-rankR.pt.
 """
 
 import os
@@ -13,8 +15,16 @@ from torch import nn
 
 from manygpu import Parallel
 
-out_dir, steps, batch, strategy = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
-with Parallel(strategy=strategy, timeout_s=60) as par:
+out_dir, steps, batch, strategies = (
+    sys.argv[1],
+    int(sys.argv[2]),
+    int(sys.argv[3]),
+    sys.argv[4].split(","),
+)
+
+
+def train(par: Parallel) -> None:
+    """Train one fresh model under ``par``'s strategy and record its full parameters."""
     model = par.prepare(make_model())  # shard first: the optimizer must see the shards
     opt = par.prepare(torch.optim.SGD(model.parameters(), lr=0.1))
     per = batch // par.world_size
@@ -39,5 +49,13 @@ with Parallel(strategy=strategy, timeout_s=60) as par:
         "host": os.uname().nodename,
         "node": int(os.environ["GROUP_RANK"]),
     }
-    torch.save(record, os.path.join(out_dir, f"rank{par.rank}.pt"))
-    print(f"rank {par.rank} of {par.world_size} done", flush=True)
+    torch.save(record, os.path.join(out_dir, f"{par.strategy_name}-rank{par.rank}.pt"))
+    print(f"rank {par.rank} of {par.world_size} done ({par.strategy_name})", flush=True)
+
+
+# The first Parallel creates the process group; the later ones join it.
+with Parallel(strategy=strategies[0], timeout_s=60) as first:
+    train(first)
+    for strategy in strategies[1:]:
+        with Parallel(strategy=strategy, timeout_s=60) as par:
+            train(par)
