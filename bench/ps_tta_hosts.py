@@ -9,7 +9,11 @@ Creates N hosts (network namespaces on a bridge, every link shaped to
 - ps sync / ps async: ``--ps 1``, host 0 serves, hosts 1..N-1 train (N-1 workers);
 - the straggler is the last host: its steps are slowed by ``--slow-ms`` of
   sleep after every backward (``--slow-rank`` of the worker), so the same
-  host straggles under every strategy.
+  host straggles under every strategy; by default 3x the compute per step
+  of the first uniform ddp run, so its steps take about 4x as long. (Slowed
+  steps, not a slowed link: the demo model's gradient is 1.3 MB, which a
+  1 Gbit/s link moves in ~10 ms, a 250 Mbit/s one in ~40 ms, both small
+  beside steps of 100+ ms on shared cores, so a slow link would hardly show.)
 
 Cases run interleaved (repeat 1 of every case, then repeat 2, ...) and the
 table shows the median. The prediction is
@@ -155,8 +159,10 @@ def _f(value: float | None, spec: str) -> str:
 
 
 def show(cases: list[dict[str, Any]], args: argparse.Namespace) -> None:
-    t = Table(title=f"time to {args.target:.0%} held-out accuracy, {args.hosts} emulated hosts "
-                    f"@ {args.rate}, straggler +{args.slow_ms:.0f} ms/step (median of runs)")  # fmt: skip
+    t = Table(
+        title=f"time to {args.target:.0%} held-out accuracy, {args.hosts} emulated hosts "
+        f"@ {args.rate}, straggler +{args.slow_ms:.0f} ms/step (median of runs)"
+    )
     for col in ("case", "workers", "runs (reached)", "tta s", "pred tta s", "tta meas/pred",
                 "samples to target", "samples/s", "pred samples/s", "rate meas/pred",
                 "compute ms/step"):  # fmt: skip
@@ -201,7 +207,9 @@ def parse() -> argparse.Namespace:
     p.add_argument("--batch", type=int, default=32)
     p.add_argument("--target", type=float, default=0.9)
     p.add_argument("--eval-every", type=int, default=2)
-    p.add_argument("--slow-ms", type=float, default=150.0)
+    p.add_argument("--slow-ms", type=float, default=None,
+                   help="straggler sleep per step; default 3x the first uniform ddp run's "
+                        "compute per step, so the straggler's steps take about 4x")  # fmt: skip
     p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--run-timeout", type=float, default=150.0, help="seconds cap per run")
     p.add_argument("--latency-us", type=float, default=50.0)
@@ -224,11 +232,16 @@ def main() -> None:
                 for strategy, mode in CONFIGS:
                     port += 1  # a fresh port: no TIME_WAIT from the previous job
                     run = run_case(cluster, strategy, mode, slow, port, Path(tmp), args)
+                    if args.slow_ms is None and "error" not in run:
+                        args.slow_ms = round(3e3 * run["step_compute_s"])
                     runs.append(run | {"repeat": rep})
-                    print(f"[{rep}] {run['case']}: tta {run.get('tta_s')} s, "
-                          f"{run.get('samples_per_s') or 0:,.0f} samples/s, wall "
-                          f"{run['wall_s']:.0f} s, load {run['load_before']:.1f}"
-                          f"{'  ERROR ' + run['error'] if 'error' in run else ''}", flush=True)
+                    print(
+                        f"[{rep}] {run['case']}: tta {run.get('tta_s')} s, "
+                        f"{run.get('samples_per_s') or 0:,.0f} samples/s, wall "
+                        f"{run['wall_s']:.0f} s, load {run['load_before']:.1f}"
+                        f"{'  ERROR ' + run['error'] if 'error' in run else ''}",
+                        flush=True,
+                    )
     cases = summarise(runs, args)
     show(cases, args)
     loads = [r["load_before"] for r in runs] + [r["load_after"] for r in runs]
