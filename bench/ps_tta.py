@@ -14,8 +14,10 @@ ddp run did (async parameter servers may need more: the table shows both).
 
     python bench/ps_tta.py [--procs 4] [--epochs 6] [--slow-ms 200] [--link-gbit 10]
 
-Writes bench/results/ps_tta.json and prints a table. The emulated-cluster
-version (hosts with shaped links) runs the same worker script on each host.
+Prints a table and writes ``--json`` (default bench/results/ps_tta.json, which
+the emulated-cluster version also writes: pass ``--json /tmp/...`` to keep it).
+The emulated-cluster version, ``bench/ps_tta_hosts.py`` (hosts with shaped
+links, one process per host), runs the same worker script on each host.
 """
 
 from __future__ import annotations
@@ -94,7 +96,8 @@ def main() -> None:
                                     indent=1))  # fmt: skip
     print(f"{'run':<22}{'tta s':>9}{'pred s':>9}{'samples/s':>11}{'pred':>9}{'tta samples':>13}")
     for row in rows:
-        name = f"{row['strategy']} {row['mode'] or ''}{' +slow' if row['slow_rank'] >= 0 else ''}"
+        parts = [row["strategy"], row["mode"] or "", "+slow" if row["slow_rank"] >= 0 else ""]
+        name = " ".join(p for p in parts if p)
         tta = f"{row['tta_s']:.1f}" if row["tta_s"] else "-"
         pred = f"{row.get('predicted_tta_s', 0):.1f}" if row.get("predicted_tta_s") else "-"
         rates = f"{row['samples_per_s']:>11,.0f}{row['predicted_samples_per_s']:>9,.0f}"
