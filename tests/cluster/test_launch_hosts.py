@@ -321,8 +321,11 @@ def test_an_elastic_job_survives_a_killed_host(
         "--max-restarts",
         "3",
         # The dead host drops out after 2 missed 1 s heartbeats (default 3 x 5 s).
+        # The first round waits up to 10 s for the second host (it closes at
+        # once when both are in): with 2 s a loaded machine started host 1's
+        # launcher too late and the two never met in one round.
         "--rdzv-conf",
-        "last_call_timeout=2,keep_alive_interval=1,keep_alive_max_attempt=2",
+        "last_call_timeout=10,keep_alive_interval=1,keep_alive_max_attempt=2",
     ]
     argv = [*_argv(cluster, ssh, _two(cluster, 1), *elastic), str(SCRIPTS / "steps.py")]
     driver = _start(cluster, [*argv, str(out), "40", "0.05"], log)
