@@ -9,11 +9,17 @@ rank, the same optimizer (SGD with momentum, with whatever ``fused`` /
 - ``ddp``: ``Parallel(strategy="ddp", precision="fp32", channels_last=False)``,
   torch's DistributedDataParallel under manygpu.
 
-Both live in every rank of one launch (``hvd.init()`` creates the process
+With ``--first-bucket-mb X`` a third variant, ``horovod-first``, is the
+same DistributedOptimizer given a first bucket of X MiB through ``groups=``
+(torch's DDP default when ``bucket_cap_mb`` is not passed is 1 MiB; manygpu's
+default has none): the question it answers is whether an early small
+all-reduce pays for its extra latency on this network.
+
+All live in every rank of one launch (``hvd.init()`` creates the process
 group, ``Parallel`` joins it), so they share the machine, the network and
-the launch. Timed blocks of ``--steps`` steps alternate between the two, the
-order flipping every round (H D, D H, ...), each block between two barriers;
-the ratio is the median over rounds of horovod's samples/s over ddp's in the
+the launch. Timed blocks of ``--steps`` steps alternate between them, the
+order rotating every round (H D, D H, ...), each block between two barriers;
+a ratio is the median over rounds of a variant's samples/s over ddp's in the
 same round, which cancels drift that affects a whole round.
 
 Run::
@@ -47,6 +53,8 @@ from typing import Any
 
 HERE = Path(__file__).resolve().parent
 VARIANTS = ("horovod", "ddp")
+FIRST = "horovod-first"
+"""The optional variant: DistributedOptimizer with a small first bucket."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -65,6 +73,8 @@ class Config:
     """Untimed steps of each variant first."""
     rounds: int
     """Rounds; each times one block of each variant."""
+    first_bucket_mb: float | None = None
+    """Also time ``horovod-first``: a first bucket of this many MiB (``None``: not run)."""
 
 
 # -- worker (runs on every rank under manygpu launch) ---------------------------------
@@ -73,6 +83,20 @@ def _optimizer(params: Any, like: Any) -> Any:
 
     extra = {k: like.param_groups[0][k] for k in ("fused", "foreach") if k in like.param_groups[0]}
     return torch.optim.SGD(params, lr=0.01, momentum=0.9, **extra)
+
+
+def first_bucket_groups(model: Any, first_mb: float, cap_mb: float = 25.0) -> list[list[Any]]:
+    """Parameters in the reverse of their order, cut as torch's DDP cuts its default
+    buckets: the first closes once it holds ``first_mb`` MiB, the others at ``cap_mb``."""
+    groups: list[list[Any]] = [[]]
+    filled = 0
+    for p in reversed([p for p in model.parameters() if p.requires_grad]):
+        groups[-1].append(p)
+        filled += p.numel() * p.element_size()
+        if filled >= (first_mb if len(groups) == 1 else cap_mb) * (1 << 20):
+            groups.append([])
+            filled = 0
+    return [g for g in groups if g]
 
 
 def _block(step: Any, steps: int, barrier: Any, sync: Any) -> float:
@@ -85,8 +109,30 @@ def _block(step: Any, steps: int, barrier: Any, sync: Any) -> float:
     return time.perf_counter() - start
 
 
+def variants(cfg: Config) -> tuple[str, ...]:
+    """The variants this configuration times, ddp second (the baseline of every ratio)."""
+    return VARIANTS + ((FIRST,) if cfg.first_bucket_mb is not None else ())
+
+
+def _horovod_step(hvd: Any, work: Any, model: Any, like: Any, batch: Any, groups: Any) -> Any:
+    """One training step through ``hvd.DistributedOptimizer`` (``groups``: its buckets)."""
+    opt = hvd.DistributedOptimizer(
+        _optimizer(model.parameters(), like), named_parameters=model.named_parameters(),
+        groups=groups,
+    )  # fmt: skip
+    hvd.broadcast_parameters(model.state_dict(), root_rank=0)
+    x, y = batch
+
+    def step() -> None:
+        opt.zero_grad()
+        work.loss(model(x), y).backward()
+        opt.step()
+
+    return step
+
+
 def worker(cfg: Config, out: Path) -> None:
-    """Build both variants from one model, warm them up, time interleaved blocks."""
+    """Build every variant from one model, warm them up, time interleaved blocks."""
     import torch
 
     import manygpu.horovod as hvd
@@ -97,44 +143,45 @@ def worker(cfg: Config, out: Path) -> None:
     par = Parallel(strategy="ddp", precision="fp32", channels_last=False)
     torch.manual_seed(0)
     work = build(cfg.model, cfg.size)
-    model_h, model_d = work.model.to(par.device), copy.deepcopy(work.model).to(par.device)
+    model_d = copy.deepcopy(work.model).to(par.device)
     model_d, opt_d = par.prepare(
         model_d, torch.optim.SGD(model_d.parameters(), lr=0.01, momentum=0.9)
     )
-    opt_h = hvd.DistributedOptimizer(
-        _optimizer(model_h.parameters(), opt_d), named_parameters=model_h.named_parameters()
-    )
-    hvd.broadcast_parameters(model_h.state_dict(), root_rank=0)
     x, y = work.make_batch(cfg.batch, torch.Generator().manual_seed(hvd.rank()))
-    x, y = x.to(par.device), y.to(par.device)
-
-    def step_h() -> None:
-        opt_h.zero_grad()
-        work.loss(model_h(x), y).backward()
-        opt_h.step()
+    batch = (x.to(par.device), y.to(par.device))
 
     def step_d() -> None:
         opt_d.zero_grad()
-        par.backward(work.loss(model_d(x), y))
+        par.backward(work.loss(model_d(batch[0]), batch[1]))
         opt_d.step()
 
     def sync() -> None:
         if par.device.type == "cuda":
             torch.cuda.synchronize()
 
-    steps = {"horovod": step_h, "ddp": step_d}
-    for name in VARIANTS:
+    steps = {"ddp": step_d}
+    steps["horovod"] = _horovod_step(
+        hvd, work, copy.deepcopy(work.model).to(par.device), opt_d, batch, None
+    )
+    if cfg.first_bucket_mb is not None:
+        model_f = copy.deepcopy(work.model).to(par.device)
+        groups = first_bucket_groups(model_f, cfg.first_bucket_mb)
+        steps[FIRST] = _horovod_step(hvd, work, model_f, opt_d, batch, groups)
+    names = variants(cfg)
+    for name in names:
         _block(steps[name], cfg.warmup, hvd.barrier, sync)
     blocks = []
     for round_ in range(cfg.rounds):
-        order = VARIANTS if round_ % 2 == 0 else VARIANTS[::-1]
+        order = names[round_ % len(names) :] + names[: round_ % len(names)]
+        if len(names) == 2:
+            order = names if round_ % 2 == 0 else names[::-1]
         for position, name in enumerate(order):
             seconds = _block(steps[name], cfg.steps, hvd.barrier, sync)
             rate = cfg.steps * cfg.batch * hvd.size() / seconds
             blocks.append({"round": round_ + 1, "position": position, "variant": name,
                            "seconds": seconds, "samples_per_s": rate})  # fmt: skip
     if hvd.rank() == 0:
-        params = sum(p.numel() for p in model_h.parameters())
+        params = sum(p.numel() for p in model_d.parameters())
         info = {"world": hvd.size(), "device": str(par.device), "parameters": params,
                 "workload": work.name, "blocks": blocks}  # fmt: skip
         out.write_text(json.dumps(info))
@@ -144,19 +191,28 @@ def worker(cfg: Config, out: Path) -> None:
 
 # -- driver ---------------------------------------------------------------------------
 def summarize(blocks: list[dict[str, Any]]) -> dict[str, Any]:
-    """Median samples/s per variant and the median per-round ratio horovod / ddp."""
-    rates: dict[str, list[float]] = {v: [] for v in VARIANTS}
+    """Median samples/s per variant and each variant's median per-round ratio to ddp.
+
+    ``ratios`` / ``ratio`` are horovod's; ``ratios_to_ddp`` has every variant's.
+    """
+    rates: dict[str, list[float]] = {}
     by_round: dict[int, dict[str, float]] = {}
     for b in blocks:
-        rates[b["variant"]].append(b["samples_per_s"])
+        rates.setdefault(b["variant"], []).append(b["samples_per_s"])
         by_round.setdefault(b["round"], {})[b["variant"]] = b["samples_per_s"]
-    ratios = [r["horovod"] / r["ddp"] for r in by_round.values() if len(r) == 2]
+    to_ddp = {
+        v: [r[v] / r["ddp"] for r in by_round.values() if v in r and "ddp" in r]
+        for v in rates
+        if v != "ddp"
+    }
     return {
-        "median": {v: statistics.median(r) for v, r in rates.items() if r},
-        "min": {v: min(r) for v, r in rates.items() if r},
-        "max": {v: max(r) for v, r in rates.items() if r},
-        "ratios": ratios,
-        "ratio": statistics.median(ratios) if ratios else None,
+        "median": {v: statistics.median(r) for v, r in rates.items()},
+        "min": {v: min(r) for v, r in rates.items()},
+        "max": {v: max(r) for v, r in rates.items()},
+        "ratios": to_ddp.get("horovod", []),
+        "ratio": statistics.median(to_ddp["horovod"]) if to_ddp.get("horovod") else None,
+        "ratios_to_ddp": to_ddp,
+        "ratio_to_ddp": {v: statistics.median(r) for v, r in to_ddp.items() if r},
     }
 
 
@@ -167,12 +223,14 @@ def render(report: dict[str, Any]) -> str:
         f"horovod vs ddp: {run['workload']} ({run['parameters']:,} parameters), "
         f"{run['world']} ranks on {run['device']}, batch {cfg['batch']} per rank, "
         f"{cfg['rounds']} rounds x {cfg['steps']} steps per block",
-        f"{'variant':<10}{'median':>12}{'min':>12}{'max':>12}   samples/s (all ranks)",
+        f"{'variant':<15}{'median':>12}{'min':>12}{'max':>12}   samples/s (all ranks)",
     ]
-    for v in VARIANTS:
-        lines.append(f"{v:<10}{s['median'][v]:>12,.1f}{s['min'][v]:>12,.1f}{s['max'][v]:>12,.1f}")
-    per_round = ", ".join(f"{r:.3f}" for r in s["ratios"])
-    lines.append(f"ratio horovod/ddp (median of per-round ratios): {s['ratio']:.3f}  [{per_round}]")
+    for v in s["median"]:
+        lines.append(f"{v:<15}{s['median'][v]:>12,.1f}{s['min'][v]:>12,.1f}{s['max'][v]:>12,.1f}")
+    for v, ratios in s.get("ratios_to_ddp", {"horovod": s["ratios"]}).items():
+        per_round = ", ".join(f"{r:.3f}" for r in ratios)
+        median = statistics.median(ratios)
+        lines.append(f"ratio {v}/ddp (median of per-round ratios): {median:.3f}  [{per_round}]")
     return "\n".join(lines)
 
 
@@ -190,7 +248,7 @@ def drive(cfg: Config, launch_args: list[str], timeout_s: float) -> dict[str, An
     """One launch of the worker on every rank; its rank 0's numbers with the summary."""
     with tempfile.TemporaryDirectory(prefix="horovod_vs_ddp-") as tmp:
         result = Path(tmp) / "result.json"
-        flags = [f"--{k}={v}" for k, v in asdict(cfg).items()]
+        flags = [f"--{k.replace('_', '-')}={v}" for k, v in asdict(cfg).items() if v is not None]
         cmd = [sys.executable, "-m", "manygpu", "launch", *launch_args, str(Path(__file__)),
                "--worker", f"--result={result}", *flags]  # fmt: skip
         proc = subprocess.run(cmd, env=_env(), timeout=timeout_s, capture_output=True, text=True)
@@ -223,6 +281,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=20, help="steps per timed block")
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--rounds", type=int, default=6)
+    p.add_argument(
+        "--first-bucket-mb",
+        type=float,
+        default=None,
+        help="also time DistributedOptimizer with a first bucket of this many MiB",
+    )
     p.add_argument("--nproc", type=int, default=2, help="ranks on this machine")
     p.add_argument("--launch-args", default=None, help="replaces --nproc-per-node N")
     p.add_argument("--timeout", type=float, default=1800.0, help="seconds for the whole job")
@@ -233,13 +297,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     for name in ("batch", "steps", "rounds", "nproc"):
         if getattr(ns, name) < 1:
             p.error(f"--{name} must be >= 1")
+    if ns.first_bucket_mb is not None and not ns.first_bucket_mb > 0:
+        p.error("--first-bucket-mb must be > 0")
     return ns
 
 
 def main(argv: list[str] | None = None) -> int:
     ns = parse_args(argv)
     cfg = Config(model=ns.model, size=ns.size, batch=ns.batch, steps=ns.steps,
-                 warmup=ns.warmup, rounds=ns.rounds)  # fmt: skip
+                 warmup=ns.warmup, rounds=ns.rounds,
+                 first_bucket_mb=ns.first_bucket_mb)  # fmt: skip
     if ns.worker:
         worker(cfg, ns.result)
         return 0
