@@ -8,9 +8,10 @@ import torch
 
 from manygpu.core.accumulation import Accumulator
 from manygpu.core.precision import PrecisionPlugin
+from manygpu.strategies.optimizer_view import OptimizerView
 
 
-class PreparedOptimizer(torch.optim.Optimizer):
+class PreparedOptimizer(OptimizerView):
     """Wraps the user's optimizer; ``step``/``zero_grad`` act only on sync steps.
 
     Subclassing ``Optimizer`` (without its ``__init__``) keeps LR schedulers and
@@ -24,18 +25,6 @@ class PreparedOptimizer(torch.optim.Optimizer):
         self.optimizer = optimizer
         self._accumulator = accumulator
         self._precision = precision
-
-    @property
-    def param_groups(self) -> list[dict[str, Any]]:  # type: ignore[override]
-        return self.optimizer.param_groups
-
-    @property
-    def state(self) -> Any:  # type: ignore[override]
-        return self.optimizer.state
-
-    @property
-    def defaults(self) -> dict[str, Any]:  # type: ignore[override]
-        return self.optimizer.defaults
 
     def step(self, closure: Any = None) -> None:  # type: ignore[override]
         """Apply the update at the end of an accumulation cycle; else do nothing."""

@@ -16,6 +16,7 @@ from typing import Any
 import torch
 
 from manygpu.errors import UsageError
+from manygpu.strategies.optimizer_view import OptimizerView
 from manygpu.strategies.ps_links import Link, PSContext
 from manygpu.strategies.ps_protocol import (
     BYE,
@@ -208,7 +209,7 @@ class PSClient:
             server.link.exchange([server.header], [], "saying goodbye", self.timeout_s)
 
 
-class PSOptimizer(torch.optim.Optimizer):
+class PSOptimizer(OptimizerView):
     """The user's optimizer on a worker: ``step()`` pushes and pulls; the servers step.
 
     Subclassing ``Optimizer`` without its ``__init__`` keeps LR schedulers and
@@ -221,18 +222,6 @@ class PSOptimizer(torch.optim.Optimizer):
         self.client = client
         self.main = main
         self._fetched: dict[str, Any] | None = None
-
-    @property
-    def param_groups(self) -> list[dict[str, Any]]:  # type: ignore[override]
-        return self.optimizer.param_groups
-
-    @property
-    def state(self) -> Any:  # type: ignore[override]
-        return self.optimizer.state
-
-    @property
-    def defaults(self) -> dict[str, Any]:  # type: ignore[override]
-        return self.optimizer.defaults
 
     def step(self, closure: Any = None) -> None:  # type: ignore[override]
         """Push this worker's gradients and pull the servers' parameters."""
