@@ -31,7 +31,8 @@ from torch.distributed.elastic.rendezvous.api import (
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
 from manygpu.errors import UsageError
-from manygpu.launch import blame, driven, rendezvous
+from manygpu.launch import blame, driven, jobsecret, rendezvous
+from manygpu.launch.jobsecret import JobSecret
 from manygpu.launch.netcheck import (
     check_port_free,
     check_resolves,
@@ -46,8 +47,8 @@ DEFAULT_RDZV_TIMEOUT_S = 300.0
 """How long nodes wait for each other by default (``--timeout`` sets it)."""
 
 
-def build_config(spec: LaunchSpec) -> LaunchConfig:
-    """torch's launch configuration for ``spec``."""
+def build_config(spec: LaunchSpec, secret: JobSecret | None = None) -> LaunchConfig:
+    """torch's launch configuration for ``spec``, a job with ``secret``."""
     join_timeout = int(spec.timeout_s or DEFAULT_RDZV_TIMEOUT_S)
     if spec.rdzv_backend == "static":
         rdzv_configs: dict[str, object] = {"rank": spec.node_rank, "timeout": join_timeout}
@@ -55,7 +56,7 @@ def build_config(spec: LaunchSpec) -> LaunchConfig:
         rdzv_configs = {"join_timeout": join_timeout}
     rdzv_configs.update(spec.rdzv_conf)
     opts = spec.torchrun
-    rendezvous.register()
+    rendezvous.register(secret)
     return LaunchConfig(
         **_supported({"shutdown_timeout": spec.shutdown_grace_s}),
         min_nodes=spec.min_nodes,
@@ -194,27 +195,41 @@ def report_failure(err: ChildFailedError, to_driver: bool = False) -> int:
     return root.exit_code
 
 
+def take_secret(spec: LaunchSpec) -> JobSecret | None:
+    """The job's secret; refused when a job that meets over the network has none.
+
+    It leaves this process's environment here: the workers inherit that
+    environment and need no secret (their store is reached through a door).
+    """
+    secret = jobsecret.load(spec.job_secret_file, envmod.current())
+    os.environ.pop(envmod.JOB_SECRET, None)
+    if secret is None and jobsecret.required(split_endpoint(spec.rdzv_endpoint, 0)[0]):
+        raise jobsecret.refusal(spec.rdzv_endpoint)
+    return secret
+
+
 def launch(spec: LaunchSpec) -> int:
     """Run the job to the end; returns its exit code (0, or the failing rank's)."""
     preflight(spec)
+    secret = take_secret(spec)
     if spec.driven:
         driven.watch_stdin()
     # Without a log directory torch makes a torchelastic_* one in TMPDIR and
     # leaves it there; ours goes once the failure report has read it.
     own_logs = None if spec.log_dir is not None else tempfile.mkdtemp(prefix="manygpu-logs-")
     try:
-        return _run(spec if own_logs is None else replace(spec, log_dir=own_logs))
+        return _run(spec if own_logs is None else replace(spec, log_dir=own_logs), secret)
     finally:
         if own_logs is not None:
             shutil.rmtree(own_logs, ignore_errors=True)
 
 
-def _run(spec: LaunchSpec) -> int:
+def _run(spec: LaunchSpec, secret: JobSecret | None) -> int:
     logging.getLogger("torch.distributed.elastic").setLevel(logging.WARNING)
     # Its per-worker "failed (exitcode ...)" lines repeat what report_failure says.
     logging.getLogger("torch.distributed.elastic.multiprocessing.api").setLevel(logging.CRITICAL)
     os.environ.update(worker_env(spec))
-    config = build_config(spec)
+    config = build_config(spec, secret)
     executable, args = worker_command(spec)
     try:
         elastic_launch(config, executable)(*args)

@@ -2,9 +2,14 @@
 
 torch's own handlers ("c10d", "static") create their ``TCPStore`` servers on
 every address of the machine, and the c10d one unpickles the shared state.
-Ours are the same handlers with two changes: every store server listens only
+Ours are the same handlers with these changes: every store server listens only
 on the address the job meets on (loopback for one node, the interface asked
-for with several) and the c10d state is JSON (:mod:`manygpu.launch.rdzv_state`).
+for with several); the c10d state is JSON (:mod:`manygpu.launch.rdzv_state`);
+and a job with a secret (every job that meets over the network) keeps both of
+its stores, the rendezvous one and the workers' bootstrap one, on loopback
+behind a :class:`~manygpu.runtime.store_gate.Gate`, reached from every node
+(this one included) through a local :class:`~manygpu.runtime.store_gate.Door`.
+The run id is then derived from the secret, never published.
 They are registered under their own names so torch's stay untouched.
 """
 
@@ -14,6 +19,8 @@ import errno
 import re
 import secrets
 import socket
+import sys
+from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, cast
 
@@ -22,6 +29,7 @@ from torch.distributed.elastic.rendezvous import (
     RendezvousHandler,
     RendezvousInfo,
     RendezvousParameters,
+    RendezvousStoreInfo,
     rendezvous_handler_registry,
 )
 from torch.distributed.elastic.rendezvous.api import (
@@ -37,8 +45,10 @@ from torch.distributed.elastic.rendezvous.static_tcp_rendezvous import StaticTCP
 from torch.distributed.elastic.rendezvous.utils import parse_rendezvous_endpoint
 
 from manygpu.launch import rdzv_state
+from manygpu.launch.jobsecret import JobSecret
 from manygpu.launch.netcheck import is_local_address
 from manygpu.launch.spec import AGREED_ID
+from manygpu.runtime import store_gate
 
 RUN_ID_KEY = "manygpu.run_id"
 _RUN_ID = re.compile(r"manygpu-[0-9a-f]{16}")
@@ -78,13 +88,121 @@ def serve_store(host: str, port: int, timeout: timedelta, **kwargs: Any) -> TCPS
     )
 
 
+class _Job:
+    """This launcher's job secret, set by :func:`register` before the agent starts.
+
+    torch builds handlers from ``RendezvousParameters``, whose settings it logs;
+    the secret stays out of them, here in the one process that launches.
+    """
+
+    secret: JobSecret | None = None
+
+
+@dataclass
+class GatedStore:
+    """A store on loopback and the gate that admits the job's nodes to it."""
+
+    store: TCPStore
+    gate: store_gate.Gate
+
+    @property
+    def port(self) -> int:
+        """The gate's port: what the other nodes are told."""
+        return int(self.gate.port)
+
+
+def serve_gated(
+    secret: JobSecret, host: str, port: int, timeout: timedelta, **kwargs: Any
+) -> GatedStore:
+    """The store on loopback, its gate on ``host:port`` (bound first: a taken port fails here).
+
+    The gate opens before the store is created: a store told the world size
+    waits in its constructor for every node, and they come in through the gate.
+    """
+    public = store_gate.listen(host, port)
+    inner = store_gate.listen("127.0.0.1", 0)
+    inner_port = int(inner.getsockname()[1])
+    gate = store_gate.Gate(secret.gate_key, public, inner_port)
+    try:
+        store = TCPStore(
+            "127.0.0.1",
+            inner_port,
+            is_master=True,
+            timeout=timeout,
+            master_listen_fd=inner.detach(),
+            use_libuv=True,
+            **kwargs,
+        )
+    except BaseException:
+        gate.close()
+        raise
+    return GatedStore(store=store, gate=gate)
+
+
+def door(secret: JobSecret, host: str, port: int, timeout: timedelta) -> store_gate.Door:
+    """A loopback entrance to the job's gated store at ``host:port``."""
+
+    def say(line: str) -> None:
+        print(f"manygpu: {line}", file=sys.stderr, flush=True)
+
+    return store_gate.Door(secret.gate_key, host, port, timeout.total_seconds(), say)
+
+
+def _client(host: str, port: int, timeout: timedelta, **kwargs: Any) -> TCPStore:
+    """A store client of ``host:port``, through a door when the job has a secret."""
+    secret = _Job.secret
+    if secret is None:
+        return TCPStore(host, port, is_master=False, timeout=timeout, **kwargs)
+    entrance = door(secret, host, port, timeout)
+    return TCPStore("127.0.0.1", entrance.port, is_master=False, timeout=timeout, **kwargs)
+
+
+def _host(host: str, port: int, timeout: timedelta, **kwargs: Any) -> tuple[TCPStore, int]:
+    """The store this node hosts and the port the others reach it on."""
+    secret = _Job.secret
+    if secret is None:
+        store = serve_store(host, port, timeout, **kwargs)
+        return store, store.port
+    gated = serve_gated(secret, host, port, timeout, **kwargs)
+    _KEEP.append(gated)
+    return gated.store, gated.port
+
+
+_KEEP: list[object] = []
+"""Gates and doors live as long as the launcher (their threads are daemons)."""
+
+
+class _Doors:
+    """One local door per remote bootstrap store, for the workers of this node."""
+
+    def __init__(self) -> None:
+        self._open: dict[tuple[str, int], int] = {}
+
+    def through(self, info: RendezvousInfo, timeout: timedelta) -> RendezvousInfo:
+        """``info`` with the workers' store reached through a door on loopback."""
+        secret, remote = _Job.secret, info.bootstrap_store_info
+        if secret is None or remote is None:
+            return info
+        key = (remote.master_addr, remote.master_port)
+        if key not in self._open:
+            entrance = door(secret, *key, timeout)
+            _KEEP.append(entrance)
+            self._open[key] = int(entrance.port)
+        local = RendezvousStoreInfo(master_addr="127.0.0.1", master_port=self._open[key])
+        return RendezvousInfo(info.store, info.rank, info.world_size, local)
+
+
 def agree_run_id(store: Store, run_id: str, hosting: bool) -> str:
     """``run_id``, or for :data:`AGREED_ID` the random id the store's host drew.
 
-    Nodes started one by one share no secret, so the host draws the id and
-    the others read it from the store: every job gets a fresh, unguessable
-    id without any flag (a leftover agent of another job cannot join it).
+    With a job secret, every node derives the same id from it (nothing is
+    published). Without one (a job on loopback) nodes started one by one
+    share nothing, so the host draws the id and the others read it from the
+    store: every job gets a fresh id without any flag (a leftover agent of
+    another job cannot join it).
     """
+    if _Job.secret is not None:
+        return _Job.secret.run_id(run_id)
     if run_id != AGREED_ID:
         return run_id
     if hosting:
@@ -142,10 +260,25 @@ class JsonStateBackend(RendezvousBackend):
 
 
 class _DynamicHandler(DynamicRendezvousHandler):
-    """The workers' bootstrap store listens on this node's address only."""
+    """The workers' bootstrap store listens on this node's address only (behind a
+    gate when the job has a secret; the workers then reach it through a door)."""
+
+    _BOOTSTRAP_TIMEOUT = timedelta(seconds=300)
 
     def _create_tcp_store_server(self, master_addr: str, master_port: int) -> TCPStore:
-        return serve_store(master_addr, master_port, timedelta(seconds=300), multi_tenant=True)
+        timeout, secret = self._BOOTSTRAP_TIMEOUT, _Job.secret
+        if secret is None:
+            return serve_store(master_addr, master_port, timeout, multi_tenant=True)
+        # torch keeps what this returns and reads only its ``.port``, to tell the
+        # other nodes where the workers' store is: the gate's port.
+        return cast(
+            TCPStore, serve_gated(secret, master_addr, master_port, timeout, multi_tenant=True)
+        )
+
+    def next_rendezvous(self) -> RendezvousInfo:
+        if not hasattr(self, "_doors"):
+            self._doors = _Doors()
+        return self._doors.through(super().next_rendezvous(), self._BOOTSTRAP_TIMEOUT)
 
 
 def _c10d_store(params: RendezvousParameters) -> tuple[TCPStore, str, bool]:
@@ -159,16 +292,15 @@ def _c10d_store(params: RendezvousParameters) -> tuple[TCPStore, str, bool]:
     configured = params.get_as_bool("is_host")
     if configured if configured is not None else is_local_address(host):
         try:
-            store = serve_store(host, port, timeout, multi_tenant=True)
-            return store, f"{host}:{store.port}", True
+            store, served = _host(host, port, timeout, multi_tenant=True)
+            return store, f"{host}:{served}", True
         except OSError as exc:
             if configured or exc.errno != errno.EADDRINUSE:
                 raise RendezvousConnectionError(
                     f"cannot host the rendezvous store on {host}:{port}: {exc.strerror}"
                 ) from None
     try:
-        client = TCPStore(host, port, is_master=False, timeout=timeout)
-        return client, f"{host}:{port}", False
+        return _client(host, port, timeout), f"{host}:{port}", False
     except (RuntimeError, TimeoutError) as exc:
         raise RendezvousConnectionError(
             f"cannot reach the rendezvous store at {host}:{port}: {exc}"
@@ -201,32 +333,22 @@ def create_c10d(params: RendezvousParameters) -> RendezvousHandler:
 
 
 class _StaticHandler(StaticTCPRendezvous):
-    """torch's static rendezvous; node 0's store listens on the master address only."""
+    """torch's static rendezvous; node 0's store listens on the master address only
+    (behind a gate when the job has a secret; every node's workers then use a door)."""
 
     def get_backend(self) -> str:
         return STATIC
 
     def next_rendezvous(self) -> RendezvousInfo:
         if not self._store:
+            kwargs: dict[str, Any] = {"world_size": self.world_size, "multi_tenant": True}
             if self.rank == 0:
-                self._store = serve_store(
-                    self.master_addr,
-                    self.master_port,
-                    self.timeout,
-                    world_size=self.world_size,
-                    multi_tenant=True,
-                )
+                self._store = _host(self.master_addr, self.master_port, self.timeout, **kwargs)[0]
             else:
-                self._store = TCPStore(
-                    self.master_addr,
-                    self.master_port,
-                    self.world_size,
-                    False,
-                    self.timeout,
-                    multi_tenant=True,
-                )
+                self._store = _client(self.master_addr, self.master_port, self.timeout, **kwargs)
             self.run_id = agree_run_id(self._store, self.run_id, hosting=self.rank == 0)
-        return super().next_rendezvous()
+            self._doors = _Doors()
+        return self._doors.through(super().next_rendezvous(), self.timeout)
 
 
 def create_static(params: RendezvousParameters) -> RendezvousHandler:
@@ -240,7 +362,9 @@ def create_static(params: RendezvousParameters) -> RendezvousHandler:
     )
 
 
-def register() -> None:
-    """Make our handlers known to torch's registry (idempotent)."""
+def register(secret: JobSecret | None = None) -> None:
+    """Make our handlers known to torch's registry (idempotent), for a job with
+    ``secret`` (``None``: a job on loopback)."""
+    _Job.secret = secret
     rendezvous_handler_registry.register(C10D, create_c10d)
     rendezvous_handler_registry.register(STATIC, create_static)

@@ -160,6 +160,12 @@ class JobOptions:
         "a worker killed by a signal is then left to them (async training goes on)",
     )
     """The first ``K`` ranks are parameter servers (handed to workers as ``MANYGPU_PS_SERVERS``)."""
+    job_secret_file: str | None = option(
+        "--job-secret-file",
+        help="file (mode 600) holding the secret every node of a multi-node job shares "
+        "(or MANYGPU_JOB_SECRET; -H/--hostfile draws one)",
+    )
+    """Where this node reads the job's secret (:mod:`manygpu.launch.jobsecret`)."""
     driven: bool = switch("--driven", help=HIDDEN)
     """Started by a launch over several hosts (:mod:`manygpu.launch.hostrun`): stop the
     workers when stdin closes (the driver or its ssh connection went away) and report

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 import os
+import re
 from collections.abc import Mapping
 
 from manygpu.errors import UsageError
@@ -101,9 +102,18 @@ def error_file(env: Environ) -> str | None:
     return get_str(env, "TORCHELASTIC_ERROR_FILE")
 
 
+_DEBUG_STRICT = {"strict", "2"}
+
+
 def debug_enabled(env: Environ) -> bool:
-    """``MANYGPU_DEBUG=1`` turns on cross-rank consistency checks."""
-    return env.get("MANYGPU_DEBUG", "0").lower() in {"1", "true", "yes", "on"}
+    """``MANYGPU_DEBUG=1`` (or ``strict``) turns on cross-rank consistency checks."""
+    value = env.get("MANYGPU_DEBUG", "0").lower()
+    return value in {"1", "true", "yes", "on"} or value in _DEBUG_STRICT
+
+
+def debug_strict(env: Environ) -> bool:
+    """``MANYGPU_DEBUG=strict`` (or ``2``): the checks compare each call's site too."""
+    return env.get("MANYGPU_DEBUG", "0").lower() in _DEBUG_STRICT
 
 
 def user_set_threads(env: Environ) -> bool:
@@ -126,6 +136,11 @@ def visible_devices(env: Environ) -> list[str] | None:
     return [part.strip() for part in raw.split(",") if part.strip()]
 
 
+JOB_SECRET = "MANYGPU_JOB_SECRET"
+"""The job's secret for a multi-node job (:mod:`manygpu.launch.jobsecret`)."""
+VARIABLE_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+"""What a shell accepts as a variable name; nothing else is forwarded to a host."""
+
 FORWARD_PREFIXES = ("NCCL_", "GLOO_", "MANYGPU_")
 """Variables a launch over several hosts hands to every host: the collectives'
 settings and ours. Everything else stays here unless ``-x`` names it."""
@@ -135,11 +150,24 @@ FORWARD_SUFFIX = "_VISIBLE_DEVICES"
 
 
 def forwarded(env: Environ) -> dict[str, str]:
-    """The variables of ``env`` that other hosts of the job get, as mpirun / DeepSpeed do."""
-    return {
-        name: value
-        for name, value in env.items()
-        if name.startswith(FORWARD_PREFIXES)
-        or name in FORWARD_NAMES
-        or name.endswith(FORWARD_SUFFIX)
-    }
+    """The variables of ``env`` that other hosts of the job get, as mpirun / DeepSpeed do.
+
+    Never the job secret (a launch over hosts draws its own), and only names a
+    shell could hold: the values travel as JSON, but a name is still checked
+    (``NCCL_$(cmd)X`` is refused in one line, never run anywhere).
+    """
+    out = {}
+    for name, value in env.items():
+        if name == JOB_SECRET or not (
+            name.startswith(FORWARD_PREFIXES)
+            or name in FORWARD_NAMES
+            or name.endswith(FORWARD_SUFFIX)
+        ):
+            continue
+        if not VARIABLE_NAME.fullmatch(name):
+            raise UsageError(
+                f"environment variable {name!r} would go to every host but is not a "
+                "variable name ([A-Za-z_][A-Za-z0-9_]*); unset it"
+            )
+        out[name] = value
+    return out
