@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import shlex
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -45,13 +46,16 @@ def test_first_host_here_serves_the_rendezvous_the_other_is_reached_by_ssh() -> 
     here, there = p.nodes
     assert p.endpoint == "10.0.0.1:29400" and p.store_node == 0
     assert here.local and here.argv == here.launch and here.probe is None
-    assert here.launch[:5] == ("/opt/py/bin/python", "-m", "manygpu", "launch", "--driven")
+    assert here.launch[:3] == ("/opt/py/bin/python", "-c", hostplan.BOOT)
+    assert here.launch[3:7] == ("-m", "manygpu", "launch", "--driven")
     assert "--local-addr" in here.launch  # where node1's workers reach node0's
     assert not there.local and there.argv[0] == "ssh"
     assert there.argv[-2] == "node1"
     words = _remote_words(there)
     assert words[:4] == ["cd", "/work/proj", "&&", "exec"]
-    assert "NCCL_DEBUG=INFO" in words and "PYTHONUNBUFFERED=1" in words
+    # Values travel on the ssh stdin pipe, never on a command line.
+    assert not any("INFO" in w for w in words) and "PYTHONUNBUFFERED=1" not in words
+    assert there.env["NCCL_DEBUG"] == "INFO" and there.env["PYTHONUNBUFFERED"] == "1"
     launch = words[words.index("/opt/py/bin/python") :]
     assert launch == list(there.launch)
     for flags in (
@@ -101,7 +105,8 @@ def test_remote_python_and_dir_apply_to_other_hosts_only() -> None:
     assert here.launch[0] == "/opt/py/bin/python" and here.cwd == "/work/proj"
     assert there.launch[0] == "python3" and there.cwd == "/srv/job"
     assert _remote_words(there)[:2] == ["cd", "/srv/job"]
-    assert there.probe is not None and "python3 -m manygpu.launch.hostprobe" in there.probe[-1]
+    assert there.probe is not None and "-m manygpu.launch.hostprobe" in there.probe[-1]
+    assert shlex.split(there.probe[-1])[4:7] == ["python3", "-c", hostplan.BOOT]
 
 
 def test_a_remote_first_host_serves_the_rendezvous_and_its_probe_checks_the_port() -> None:
@@ -148,16 +153,19 @@ def test_module_entry_and_hosts_without_slots() -> None:
 def test_worker_env_of_a_tool_reaches_every_host() -> None:
     p = _plan(worker_env={"MANYGPU_TOOL_CONFIG": '{"a": 1}'})
     assert p.nodes[0].env["MANYGPU_TOOL_CONFIG"] == '{"a": 1}'
-    assert "MANYGPU_TOOL_CONFIG='{\"a\": 1}'" in p.nodes[1].argv[-1]
+    assert p.nodes[1].env["MANYGPU_TOOL_CONFIG"] == '{"a": 1}'
+    assert "MANYGPU_TOOL_CONFIG" not in p.nodes[1].argv[-1]
 
 
 def test_dry_run_prints_the_rendezvous_then_each_hosts_exact_command() -> None:
     p = _plan()
     lines = hostplan.dry_run(p)
     assert lines[0] == "# 2 hosts, rendezvous 10.0.0.1:29400 (c10d); each line runs on its host"
-    assert lines[1].startswith("node0 (here): cd /work/proj && exec env ")
-    assert lines[2] == "node1: " + shlex.join(p.nodes[1].argv)
-    assert shlex.split(lines[2].removeprefix("node1: ")) == list(p.nodes[1].argv)
+    assert lines[1].startswith("node0 (here): cd /work/proj && exec /opt/py/bin/python -c ")
+    command, _, sent = lines[2].partition("  # stdin: ")
+    assert command == "node1: " + shlex.join(p.nodes[1].argv)
+    assert shlex.split(command.removeprefix("node1: ")) == list(p.nodes[1].argv)
+    assert sent == ", ".join(sorted(p.nodes[1].env)) and "NCCL_DEBUG" in sent
 
 
 def _answer(code: int, out: str = "", err: str = "") -> subprocess.CompletedProcess[str]:
@@ -315,4 +323,20 @@ def test_hostfile_dry_run_through_the_cli(
     head, line = capsys.readouterr().out.splitlines()
     assert head.startswith("# 1 host, rendezvous 127.0.0.1:29400 (c10d)")
     assert line.startswith("localhost (here): cd ")
-    assert line.endswith("--nproc-per-node 3 train.py --lr 1")
+    assert line.partition("  # stdin: ")[0].endswith("--nproc-per-node 3 train.py --lr 1")
+
+
+@pytest.mark.slow
+def test_boot_sets_the_variables_from_stdin_then_runs_the_command(tmp_path: Path) -> None:
+    """What a host runs: the values arrive on stdin, the command line holds none,
+    and the rest of stdin stays unread for the launcher (the driver's lifeline)."""
+    code = "import os,sys; print(os.environ['SECRET_VALUE'], sys.argv[1:], sys.stdin.read())"
+    argv = hostplan.booted(sys.executable, "-c", code, "a b")
+    res = subprocess.run(
+        argv, input='{"SECRET_VALUE": "s3cr3t"}\nrest', capture_output=True, text=True
+    )
+    assert res.returncode == 0, res.stderr
+    assert res.stdout.split() == ["s3cr3t", "['a", "b']", "rest"]
+    assert not any("s3cr3t" in word for word in argv)
+    empty = subprocess.run(argv, input="", capture_output=True, text=True)
+    assert empty.returncode == 1 and "no job description" in empty.stderr

@@ -33,6 +33,19 @@ from manygpu.launch.spec import (
 
 DEFAULT_RDZV_PORT = 29400
 """torchrun's c10d port: where the hosts meet unless --master-port / --rdzv-endpoint say."""
+BOOT = (
+    "import json,os,sys;"
+    'line=open(0,"rb",0,closefd=False).readline();'
+    'line or sys.exit("manygpu: the driver sent no job description on stdin");'
+    "os.environ.update(json.loads(line));"
+    "os.execv(sys.executable,[sys.executable]+sys.argv[1:])"
+)
+"""What each host runs first: read one JSON line of variables from stdin (the
+ssh pipe the driver holds), set them, then become the real command. So values
+(forwarded settings, API keys, the job secret) never sit on a command line,
+where any local user reads them with ``ps``; and stdin stays open afterwards
+as the driver's lifeline (:mod:`manygpu.launch.driven`). One byte at a time:
+nothing after the line is consumed."""
 SSH_KEEPALIVE = ("ServerAliveInterval=5", "ServerAliveCountMax=3")
 """A host that vanishes without closing its connection is noticed within 15 s."""
 _PLACEMENT_FORWARDED = ("gpus", "rdzv_conf")
@@ -70,7 +83,8 @@ class NodeCommand:
     launch: tuple[str, ...]
     """``python -m manygpu launch ...`` as the host runs it."""
     env: dict[str, str]
-    """Variables set for it (on top of the login environment on other hosts)."""
+    """Variables set for it (on top of the login environment on other hosts), sent as
+    the JSON line :data:`BOOT` reads from its stdin, never on its command line."""
     cwd: str
     """Where it runs."""
     argv: tuple[str, ...]
@@ -79,10 +93,11 @@ class NodeCommand:
     """The preflight over ssh (``None`` for this machine)."""
 
     def shown(self) -> str:
-        """The exact command, for ``--dry-run``."""
+        """The exact command, for ``--dry-run``, and the names (not values) sent on its stdin."""
+        sent = ", ".join(sorted(self.env)) or "nothing"
         if not self.local:
-            return f"{self.host}: {shlex.join(self.argv)}"
-        return f"{self.host} (here): {_shell(self.cwd, self.env, self.launch)}"
+            return f"{self.host}: {shlex.join(self.argv)}  # stdin: {sent}"
+        return f"{self.host} (here): {_shell(self.cwd, self.launch)}  # stdin: {sent}"
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -107,9 +122,13 @@ class HostPlan:
         return self.min_nodes < self.max_nodes
 
 
-def _shell(cwd: str, env: Mapping[str, str], argv: Sequence[str]) -> str:
-    assigns = " ".join(f"{k}={shlex.quote(v)}" for k, v in sorted(env.items()))
-    return f"cd {shlex.quote(cwd)} && exec env {assigns} {shlex.join(argv)}"
+def booted(python: str, *args: str) -> tuple[str, ...]:
+    """``python ARGS`` started through :data:`BOOT` (its variables come on stdin)."""
+    return (python, "-c", BOOT, *args)
+
+
+def _shell(cwd: str, argv: Sequence[str]) -> str:
+    return f"cd {shlex.quote(cwd)} && exec {shlex.join(argv)}"
 
 
 def ssh_prefix(opts: HostOptions) -> list[str]:
@@ -251,7 +270,7 @@ def plan(
         if local and any_remote and here.address is not None:
             own += ["--local-addr", here.address]  # where the other hosts reach it
         python = here.python if local or opts.remote_python is None else opts.remote_python
-        launch = (python, "-m", "manygpu", "launch", "--driven", *common, *own, *tail)
+        launch = booted(python, "-m", "manygpu", "launch", "--driven", *common, *own, *tail)
         cwd = here.cwd if local or opts.remote_dir is None else opts.remote_dir
         checks = _probe_args(req, endpoint if i == store else None)
         nodes.append(_node(h, local, launch, job_env, cwd, opts, checks))
@@ -295,7 +314,7 @@ def _node(
             probe=None,
         )
     ssh = ssh_prefix(opts)
-    probe = (launch[0], "-m", "manygpu.launch.hostprobe", *probe_args)
+    probe = booted(launch[0], "-m", "manygpu.launch.hostprobe", *probe_args)
     return NodeCommand(
         host=h.name,
         local=False,
@@ -303,8 +322,8 @@ def _node(
         launch=launch,
         env=env,
         cwd=cwd,
-        argv=(*ssh, h.name, _shell(cwd, env, launch)),
-        probe=(*ssh, h.name, _shell(cwd, env, probe)),
+        argv=(*ssh, h.name, _shell(cwd, launch)),
+        probe=(*ssh, h.name, _shell(cwd, probe)),
     )
 
 

@@ -33,6 +33,7 @@ from typing import IO
 from manygpu.errors import UsageError
 from manygpu.launch import driven, hostplan, hostprobe, hosts
 from manygpu.launch.hostplan import HostPlan, NodeCommand
+from manygpu.launch.jobsecret import JobSecret
 from manygpu.launch.netcheck import is_local_address, source_address
 from manygpu.launch.spec import HostOptions, LaunchRequest
 from manygpu.runtime import env as envmod
@@ -121,7 +122,7 @@ def launch_hosts(req: LaunchRequest, opts: HostOptions, env: Environ, cwd: str) 
     if problem is not None:
         print(f"manygpu: {problem[0]}", file=sys.stderr)
         return problem[1]
-    return Job(plan, env).run()
+    return Job(plan, env, JobSecret.draw()).run()
 
 
 # -- preflight --------------------------------------------------------------------------
@@ -140,7 +141,7 @@ def _probe(node: NodeCommand, timeout_s: float) -> subprocess.CompletedProcess[s
             capture_output=True,
             text=True,
             timeout=timeout_s,
-            stdin=subprocess.DEVNULL,
+            input=json.dumps(node.env) + "\n",  # read by hostplan.BOOT, never on argv
         )
     except subprocess.TimeoutExpired:
         return None
@@ -235,10 +236,12 @@ class _Running:
 class Job:
     """The hosts' launchers: started together, watched, stopped together."""
 
-    def __init__(self, plan: HostPlan, env: Environ) -> None:
+    def __init__(self, plan: HostPlan, env: Environ, secret: JobSecret) -> None:
         self.plan = plan
         self.env = env
         """This machine's environment, for the hosts that run here."""
+        self.secret = secret
+        """Drawn for this job; each host gets it on its stdin pipe."""
         self.nodes: list[_Running] = []
         self.signum: int | None = None
         self._lock = threading.Lock()
@@ -269,16 +272,21 @@ class Job:
         raise _Stop(signum)
 
     def _start(self, cmd: NodeCommand) -> None:
-        env = {**self.env, **cmd.env} if cmd.local else None
+        env = {k: v for k, v in self.env.items() if k != envmod.JOB_SECRET} if cmd.local else None
         proc = subprocess.Popen(
             cmd.argv,
-            stdin=subprocess.PIPE,  # never written: its end tells the launcher to stop
+            stdin=subprocess.PIPE,  # one line (the variables), then its end tells it to stop
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             env=env,
             cwd=cmd.cwd if cmd.local else None,
             start_new_session=True,  # our Ctrl-C reaches the hosts through their stdin
         )
+        assert proc.stdin is not None
+        line = json.dumps({**cmd.env, envmod.JOB_SECRET: self.secret.text}) + "\n"
+        with suppress(OSError):  # a host that died at once is reported as it ended
+            proc.stdin.write(line.encode())
+            proc.stdin.flush()
         node = _Running(cmd=cmd, proc=proc)
         for stream, dest in ((proc.stdout, sys.stdout), (proc.stderr, sys.stderr)):
             assert stream is not None
