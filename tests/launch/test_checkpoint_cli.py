@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
+import torch
 from ckpt_job import train
 
 from manygpu import Parallel
@@ -31,3 +34,34 @@ def test_cli_inspect_and_export(tmp_path: Path) -> None:
     assert res.returncode == 0 and out.is_file() and "4 tensors" in res.stdout
     # A missing checkpoint (one line, exit 2) is among the CLI's bad input in
     # tests/unit/test_bad_input.py, checked in-process.
+
+
+class _Evil:
+    """Unpickling this would run a shell command that creates the marker file."""
+
+    def __init__(self, marker: Path) -> None:
+        self.marker = marker
+
+    def __reduce__(self) -> tuple[Any, tuple[str]]:
+        return (os.system, (f"touch {self.marker}",))
+
+
+def test_cli_refuses_a_malicious_model_pt_in_one_line(tmp_path: Path) -> None:
+    from manygpu.checkpoint import formats, layout
+
+    _run(tmp_path / "ck", 3, every=3)
+    step = layout.step_dir(tmp_path / "ck", 3)
+    marker = tmp_path / "pwned"
+    torch.save({"weight": _Evil(marker)}, step / formats.MODEL)
+    meta = layout.read_meta(step)  # re-signed: only the loader's own safety can stop it
+    meta["files"] = layout.file_table(step)
+    (step / layout.META).write_text(json.dumps(meta))
+    cli = [sys.executable, "-m", "manygpu", "checkpoint"]
+    for args in (["inspect", str(step)], ["export", str(step), str(tmp_path / "w.st")]):
+        res = subprocess.run([*cli, *args], capture_output=True, text=True)
+        lines = [ln for ln in res.stderr.splitlines() if ln.strip()]
+        assert res.returncode == 2, res.stderr
+        assert "Traceback" not in res.stderr and len(lines) == 1, res.stderr
+        assert lines[0].startswith("manygpu") and "model.pt" in lines[0], lines[0]
+        assert not marker.exists()
+    assert not (tmp_path / "w.st").exists()

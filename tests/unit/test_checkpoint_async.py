@@ -331,7 +331,7 @@ def test_resume_leaves_no_state_mapped_to_the_checkpoint_file(tmp_path: Path) ->
                     # A live optimizer's state tensors receive the values in place.
                     assert value.data_ptr() == held[(id(param), key)]
         fresh = torch.optim.Adam(par.unwrap(model).parameters(), lr=1e-2)  # no state yet
-        mapped = formats._load(layout.step_dir(tmp_path, 1) / formats.OPTIM, mmap=True)
+        mapped = formats.load_file(layout.step_dir(tmp_path, 1) / formats.OPTIM, mmap=True)
         formats._load_optimizer(fresh, mapped)
         assert _same(fresh.state_dict(), want)
         for state in fresh.state.values():  # cloned out of the mapping

@@ -27,12 +27,14 @@ def locate(path: Path) -> Path:
 def model_state(path: Path) -> dict[str, torch.Tensor]:
     """The model's full (consolidated) state dict, on CPU, from either format."""
     if formats.detect(path) == "full":
-        state = torch.load(path / formats.MODEL, map_location="cpu", weights_only=True)
-        return dict(state)
+        state = formats.load_file(path / formats.MODEL)
+        if not isinstance(state, dict):
+            raise CheckpointError(f"checkpoint file {path / formats.MODEL} holds no state dict")
+        return {k: v for k, v in state.items() if isinstance(v, torch.Tensor)}
     from manygpu.checkpoint.safe_dcp import safe_load
 
     full: dict[str, Any] = {}
-    safe_load(full, str(path / formats.SHARDS), whole=True, no_dist=True)
+    safe_load(full, path, whole=True, no_dist=True)
     return {k: v for k, v in full.get("model", {}).items() if isinstance(v, torch.Tensor)}
 
 

@@ -166,7 +166,8 @@ def write_files(directory: Path, files: dict[str, Any]) -> dict[str, dict[str, A
         return {name: job.result() for name, job in jobs.items()}
 
 
-def _load(path: Path, *, mmap: bool = False) -> Any:
+def load_file(path: Path, *, mmap: bool = False) -> Any:
+    """``torch.load`` of one of our files, weights only; any failure is one line naming it."""
     try:
         try:
             return torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
@@ -178,7 +179,15 @@ def _load(path: Path, *, mmap: bool = False) -> Any:
     except FileNotFoundError:
         raise CheckpointError(f"checkpoint file {path} is missing") from None
     except Exception as exc:  # unpickling errors come in many types
-        raise CheckpointError(f"checkpoint file {path} cannot be read: {exc}") from None
+        raise CheckpointError(f"checkpoint file {path} cannot be read: {_why(exc)}") from None
+
+
+def _why(exc: Exception) -> str:
+    """The line of a load error that says what is wrong (a refused global, say)."""
+    lines = [ln.strip() for ln in str(exc).splitlines() if ln.strip()] or [type(exc).__name__]
+    if lines[0].startswith("Weights only load failed"):  # then advice; the reason follows
+        lines = [ln for ln in lines if "GLOBAL" in ln or "nsupported" in ln] or lines
+    return lines[0][:240]
 
 
 def _fit(directory: Path, load: Any) -> None:
@@ -242,7 +251,7 @@ def _layout(tensor: torch.Tensor) -> tuple[Any, ...]:
 
 
 def _read_model(directory: Path, parts: Parts) -> None:
-    state = _load(directory / MODEL, mmap=True)
+    state = load_file(directory / MODEL, mmap=True)
     _fit(directory, lambda: parts.model.load_state_dict(state))
 
 
@@ -252,8 +261,8 @@ def read_full(directory: Path, parts: Parts) -> None:
     if parts.optimizer is not None:
         if not (directory / OPTIM).is_file():
             raise CheckpointError(f"checkpoint {directory} holds no optimizer state")
-        _load_optimizer(parts.optimizer, _load(directory / OPTIM, mmap=True))
-    parts.load_extras(_load(directory / EXTRAS))
+        _load_optimizer(parts.optimizer, load_file(directory / OPTIM, mmap=True))
+    parts.load_extras(load_file(directory / EXTRAS))
 
 
 def _dcp_state(parts: Parts) -> dict[str, Any]:
@@ -376,7 +385,7 @@ def read_dcp(directory: Path, parts: Parts, group: Any = None) -> None:
     state = _dcp_state(parts)
     safe_load(
         state,
-        str(directory / SHARDS),
+        directory,
         process_group=group,
         no_dist=not dist.is_initialized(),
     )
@@ -387,7 +396,7 @@ def read_dcp(directory: Path, parts: Parts, group: Any = None) -> None:
         model_state_dict=state["model"],
         optim_state_dict=state.get("optim", {}),
     )
-    parts.load_extras(_load(directory / EXTRAS))
+    parts.load_extras(load_file(directory / EXTRAS))
 
 
 @dataclass

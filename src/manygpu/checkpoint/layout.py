@@ -136,9 +136,26 @@ _NAME = {1: "SHA-256", 2: "CRC-32"}
 _HEX = frozenset("0123456789abcdef")
 
 
+def inside(path: Path, name: str) -> Path:
+    """``path / name``, unless that leads outside the checkpoint ``path`` once links resolve.
+
+    ``meta.json`` vouches for the bytes of the files it lists; a symlink among
+    them (or a linked directory on the way) would have a load read another
+    checkpoint's files, whose checksums match because they are its own.
+    """
+    file = path / name
+    real = file.resolve()
+    if not real.is_relative_to(path.resolve()):
+        raise CheckpointError(
+            f"checkpoint {path} is damaged: {name} leads outside it (to {real}); "
+            "every file must be inside the checkpoint directory"
+        )
+    return file
+
+
 def read_meta(path: Path) -> dict[str, Any]:
     """``meta.json`` of ``path``, validated (:func:`check_meta`)."""
-    meta_path = path / META
+    meta_path = inside(path, META)
     if not meta_path.is_file():
         raise CheckpointError(f"{path} is not a complete checkpoint: {META} is missing")
     try:
@@ -203,11 +220,12 @@ def _check_entry(name: str, entry: Any, bad: Any, schema: int) -> None:
 
 
 def verify(path: Path, *, hashes: bool = True) -> Found:
-    """Check every listed file exists with its size (and hash), and no other file is there."""
+    """Check every listed file is inside ``path`` (links resolved) and exists with its size
+    (and hash), and no other file is there."""
     meta = read_meta(path)
     listed = meta["files"]
     for name, entry in listed.items():
-        file = path / name
+        file = inside(path, name)
         if not file.is_file():
             raise CheckpointError(f"checkpoint {path} is incomplete: {name} is missing")
         size = file.stat().st_size
@@ -266,8 +284,9 @@ def prune(root: Path, keep: int) -> list[Path]:
 
     Only checkpoints that verify (sizes; hashing every file at every save
     would cost too much) count towards ``keep``, so a run of corrupt ones
-    can never push the newest good checkpoint out. Corrupt ones are left
-    for a person to look at: resume names them.
+    can never push the newest good checkpoint out. Damage that keeps the
+    sizes (a flipped bit) only a resume sees: it moves those checkpoints
+    aside (:mod:`.corrupt`), where nothing here counts or deletes them.
     """
     if keep <= 0:
         return []

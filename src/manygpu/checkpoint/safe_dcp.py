@@ -10,19 +10,28 @@ directory runs code as whoever resumes, inspects or exports it. Here:
   other global (``os.system``, ``builtins.eval`` ...) is refused with a
   :class:`CheckpointError` naming it;
 - bytes items load with ``weights_only=True`` (tensors, numbers, strings,
-  containers: all an optimizer's or scheduler's state needs).
+  containers: all an optimizer's or scheduler's state needs);
+- every file it reads (``.metadata``, and each shard file the metadata names)
+  must be one that ``meta.json`` lists, inside the checkpoint directory with
+  symlinks resolved: a crafted ``relative_path`` (absolute, or ``../``) would
+  otherwise read another checkpoint's weights, past every checksum.
 """
 
 from __future__ import annotations
 
 import io
 import pickle
+import posixpath
+from collections.abc import Mapping
+from pathlib import Path, PurePosixPath
 from typing import Any
 
 import torch
 from torch.distributed.checkpoint import DefaultLoadPlanner, FileSystemReader
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 
+from manygpu.checkpoint import layout
+from manygpu.checkpoint.formats import SHARDS
 from manygpu.errors import CheckpointError
 
 _METADATA_MODULE = "torch.distributed.checkpoint.metadata"
@@ -86,15 +95,43 @@ class _Refusals:
     refused: CheckpointError | None = None
 
     def _refuse(self, error: CheckpointError) -> CheckpointError:
-        self.refused = error
+        if self.refused is None:  # the first: DCP retries with another metadata file
+            self.refused = error
         return error
 
 
 class SafeFileSystemReader(_Refusals, FileSystemReader):
-    """``FileSystemReader`` whose metadata comes through :func:`load_metadata`."""
+    """``FileSystemReader`` of ``checkpoint/shards`` that reads only files ``meta.json`` lists.
+
+    Its metadata comes through :func:`load_metadata`; every file name in it is
+    checked (:meth:`_listed`) before DCP opens anything.
+    """
+
+    def __init__(self, checkpoint: Path, listed: Mapping[str, Any]) -> None:
+        super().__init__(checkpoint / SHARDS)
+        self.checkpoint, self.listed = checkpoint, listed
+
+    def _listed(self, relative: Any) -> None:
+        """Refuse ``relative`` (a path under shards/) unless meta.json lists it, inside."""
+        where = f"checkpoint {self.checkpoint} is damaged: its DCP metadata reads {relative!r}"
+        if not isinstance(relative, str) or not relative:
+            raise self._refuse(CheckpointError(f"{where}, which is not a file name"))
+        pure = PurePosixPath(relative)
+        if pure.is_absolute() or ".." in pure.parts:
+            raise self._refuse(
+                CheckpointError(f"{where}, which is outside the checkpoint directory")
+            )
+        name = posixpath.normpath(f"{SHARDS}/{relative}")
+        if name not in self.listed:
+            raise self._refuse(CheckpointError(f"{where}, which its meta.json does not list"))
+        try:
+            layout.inside(self.checkpoint, name)
+        except CheckpointError as exc:
+            raise self._refuse(exc) from None
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         path = self._get_metadata_path(kwargs.get("rank"))
+        self._listed(Path(path).name)
         with self.fs.create_stream(path, "rb") as stream:
             try:
                 metadata = load_metadata(stream)
@@ -104,6 +141,20 @@ class SafeFileSystemReader(_Refusals, FileSystemReader):
         storage.load_id = self.load_id
         metadata.storage_meta = storage
         return metadata
+
+    def set_up_storage_reader(
+        self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any
+    ) -> None:
+        # Every rank passes here before its first read_data: the one place to
+        # check the file of every shard, whoever read the metadata.
+        storage = metadata.storage_data
+        if not isinstance(storage, dict):
+            raise self._refuse(
+                CheckpointError(f"checkpoint {self.checkpoint}'s DCP metadata lists no shards")
+            )
+        for info in storage.values():
+            self._listed(getattr(info, "relative_path", None))
+        super().set_up_storage_reader(metadata, is_coordinator, *args, **kwargs)
 
 
 class _WeightsOnlyBytes(_Refusals):
@@ -143,16 +194,18 @@ def safe_full_planner() -> DefaultLoadPlanner:
     return _SafeEmpty()
 
 
-def safe_load(state: dict[str, Any], directory: str, *, whole: bool = False, **kw: Any) -> None:
-    """``dcp.load`` through the safe reader and planner; a refusal surfaces as itself.
+def safe_load(state: dict[str, Any], checkpoint: Path, *, whole: bool = False, **kw: Any) -> None:
+    """``dcp.load`` of ``checkpoint``'s shards through the safe reader and planner.
 
     ``whole=True`` fills an empty ``state`` with everything saved (export);
-    otherwise the keys of ``state`` are loaded in place (resume). Any other
-    DCP failure becomes a one-line :class:`CheckpointError` too.
+    otherwise the keys of ``state`` are loaded in place (resume). A refusal
+    surfaces as itself; any other DCP failure becomes a one-line
+    :class:`CheckpointError` too.
     """
     from torch.distributed.checkpoint.state_dict_loader import _load_state_dict, load
 
-    reader = SafeFileSystemReader(directory)
+    directory = checkpoint / SHARDS
+    reader = SafeFileSystemReader(checkpoint, layout.read_meta(checkpoint)["files"])
     planner = safe_full_planner() if whole else SafeLoadPlanner()
     try:
         if whole:  # torch's own "load everything" path, as its format_utils use it

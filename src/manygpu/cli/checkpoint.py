@@ -1,14 +1,40 @@
-"""``manygpu checkpoint inspect|export``: look inside a checkpoint, export its weights."""
+"""``manygpu checkpoint inspect|export``: look inside a checkpoint, export its weights.
+
+Everything printed from a checkpoint (``meta.json``'s strings, file and
+directory names, errors quoting them) goes through :func:`shown`: a crafted
+checkpoint must not be able to retitle, clear or rewrite the terminal of
+whoever inspects it. Table cells are rich ``Text``, never parsed as markup.
+"""
 
 from __future__ import annotations
 
 import argparse
 import json
+import re
 from pathlib import Path
 from typing import Any
 
 from manygpu.cli.parser import OneLineParser
 from manygpu.errors import UsageError
+
+_CONTROL = re.compile(r"[\x00-\x1f\x7f-\x9f\u200b-\u200f\u2028-\u202e\u2060-\u206f\ufeff]")
+"""C0 and C1 controls (ESC, CSI, BEL, CR ...), and the invisible or reordering
+Unicode formats (zero widths, bidi overrides, line separators)."""
+
+
+_NAMED = {"\n": "\\n", "\r": "\\r", "\t": "\\t"}
+
+
+def shown(value: Any) -> str:
+    """``str(value)`` with each control character written as a visible escape (``\\x1b``)."""
+
+    def escape(match: re.Match[str]) -> str:
+        char = match.group()
+        code = ord(char)
+        named = _NAMED.get(char)
+        return named or (f"\\x{code:02x}" if code < 0x100 else f"\\u{code:04x}")
+
+    return _CONTROL.sub(escape, str(value))
 
 
 def add_parser(sub: Any) -> None:
@@ -34,6 +60,7 @@ def _existing(path: str) -> Path:
 def run_inspect(ns: argparse.Namespace) -> int:
     from rich.console import Console
     from rich.table import Table
+    from rich.text import Text
 
     from manygpu.checkpoint.export import inspect
     from manygpu.errors import CheckpointError
@@ -41,11 +68,11 @@ def run_inspect(ns: argparse.Namespace) -> int:
     try:
         info = inspect(_existing(ns.path))
     except CheckpointError as exc:
-        raise UsageError(str(exc)) from None
-    if ns.json:
+        raise UsageError(shown(exc)) from None
+    if ns.json:  # JSON escapes every control character itself (ensure_ascii)
         print(json.dumps(info, indent=2))
     else:
-        table = Table(title=f"checkpoint {info['path']}", show_header=False)
+        table = Table(title=Text(f"checkpoint {shown(info['path'])}"), show_header=False)
         for key in (
             "status",
             "step",
@@ -62,9 +89,9 @@ def run_inspect(ns: argparse.Namespace) -> int:
             "loader",
             "extra",
         ):
-            table.add_row(key, str(info[key]))
+            table.add_row(key, Text(shown(info[key])))
         for name, size in info["files"].items():
-            table.add_row(f"  {name}", f"{size:,} bytes")
+            table.add_row(Text(f"  {shown(name)}"), f"{size:,} bytes")
         Console(soft_wrap=True).print(table)
     return 0 if info["status"] == "ok" else 1
 
@@ -76,9 +103,9 @@ def run_export(ns: argparse.Namespace) -> int:
     try:
         summary = export_safetensors(_existing(ns.path), Path(ns.out))
     except CheckpointError as exc:
-        raise UsageError(str(exc)) from None
+        raise UsageError(shown(exc)) from None
     print(
-        f"wrote {ns.out}: {summary['tensors']} tensors, {summary['parameters']:,} parameters "
-        f"from {summary['checkpoint']}"
+        f"wrote {shown(ns.out)}: {summary['tensors']} tensors, {summary['parameters']:,} "
+        f"parameters from {shown(summary['checkpoint'])}"
     )
     return 0
