@@ -60,10 +60,11 @@ def train(
     async_save: bool = False,
     sleep_s: float = 0.0,
     started: str | None = None,
+    fresh_ok: bool = False,
 ) -> tuple[dict[int, float], torch.Tensor]:
     """Train to ``total`` steps (resuming if a checkpoint exists); (losses, flat params)."""
     model, opt, sched, loader, ckpt = build(par, directory, every, fmt, async_save)
-    state = ckpt.resume()
+    state = ckpt.resume(fresh_ok=fresh_ok)
     losses: dict[int, float] = {}
     while state.step < total:
         for x, y in loader:

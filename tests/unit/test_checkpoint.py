@@ -75,9 +75,11 @@ def test_corrupt_latest_falls_back_and_is_named(tmp_path: Path) -> None:
         ckpt.save(TrainState(step=2))
         model_file = layout.step_dir(tmp_path, 2) / formats.MODEL
         model_file.write_bytes(model_file.read_bytes()[:-10])  # truncated
-        with pytest.warns(UserWarning, match=r"step-00000002 is corrupt: model.pt has"):
-            assert ckpt.resume("latest").step == 1
         with pytest.raises(CheckpointError, match=r"step-00000002 is corrupt: model.pt"):
+            ckpt.resume(2)  # asked for by number: refused, and left where it is
+        with pytest.warns(UserWarning, match=r"step-00000002 is corrupt: model.pt has.*aside"):
+            assert ckpt.resume("latest").step == 1
+        with pytest.raises(CheckpointError, match=r"moved aside to corrupt-step-00000002$"):
             ckpt.resume(2)
         flipped = layout.step_dir(tmp_path, 1) / formats.OPTIM
         data = bytearray(flipped.read_bytes())

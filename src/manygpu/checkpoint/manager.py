@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 
-from manygpu.checkpoint import formats, layout, rng, writer
+from manygpu.checkpoint import corrupt, formats, layout, rng, writer
 from manygpu.checkpoint.preemption import PreemptionNotice, exit_now, requeue_slurm_job
 from manygpu.checkpoint.staging import Staging, pin_wanted
 from manygpu.errors import CheckpointError, UsageError
@@ -360,17 +360,21 @@ class Checkpointer:
     def resume(self, which: str | int | Path = "latest", *, fresh_ok: bool = False) -> TrainState:
         """Load a checkpoint and return its counters (a fresh state when there is none).
 
-        ``"latest"`` takes the newest checkpoint that verifies (sizes and checksums)
-        and warns about any corrupt one it skips; a step number or a path must
-        verify or raise :class:`CheckpointError` naming the bad file. When
-        checkpoints exist but none verifies, starting again from step 0 would
-        silently throw the run away: that raises, naming them, unless
-        ``fresh_ok=True``.
+        ``"latest"`` takes the newest checkpoint that verifies (sizes and checksums);
+        each corrupt one it skips is renamed ``corrupt-step-N`` and named in a
+        warning, so it never outranks what this run saves (:mod:`.corrupt`). A
+        step number or a path must verify or raise :class:`CheckpointError`
+        naming the bad file. When checkpoints exist but none verifies,
+        starting again from step 0 would silently throw the run away: that
+        raises, naming them, unless ``fresh_ok=True``.
         """
         self.wait()
         verdict = ("none", "")
-        if self.par.is_main:
-            verdict = self._choose(which, fresh_ok)
+        if self.par.is_main:  # the only rank that renames: the others wait for its answer
+            try:
+                verdict = self._choose(which, fresh_ok)
+            except OSError as exc:  # the others must hear of it, not hang in the broadcast
+                verdict = ("error", f"cannot read the checkpoints in {self.root}: {exc}")
         verdict = self._broadcast(verdict)  # the main rank's files decide
         kind, value = verdict
         if kind == "error":
@@ -392,29 +396,14 @@ class Checkpointer:
 
     def _choose(self, which: str | int | Path, fresh_ok: bool) -> tuple[str, str]:
         if which == "latest":
-            found = list(reversed(layout.committed(self.root)))
-            for path in found:
-                try:
-                    return "ok", str(layout.verify(path).path)
-                except CheckpointError as exc:
-                    warnings.warn(f"skipping it: {exc}", stacklevel=3)
-            if found and not fresh_ok:
-                names = ", ".join(p.name for p in found[:5]) + (" ..." if len(found) > 5 else "")
-                return "error", (
-                    f"every checkpoint in {self.root} is corrupt ({len(found)}: {names}); "
-                    "move them aside, or call resume(fresh_ok=True) to start from step 0"
-                )
-            return "none", ""
+            return corrupt.choose_latest(self.root, fresh_ok)
         path = layout.step_dir(self.root, which) if isinstance(which, int) else Path(which)
-        try:
-            return "ok", str(layout.verify(path).path)
-        except CheckpointError as exc:
-            return "error", str(exc)
+        return corrupt.choose(path)
 
     def _restore_rng(self, path: Path, meta: dict[str, Any]) -> None:
         file = path / f"rng-rank{self.par.rank}.pt"
         if meta["world_size"] == self.par.world_size and file.is_file():
-            rng.restore(torch.load(file, weights_only=True))
+            rng.restore(formats.load_file(file))
             return
         # Another world size: no saved stream belongs to this rank; derive one.
         self.par.seed_everything((self.parts.seed or 0) + 1000 * int(meta["step"]))
