@@ -5,10 +5,16 @@ calls ``all_gather`` instead, makes NCCL/gloo hang or silently mix data. In
 debug mode each collective first all-gathers a small fingerprint (operation,
 dtype, shape, the call's number on this rank and where in the user's code it
 was made) and raises :class:`CollectiveMismatchError` naming the ranks that
-differ. The number and the call site catch what shapes cannot: a rank that
-skips a call (its next call, from another line, meets the others' skipped
-one) or makes an extra one (at :func:`check_end` the others are done). It
-costs one tiny all-gather per call: for finding bugs, not production.
+differ. The number catches what shapes cannot: a rank that makes an extra
+call (at :func:`check_end` the others are done) or skips one. A skipped call
+between two of one shape is seen only at :func:`check_end`, after the ranks
+have already mixed the two; the strict level (``MANYGPU_DEBUG=strict``)
+compares the call site too (``file:line``, or the name a Horovod collective
+carries), so it is seen at the call, before any data moves. Its one false
+positive: ranks that reach one collective from different lines
+(``if rank == 0: x = reduce(a) else: x = reduce(a)``). Each check costs one
+tiny all-gather of integers; only a mismatch exchanges the call sites' text
+(as JSON). For finding bugs, not production.
 """
 
 from __future__ import annotations
@@ -22,11 +28,14 @@ import torch
 import torch.distributed as dist
 
 from manygpu.comm.common import all_gather_single, scratch_device, wait
+from manygpu.comm.objects import all_gather_json
 from manygpu.errors import ManyGPUError
+from manygpu.runtime import env as envmod
 
-_WIDTH = 15  # op, dtype, ndim, 8 dims, extra, call number, file hash, line
+_WIDTH = 16  # op, dtype, ndim, 8 dims, extra, call number, site hash, line, strict
 _MAX_DIMS = 8
-_SEQ, _FILE, _LINE = 12, 13, 14
+_SEQ, _SITE, _LINE, _STRICT = 12, 13, 14, 15
+_END_SITE = "end of the job"
 _calls: dict[int, int] = {}
 """Collectives checked so far, per process group (keyed by the group object's id)."""
 ANY = -2
@@ -75,8 +84,27 @@ def _call_site() -> tuple[str, int]:
     return "?", -1
 
 
+def _site(site: str | None) -> tuple[str, int, int]:
+    """(how the call site is shown, its hash, its line) for ``site`` or the user's line.
+
+    A file is known by its base name, not its path: hosts may keep the same
+    script in different directories.
+    """
+    if site is not None:
+        return site, zlib.crc32(site.encode()), -1
+    file, line = _call_site()
+    base = os.path.basename(file)
+    return f"at {base}:{line}", zlib.crc32(base.encode()), line
+
+
 def _fingerprint(
-    op: str, tensor: torch.Tensor | None, shape: tuple[int, ...] | None, extra: int, seq: int
+    op: str,
+    tensor: torch.Tensor | None,
+    shape: tuple[int, ...] | None,
+    extra: int,
+    seq: int,
+    site: tuple[str, int, int],
+    strict: bool,
 ) -> torch.Tensor:
     row = torch.full((_WIDTH,), -1, dtype=torch.int64)
     row[0] = _OPS.index(op)
@@ -88,26 +116,29 @@ def _fingerprint(
         row[2] = len(tensor.shape)
         row[3 : 3 + len(dims)] = torch.tensor(dims, dtype=torch.int64)
     row[11] = extra
-    file, line = _call_site()
     row[_SEQ] = seq
-    row[_FILE] = zlib.crc32(os.path.basename(file).encode())
-    row[_LINE] = line
+    row[_SITE], row[_LINE] = site[1], site[2]
+    row[_STRICT] = int(strict)
     return row
 
 
-def _render(row: list[int]) -> str:
+def _render(row: list[int], site: str) -> str:
     op = _OPS[row[0]] if 0 <= row[0] < len(_OPS) else "?"
-    where = f" at line {row[_LINE]} as call #{row[_SEQ]}" if row[_LINE] >= 0 else ""
+    if row[0] == _OPS.index("end of the job"):
+        return f"{op} after {row[_SEQ] - 1} calls"
+    where = f" {site} as call #{row[_SEQ]}"
     if row[1] < 0:
-        return (
-            f"{op}{where}"
-            if row[0] != _OPS.index("end of the job")
-            else (f"{op} after {row[_SEQ] - 1} calls")
-        )
+        return f"{op}{where}"
     dtype = str(_DTYPES[row[1]]).removeprefix("torch.") if row[1] < len(_DTYPES) else "?"
     dims = ["*" if d == ANY else str(d) for d in row[3 : 3 + row[2]]]
     extra = f", arg={row[11]}" if row[11] >= 0 else ""
     return f"{op}({dtype}[{'x'.join(dims) or 'scalar'}]{extra}){where}"
+
+
+def _sites(mine: str, timeout_s: float) -> list[str]:
+    """Every rank's call site as text (only after a mismatch: every rank is here)."""
+    sites = all_gather_json(mine, operation="debug check's call sites", timeout_s=timeout_s)
+    return [s[:200] if isinstance(s, str) else "?" for s in sites]
 
 
 def check_same_call(
@@ -117,6 +148,8 @@ def check_same_call(
     timeout_s: float,
     shape: tuple[int, ...] | None = None,
     extra: int = -1,
+    site: str | None = None,
+    strict: bool | None = None,
 ) -> None:
     """Raise on every rank if any rank is about to call something else.
 
@@ -125,31 +158,56 @@ def check_same_call(
         tensor: its tensor (dtype and shape are compared).
         shape: the shape to compare instead, with :data:`ANY` for free dimensions.
         extra: an argument that must agree (reduce op, root rank), -1 for none.
+        site: what identifies the call in strict mode instead of the user's
+            ``file:line``, as errors show it (``named 'loss'``, ``in bucket 3``).
+        strict: compare call sites too; ``None`` reads ``MANYGPU_DEBUG``. One
+            strict rank makes the check strict on every rank, so all decide alike.
     """
     key = id(dist.group.WORLD)
     _calls[key] = seq = _calls.get(key, 0) + 1
-    row = _fingerprint(op, tensor, shape, extra, seq).to(scratch_device())
+    if strict is None:
+        strict = envmod.debug_strict(envmod.current())
+    where = _site(site)
+    row = _fingerprint(op, tensor, shape, extra, seq, where, strict).to(scratch_device())
     world = dist.get_world_size()
     table = torch.empty((world, _WIDTH), dtype=torch.int64, device=row.device)
     work = all_gather_single(table, row.unsqueeze(0), async_op=True)
     wait(work, f"debug check before {op}", timeout_s)
     full = [tuple(r) for r in table.cpu().tolist()]
-    # The call site is shown, not compared: ranks may reach one collective from
-    # different lines (if rank == 0: ... else: ...). Operation, shape and the
-    # call's number must agree.
-    rows = [r[:_FILE] for r in full]
+    # By default the call site is shown, not compared: ranks may reach one
+    # collective from different lines (if rank == 0: ... else: ...).
+    # Operation, shape and the call's number must agree.
+    strict = any(r[_STRICT] for r in full)
+    rows = [r[:_STRICT] if strict else r[:_SITE] for r in full]
     if len(set(rows)) == 1:
         return
+    # Every rank holds the same table, so every rank is here: one more collective is safe.
+    sites = _sites(where[0], timeout_s)
+    raise CollectiveMismatchError(_mismatch_text(full, rows, sites, strict))
+
+
+def _mismatch_text(
+    full: list[tuple[int, ...]], rows: list[tuple[int, ...]], sites: list[str], strict: bool
+) -> str:
+    world = len(rows)
     common, _ = Counter(rows).most_common(1)[0]
     odd = [r for r, row_r in enumerate(rows) if row_r != common]
-    first = next(r for r in range(world) if r not in odd)
-    calls = "; ".join(f"rank {r} calls {_render(list(full[r]))}" for r in odd)
     majority = [r for r in range(world) if r not in odd]
-    raise CollectiveMismatchError(
-        f"rank {dist.get_rank()}: collective mismatch: ranks {majority} call "
-        f"{_render(list(full[first]))}, but {calls}; every rank must run the same "
-        "collectives with the same shapes and dtypes in the same order (a rank that "
-        "skipped or added a call is the one whose call numbers differ)"
+    calls = "; ".join(f"rank {r} calls {_render(list(full[r]), sites[r])}" for r in odd)
+    who = f"rank {majority[0]} calls" if len(majority) == 1 else f"ranks {majority} call"
+    same_but_site = all(rows[r][:_SITE] == common[:_SITE] for r in odd)
+    why = (
+        "the ranks reached this collective from different lines: one skipped a call before "
+        "it, or (strict mode's one false positive) the same collective is written on two lines"
+        if strict and same_but_site
+        else "every rank must run the same collectives with the same shapes and dtypes in "
+        "the same order (a rank that skipped or added a call is the one whose call numbers "
+        "differ)"
+    )
+    level = " (MANYGPU_DEBUG=strict: call sites compared)" if strict else ""
+    return (
+        f"rank {dist.get_rank()}: collective mismatch{level}: {who} "
+        f"{_render(list(full[majority[0]]), sites[majority[0]])}, but {calls}; {why}"
     )
 
 
@@ -159,4 +217,4 @@ def check_end(*, timeout_s: float) -> None:
     A rank with an extra call is still waiting in that call's check, which
     meets this one and names it; a rank that skipped one arrives here early.
     """
-    check_same_call("end of the job", None, timeout_s=timeout_s)
+    check_same_call("end of the job", None, timeout_s=timeout_s, site=_END_SITE)

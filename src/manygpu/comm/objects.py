@@ -1,27 +1,141 @@
-"""Collectives of picklable Python objects, for small metadata inside a trusted job.
+"""Collectives of Python objects: JSON for manygpu's own metadata, pickle only when asked.
 
-They are torch's object collectives, which pickle: use them only between the
-ranks of your own job, never for data from outside it. torch gives them no
-per-call timeout; the process group's timeout (``Parallel(timeout_s=...)``)
-bounds them, and a failure names the rank and operation like the others.
+:func:`all_gather_json` and :func:`broadcast_json` carry what manygpu itself
+exchanges (descriptions of calls, layouts, call sites): the object travels as
+UTF-8 JSON in a ``uint8`` tensor, the lengths first, and is read back with
+``json.loads``. A payload that is not JSON, or longer than the limit, is a
+:class:`PayloadError` naming the rank that sent it; nothing it holds is ever
+executed. Callers still check the structure of what they receive.
+
+:func:`broadcast_object` and :func:`all_gather_object` are torch's object
+collectives, which pickle: whatever a rank sends is unpickled by the others,
+so a job member (or anything that can inject bytes into the job's traffic)
+can run code in every receiving rank. Use them only between the ranks of your
+own job, for your own objects. torch gives them no per-call timeout; the
+process group's timeout (``Parallel(timeout_s=...)``) bounds them.
 """
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
+import torch
 import torch.distributed as dist
 
-from manygpu.comm.common import active, first_line
-from manygpu.errors import CollectiveTimeoutError
+from manygpu.comm.common import (
+    DEFAULT_TIMEOUT_S,
+    active,
+    all_gather_single,
+    first_line,
+    scratch_device,
+    wait,
+)
+from manygpu.errors import CollectiveTimeoutError, ManyGPUError
+
+JSON_LIMIT = 64 * 2**20
+"""Largest JSON payload accepted from one rank (bytes): a lie about a length cannot
+make the others allocate without bound."""
+
+
+class PayloadError(ManyGPUError, ValueError):
+    """Another rank sent metadata that is not what manygpu sends (not JSON, too long,
+    or the wrong structure): a bug, a version mismatch between ranks, or a stranger."""
+
+    def __init__(self, rank: int, operation: str, sender: int, detail: str) -> None:
+        self.sender = sender
+        super().__init__(
+            f"rank {rank}: {operation}: rank {sender} sent a malformed payload ({detail}); "
+            "every rank must run the same manygpu version, and only the job's ranks may "
+            "reach its network"
+        )
 
 
 def _guard(operation: str, exc: RuntimeError) -> CollectiveTimeoutError:
     return CollectiveTimeoutError(dist.get_rank(), operation, None, first_line(exc))
 
 
+def _encode(obj: Any) -> bytes:
+    return json.dumps(obj, separators=(",", ":")).encode()
+
+
+def decode_json(data: bytes, *, sender: int, operation: str) -> Any:
+    """``data`` read as JSON; a :class:`PayloadError` naming ``sender`` when it is not."""
+    try:
+        return json.loads(data.decode())
+    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as exc:
+        me = dist.get_rank() if dist.is_initialized() else 0
+        raise PayloadError(me, operation, sender, first_line(exc)) from None
+
+
+def _check_length(n: int, *, sender: int, operation: str, limit: int) -> None:
+    if not 0 <= n <= limit:
+        detail = f"a length of {n} bytes, outside 0..{limit}"
+        raise PayloadError(dist.get_rank(), operation, sender, detail)
+
+
+def all_gather_json(
+    obj: Any,
+    *,
+    operation: str = "all_gather_json",
+    timeout_s: float = DEFAULT_TIMEOUT_S,
+    limit: int = JSON_LIMIT,
+) -> list[Any]:
+    """Every rank's JSON-serialisable ``obj``, decoded, in rank order (tuples come back as lists).
+
+    Two all-gathers: the lengths, then the bytes padded to the longest.
+    ``operation`` names the call in errors.
+    """
+    if not active():
+        return [json.loads(_encode(obj))]
+    data = _encode(obj)
+    device = scratch_device()
+    world = dist.get_world_size()
+    mine = torch.tensor([len(data)], dtype=torch.int64, device=device)
+    sizes = mine.new_empty(world)
+    wait(all_gather_single(sizes, mine, async_op=True), f"{operation} sizes", timeout_s)
+    lengths = [int(n) for n in sizes.tolist()]
+    for sender, n in enumerate(lengths):
+        _check_length(n, sender=sender, operation=operation, limit=limit)
+    longest = max(lengths)
+    padded = torch.zeros(longest, dtype=torch.uint8)
+    padded[: len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+    table = torch.empty(world * longest, dtype=torch.uint8, device=device)
+    wait(all_gather_single(table, padded.to(device), async_op=True), operation, timeout_s)
+    rows = table.cpu().view(world, longest)
+    return [
+        decode_json(rows[r, :n].numpy().tobytes(), sender=r, operation=operation)
+        for r, n in enumerate(lengths)
+    ]
+
+
+def broadcast_json(
+    obj: Any,
+    src: int = 0,
+    *,
+    operation: str = "broadcast_json",
+    timeout_s: float = DEFAULT_TIMEOUT_S,
+    limit: int = JSON_LIMIT,
+) -> Any:
+    """``src``'s JSON-serialisable ``obj`` on every rank, decoded (``src`` gets it decoded too)."""
+    if not active():
+        return json.loads(_encode(obj))
+    device = scratch_device()
+    data = _encode(obj) if dist.get_rank() == src else b""
+    size = torch.tensor([len(data)], dtype=torch.int64, device=device)
+    wait(dist.broadcast(size, src=src, async_op=True), f"{operation} size", timeout_s)
+    n = int(size.item())
+    _check_length(n, sender=src, operation=operation, limit=limit)
+    buf = torch.zeros(n, dtype=torch.uint8)
+    if data:
+        buf[:] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+    buf = buf.to(device)
+    wait(dist.broadcast(buf, src=src, async_op=True), operation, timeout_s)
+    return decode_json(buf.cpu().numpy().tobytes(), sender=src, operation=operation)
+
+
 def broadcast_object(obj: Any, src: int = 0) -> Any:
-    """``src``'s ``obj`` on every rank (bounded by the group's timeout)."""
+    """``src``'s ``obj`` on every rank (pickled: trusts every rank of the job, see above)."""
     if not active():
         return obj
     box = [obj]
@@ -33,7 +147,7 @@ def broadcast_object(obj: Any, src: int = 0) -> Any:
 
 
 def all_gather_object(obj: Any) -> list[Any]:
-    """Every rank's ``obj``, in rank order."""
+    """Every rank's ``obj``, in rank order (pickled: trusts every rank of the job, see above)."""
     if not active():
         return [obj]
     out: list[Any] = [None] * dist.get_world_size()

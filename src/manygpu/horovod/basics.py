@@ -26,8 +26,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from manygpu.comm.common import active
-from manygpu.comm.objects import all_gather_object
+from manygpu.comm.common import active, all_gather_single, wait
 from manygpu.errors import UsageError
 from manygpu.horovod.missing import not_supported
 from manygpu.runtime import env as envmod
@@ -113,7 +112,15 @@ def cross_of(table: Sequence[tuple[int, int]], rank: int) -> tuple[int, int, boo
     return peers.index(rank), len(peers), len(set(per_node.values())) == 1
 
 
-def _topology(cluster: ClusterInfo) -> Topology:
+def _gather_places(cluster: ClusterInfo, timeout_s: float) -> list[tuple[int, int]]:
+    """Every rank's ``(local_rank, node_rank)``: two integers each, never a pickle."""
+    mine = torch.tensor([[cluster.local_rank, cluster.node_rank]], dtype=torch.int64)
+    table = mine.new_empty((dist.get_world_size(), 2))
+    wait(all_gather_single(table, mine, async_op=True), "hvd.init topology", timeout_s)
+    return [(int(local), int(node)) for local, node in table.tolist()]
+
+
+def _topology(cluster: ClusterInfo, timeout_s: float) -> Topology:
     if not active():
         return Topology(
             rank=0, size=1, local_rank=0, local_size=1, cross_rank=0, cross_size=1,
@@ -122,7 +129,7 @@ def _topology(cluster: ClusterInfo) -> Topology:
     rank, size = dist.get_rank(), dist.get_world_size()
     # One small collective at start: exact cross ranks even when hosts run
     # different numbers of processes (Horovod computes them at init as well).
-    table = all_gather_object((cluster.local_rank, cluster.node_rank))
+    table = _gather_places(cluster, timeout_s)
     cross_rank, cross_size, homogeneous = cross_of(table, rank)
     return Topology(
         rank=rank,
@@ -164,7 +171,7 @@ def init(comm: Any = None, process_sets: Any = None) -> None:
     ctx = init_distributed(
         cluster, device=torch.device("cpu"), backend=backend_for(cuda), timeout_s=timeout_s
     )
-    _session = Session(topology=_topology(cluster), ctx=ctx, timeout_s=timeout_s)
+    _session = Session(topology=_topology(cluster, timeout_s), ctx=ctx, timeout_s=timeout_s)
     if not _exit_hook:
         atexit.register(shutdown)  # Horovod shuts down at exit too
         _exit_hook = True

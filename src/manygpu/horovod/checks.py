@@ -5,11 +5,14 @@ rank that sends a different shape gets "Mismatched allreduce tensor shapes"
 and a rank that never calls makes the others report it as stalled. NCCL and
 gloo do neither: different shapes hang or mix data. Here every explicit
 collective first runs manygpu's cross-rank check (:mod:`manygpu.comm.debug`:
-operation, dtype, shape, call number and a digest of the name and arguments);
-when it fails, the ranks exchange what each was calling and the error lists
-them. When a collective times out, each waiting rank leaves a note in the
-job's store and reads the others': the ranks with no note never started the
-collective, and the error names them. Nothing is written while all is well.
+operation, dtype, shape, call number and a digest of the name and arguments;
+with ``MANYGPU_DEBUG=strict`` the name, or for an unnamed call its
+``file:line``, as the call site); when it fails, the ranks exchange what each
+was calling, as JSON (never pickle: nothing a rank sends is executed), and
+the error lists them. When a collective times out, each waiting rank leaves a
+note in the job's store and reads the others': the ranks with no note never
+started the collective, and the error names them. Nothing is written while
+all is well.
 """
 
 from __future__ import annotations
@@ -25,7 +28,7 @@ import torch.distributed as dist
 from manygpu.comm import debug as dbg
 from manygpu.comm.common import active, wait
 from manygpu.comm.debug import CollectiveMismatchError
-from manygpu.comm.objects import all_gather_object
+from manygpu.comm.objects import PayloadError, all_gather_json
 from manygpu.errors import CollectiveTimeoutError, peer_lost
 from manygpu.horovod.basics import Pending, session
 
@@ -64,6 +67,7 @@ def agree(
     desc: str,
     shape: tuple[int, ...] | None = None,
     details: list[Entry] | None = None,
+    name: str | None = None,
 ) -> int:
     """Before a collective: check every rank calls the same one; this rank's call number.
 
@@ -74,16 +78,22 @@ def agree(
         desc: how this rank's call is shown in errors.
         shape: the shape to compare instead, with ``dbg.ANY`` where ranks may differ.
         details: a layout (many tensors) to list differences of, when they disagree.
+        name: the user's name for the call: in strict debug mode the call site
+            compared, instead of the line it was called from (as Horovod matches names).
     """
     seq = session().next_call()
     if not active():
         return seq
     digest = zlib.crc32(repr(key).encode()) & 0x7FFFFFFF
+    site = None if name is None else f"named {name!r}"
+    timeout_s = session().timeout_s
     try:
-        dbg.check_same_call(op, tensor, timeout_s=session().timeout_s, shape=shape, extra=digest)
+        dbg.check_same_call(op, tensor, timeout_s=timeout_s, shape=shape, extra=digest, site=site)
     except CollectiveMismatchError as exc:
         # Every rank saw the same table and raises here: a collective is safe.
-        rows = all_gather_object((desc, details))
+        what = f"{desc}: comparing calls"
+        sent = all_gather_json([desc, details], operation=what, timeout_s=timeout_s)
+        rows = [parse_row(row, sender=r, operation=desc) for r, row in enumerate(sent)]
         raise HorovodMismatchError(render_mismatch(rows, str(exc))) from None
     except CollectiveTimeoutError as exc:
         named = named_stall(exc, seq, desc)
@@ -91,6 +101,35 @@ def agree(
             raise
         raise named from exc
     return seq
+
+
+def parse_row(row: object, *, sender: int, operation: str) -> tuple[str, list[Entry] | None]:
+    """A rank's ``[desc, details]`` as it arrived in JSON, checked; shapes back to tuples."""
+
+    def bad(what: str) -> PayloadError:
+        me = dist.get_rank() if dist.is_initialized() else 0
+        return PayloadError(me, operation, sender, what)
+
+    if not (isinstance(row, list) and len(row) == 2 and isinstance(row[0], str)):
+        raise bad("expected [description, layout]")
+    desc, details = row
+    if details is None:
+        return desc, None
+    if not isinstance(details, list):
+        raise bad("the layout is not a list")
+    entries: list[Entry] = []
+    for i, entry in enumerate(details):
+        if not (
+            isinstance(entry, list)
+            and len(entry) == 3
+            and isinstance(entry[0], str)
+            and isinstance(entry[1], list)
+            and all(type(d) is int and d >= 0 for d in entry[1])
+            and isinstance(entry[2], str)
+        ):
+            raise bad(f"layout entry {i} is not [name, shape, dtype]")
+        entries.append((entry[0], tuple(entry[1]), entry[2]))
+    return desc, entries
 
 
 def render_mismatch(rows: Sequence[tuple[str, list[Entry] | None]], fallback: str) -> str:

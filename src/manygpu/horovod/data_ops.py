@@ -40,7 +40,9 @@ def allgather_async(
     local = tensor.detach().reshape(1) if tensor.dim() == 0 else tensor.detach().contiguous()
     desc = describe("allgather", local, name)
     shape = (dbg.ANY, *local.shape[1:])
-    seq = agree("all_gather_uneven", local, key=("allgather", name), desc=desc, shape=shape)
+    seq = agree(
+        "all_gather_uneven", local, key=("allgather", name), desc=desc, shape=shape, name=name
+    )
     if not active():
         return submit([], local.clone, desc, seq)
     world, rest = session().topology.size, tuple(local.shape[1:])
@@ -78,7 +80,7 @@ def broadcast_async_(
     if not tensor.is_contiguous():
         raise UsageError("broadcast_ needs a contiguous tensor; pass tensor.contiguous()")
     desc = describe("broadcast", tensor, name, root_rank=root_rank)
-    seq = agree("broadcast", tensor, key=("broadcast", name, root_rank), desc=desc)
+    seq = agree("broadcast", tensor, key=("broadcast", name, root_rank), desc=desc, name=name)
     data = tensor.detach()  # a leaf that requires grad can still be written through its data
     work = dist.broadcast(data, src=root_rank, async_op=True) if active() else None
     return submit([work], lambda: tensor, desc, seq)
@@ -142,7 +144,7 @@ def alltoall_async(
     sent = send_splits(tensor.shape[0], splits, world)
     desc = describe("alltoall", tensor, name)
     shape = (dbg.ANY, *tensor.shape[1:])
-    seq = agree("all_to_all", tensor, key=("alltoall", name), desc=desc, shape=shape)
+    seq = agree("all_to_all", tensor, key=("alltoall", name), desc=desc, shape=shape, name=name)
     data = tensor.detach().contiguous()
     if active():
         mine = torch.tensor(sent, dtype=torch.int64, device=data.device)

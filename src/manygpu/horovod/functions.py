@@ -90,19 +90,28 @@ def broadcast_parameters(params: object, root_rank: int) -> None:
 def broadcast_object(
     obj: Any, root_rank: int = 0, name: str | None = None, process_set: object = global_process_set
 ) -> Any:
-    """``root_rank``'s ``obj`` on every rank (pickled: only between your own job's ranks)."""
+    """``root_rank``'s ``obj`` on every rank, pickled as in Horovod.
+
+    Pickle trusts the sender: whatever arrives is unpickled, so any job member
+    (or anything that can inject bytes into the job's traffic) can run code in
+    the receiving ranks. Use it only for your own objects inside your own job;
+    manygpu's own metadata travels as JSON instead.
+    """
     check_process_set(process_set)
     check_root(root_rank, "broadcast_object")
     desc = f"broadcast_object({name or type(obj).__name__!r}, root_rank={root_rank})"
-    agree("broadcast", None, key=("broadcast_object", name, root_rank), desc=desc)
+    agree("broadcast", None, key=("broadcast_object", name, root_rank), desc=desc, name=name)
     return comm_broadcast_object(obj, src=root_rank)
 
 
 def allgather_object(
     obj: Any, name: str | None = None, process_set: object = global_process_set
 ) -> list[Any]:
-    """Every rank's ``obj``, in rank order (pickled: only between your own job's ranks)."""
+    """Every rank's ``obj``, in rank order, pickled as in Horovod.
+
+    Pickle trusts every sender: see :func:`broadcast_object`.
+    """
     check_process_set(process_set)
     desc = f"allgather_object({name or type(obj).__name__!r})"
-    agree("all_gather", None, key=("allgather_object", name), desc=desc)
+    agree("all_gather", None, key=("allgather_object", name), desc=desc, name=name)
     return all_gather_object(obj)

@@ -129,7 +129,15 @@ class GradientSync:
         desc = self.describe(bucket)
         seq = session().next_call()
         if self.debug:
-            dbg.check_same_call("all_reduce", sent, timeout_s=session().timeout_s, extra=bucket)
+            # The site is the bucket, not a line: a bucket may be launched from a hook
+            # on one rank and from step() on another (a gradient only some ranks have).
+            dbg.check_same_call(
+                "all_reduce",
+                sent,
+                timeout_s=session().timeout_s,
+                extra=bucket,
+                site=f"in DistributedOptimizer bucket {bucket}",
+            )
         work = dist.all_reduce(sent, op=dist.ReduceOp.SUM, async_op=True)
         record = Pending(works=[work], finish=lambda: None, description=desc, seq=seq)
         self._pending[bucket] = (work, sent, ctx, record)

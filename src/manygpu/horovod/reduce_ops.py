@@ -116,7 +116,7 @@ def allreduce_async_(
     _contiguous(tensor, "allreduce_")
     desc = describe("allreduce", tensor, name, op=rop.name)
     key = ("allreduce", name, int(rop), prescale_factor, postscale_factor)
-    seq = agree("all_reduce", tensor, key=key, desc=desc)
+    seq = agree("all_reduce", tensor, key=key, desc=desc, name=name)
     world = session().topology.size
     data = tensor.detach()  # same storage; a leaf that requires grad can be written through it
     scale_(data, prescale_factor, "prescale_factor")
@@ -186,7 +186,7 @@ def grouped_allreduce_async_(
     desc = describe("grouped_allreduce", None, name, tensors=len(tensors), op=rop.name)
     key = ("grouped_allreduce", name, int(rop), prescale_factor, postscale_factor, shapes)
     details = [(f"#{i}", shape, dtype) for i, (shape, dtype) in enumerate(shapes)]
-    seq = agree("all_reduce", None, key=key, desc=desc, details=details)
+    seq = agree("all_reduce", None, key=key, desc=desc, details=details, name=name)
     world = session().topology.size
     works, flats = [], []
     for group in _flat_groups(tensors):
@@ -261,7 +261,7 @@ def reducescatter_async(
         raise UsageError("reducescatter needs a tensor with at least one dimension")
     desc = describe("reducescatter", tensor, name, op=rop.name)
     key = ("reducescatter", name, int(rop), prescale_factor, postscale_factor)
-    seq = agree("reduce_scatter", tensor, key=key, desc=desc)
+    seq = agree("reduce_scatter", tensor, key=key, desc=desc, name=name)
     world, me = session().topology.size, session().topology.rank
     counts = scatter_counts(tensor.shape[0], world)
     longest, rest = counts[0], tuple(tensor.shape[1:])
