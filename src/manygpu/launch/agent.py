@@ -202,7 +202,7 @@ def take_secret(spec: LaunchSpec) -> JobSecret | None:
     environment and need no secret (their store is reached through a door).
     """
     secret = jobsecret.load(spec.job_secret_file, envmod.current())
-    os.environ.pop(envmod.JOB_SECRET, None)
+    envmod.drop_job_secret()
     if secret is None and jobsecret.required(split_endpoint(spec.rdzv_endpoint, 0)[0]):
         raise jobsecret.refusal(spec.rdzv_endpoint)
     return secret

@@ -154,6 +154,11 @@ def _client(host: str, port: int, timeout: timedelta, **kwargs: Any) -> TCPStore
     if secret is None:
         return TCPStore(host, port, is_master=False, timeout=timeout, **kwargs)
     entrance = door(secret, host, port, timeout)
+    try:
+        entrance.check()
+    except (store_gate.DoorRefused, ConnectionError) as exc:
+        raise RendezvousConnectionError(str(exc)) from None
+    _KEEP.append(entrance)
     return TCPStore("127.0.0.1", entrance.port, is_master=False, timeout=timeout, **kwargs)
 
 

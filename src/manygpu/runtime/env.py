@@ -138,6 +138,13 @@ def visible_devices(env: Environ) -> list[str] | None:
 
 JOB_SECRET = "MANYGPU_JOB_SECRET"
 """The job's secret for a multi-node job (:mod:`manygpu.launch.jobsecret`)."""
+
+
+def drop_job_secret() -> None:
+    """Remove the job secret from this process's environment, which workers inherit."""
+    os.environ.pop(JOB_SECRET, None)
+
+
 VARIABLE_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 """What a shell accepts as a variable name; nothing else is forwarded to a host."""
 

@@ -196,6 +196,11 @@ class Door(_Listener):
         self._warned = False
         super().__init__(listen("127.0.0.1", 0), self._serve_local)
 
+    def check(self) -> None:
+        """Prove the key once now: a refusal is an error at once, not a client's
+        connection reset, which a TCPStore client would retry until its timeout."""
+        self._connect().close()
+
     def _serve_local(self, local: socket.socket, peer: str) -> None:
         try:
             remote = self._connect()
