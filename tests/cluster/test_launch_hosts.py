@@ -109,6 +109,18 @@ def _wait_for(paths: list[Path], proc: subprocess.Popen[str], log: Path, timeout
         time.sleep(0.1)
 
 
+def _command_lines_as_nobody() -> list[str]:
+    """Every process's command line as an unprivileged user reads it (what ``ps`` shows)."""
+    read_all = 'for f in /proc/[0-9]*/cmdline; do tr "\\0" " " < "$f" 2>/dev/null; echo; done'
+    res = subprocess.run(
+        ["runuser", "-u", "nobody", "--", "sh", "-c", read_all],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    return [line.strip() for line in res.stdout.splitlines() if line.strip()]
+
+
 def _report(output: str) -> list[str]:
     """The driver's own lines (each host's lines carry the host as prefix)."""
     return [line for line in output.splitlines() if line.startswith("manygpu: ")]
@@ -133,7 +145,9 @@ def test_two_hosts_two_processes_match_one_process(
         nodes: dict[int, list[int]] = {}
         for rank, rec in enumerate(records):
             assert rec["world"] == 4 and rec["strategy"] == strategy
-            assert rec["master_addr"] in cluster.addresses  # met over the namespace network
+            # The workers' store is their node's door on loopback (the job's secret
+            # opens the gate behind it); the nodes met over the namespace network.
+            assert rec["master_addr"] == "127.0.0.1"
             assert (rec["params"] - ref).abs().max().item() < TOL, strategy
             assert torch.equal(rec["params"], records[0]["params"])
             nodes.setdefault(rec["node"], []).append(rank)
@@ -252,6 +266,7 @@ def test_ctrl_c_stops_every_process_on_every_host(
     driver = _start(cluster, argv, log, cwd=job, env=here)
     try:
         _wait_for([out / "started-0", out / "started-1"], driver, log, timeout=100)
+        seen_by_others = _command_lines_as_nobody()
         driver.send_signal(signal.SIGINT)
         driver.wait(timeout=30)
     finally:
@@ -261,6 +276,16 @@ def test_ctrl_c_stops_every_process_on_every_host(
     text = log.read_text()
     assert driver.returncode == 130, text[-3000:]
     assert "manygpu: SIGINT: stopped the job on every host" in text
+    # What any local user sees with ps: the job's processes (the driver, ssh,
+    # every host's launcher and workers), and none of the values sent to the
+    # hosts (-x by name, .manygpu_env, forwarded NCCL_*) nor the job secret.
+    # (The driver's own argv holds "-x FROM_X=x value": typed by the user.)
+    job = [line for line in seen_by_others if "manygpu" in line or line.startswith("ssh")]
+    assert sum("launch --driven" in line for line in job) >= 2, job
+    assert any(line.startswith("ssh ") for line in job), job
+    for value in ("file value", "passed", "WARN", "INFO", "MANYGPU_JOB_SECRET"):
+        assert not [line for line in job if value in line], (value, job)
+    assert not [line for line in job if re.search(r"[0-9a-f]{32}", line)], job
     assert re.search(r"^10\.213\.0\.[12]/1: rank 1 of 2 is training$", text, re.M), text[-2000:]
     assert not list(out.glob("done-*"))
     seen = {s["addr"]: s["env"] for s in (json.loads(p.read_text()) for p in out.glob("started-*"))}

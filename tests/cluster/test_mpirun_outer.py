@@ -69,5 +69,5 @@ def test_one_launcher_per_node_from_mpirun_matches_one_process(tmp_path: Path) -
     records = [torch.load(tmp_path / f"ddp-rank{r}.pt", weights_only=True) for r in range(4)]
     for rank, rec in enumerate(records):
         assert rec["world"] == 4 and rec["node"] == rank // 2  # the MPI rank is the node's
-        assert rec["master_addr"] == master
+        assert rec["master_addr"] == "127.0.0.1"  # the node's door to the gated store
         assert (rec["params"] - ref).abs().max().item() < 1e-5

@@ -58,6 +58,11 @@ CLI_BAD: list[tuple[list[str], str]] = [
     (["launch", "--start-method", "thread", S], "invalid choice"),
     (["launch", "--monitor-interval", "0", S], "greater than 0"),
     (["launch", "nope.py"], "not found"),
+    (
+        ["launch", "--nnodes", "2", "--rdzv-backend", "c10d", "--rdzv-endpoint", "10.9.8.7:1", S],
+        "export MANYGPU_JOB_SECRET=",
+    ),
+    (["launch", "--job-secret-file", "/nonexistent/secret", S], "cannot read it"),
     (["launch"], "SCRIPT"),
     (["bench", "comm", "--iters", "-1"], "0 or more"),
     (["bench", "comm", "--warmup", "-3"], "0 or more"),

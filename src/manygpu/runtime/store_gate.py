@@ -156,8 +156,8 @@ class Gate(_Listener):
             store = socket.create_connection(("127.0.0.1", self._store_port), timeout=30)
             store.settimeout(None)
         except (OSError, PermissionError) as exc:
+            self._refused(peer, exc)  # named before the peer sees the close
             conn.close()
-            self._refused(peer, exc)
             return
         _relay(conn, store)
 

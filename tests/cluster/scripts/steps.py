@@ -13,6 +13,7 @@ import sys
 import time
 from pathlib import Path
 
+import psutil
 import torch
 from reference import make_data, make_model
 from torch import nn
@@ -30,10 +31,11 @@ with Parallel(strategy="ddp", timeout_s=60) as par:
         opt.zero_grad()
         if step == 0:
             print(f"rank {par.rank} of {par.world_size} is training", flush=True)
-            # This host's address: the source address towards the rendezvous host.
-            with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sock:
-                sock.connect((os.environ["MASTER_ADDR"], 9))
-                addr = sock.getsockname()[0]
+            # This host's address: its namespace's eth0 (MASTER_ADDR is the
+            # node's door to the job's store, on loopback).
+            addr = next(
+                a.address for a in psutil.net_if_addrs()["eth0"] if a.family == socket.AF_INET
+            )
             seen = {name: os.environ.get(name) for name in sys.argv[4:]}
             (out / f"started-{par.rank}").write_text(json.dumps({"addr": addr, "env": seen}))
         time.sleep(step_s)
