@@ -26,6 +26,7 @@ from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (
 )
 
 from manygpu.launch import rdzv_state
+from manygpu.launch.jobsecret import JobSecret
 from manygpu.launch.rendezvous import JsonStateBackend, serve_store
 
 
@@ -152,3 +153,33 @@ def test_local_pickles_are_allow_listed(tmp_path: Path) -> None:
     with pytest.raises(Exception, match="not part of a rendezvous state"):
         rdzv_state.from_local_pickle(payload(str(marker)))
     assert not marker.exists()
+
+
+def test_with_a_secret_an_unsigned_state_is_named_and_replaced_not_fatal(
+    store: TCPStore, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A well-formed state nobody of the job signed (a local user of the store's
+    host wrote it) neither ends nor stalls the rendezvous: the next write wins."""
+    secret = JobSecret(b"k" * 32)
+    marker = tmp_path / "ran"
+    member = JsonStateBackend(store, "job", "127.0.0.1:1", secret)
+    forged = _state()
+    forged.round = 77
+    for bits in (rdzv_state.encode(forged).encode(), payload(str(marker))):
+        _client(store).set("manygpu.rendezvous.job", bits)
+        holder = _holder(member)
+        holder.sync()  # read: taken as empty, not as round 77, no error
+        assert holder.state.round == 0 and not holder.state.participants
+        mine = _state()
+        holder._state, holder._dirty = mine, True
+        holder.sync()  # written over the forged one
+        other = _holder(JsonStateBackend(_client(store), "job", "r", secret))
+        other.sync()
+        assert other.state.round == mine.round and other.state.participants == mine.participants
+    assert not marker.exists()
+    err = capsys.readouterr().err
+    assert err.count("no node of this job signed") == 1, err  # named once per backend
+    # A member without the secret (or with another) cannot read the signed state as its own.
+    stranger = _holder(JsonStateBackend(_client(store), "job", "s", JobSecret(b"x" * 32)))
+    stranger.sync()
+    assert stranger.state.round == 0

@@ -65,6 +65,11 @@ def _time(t: datetime) -> str:
     return t.astimezone(timezone.utc).isoformat()
 
 
+def empty() -> _RendezvousState:
+    """A state with nobody in it, as torch starts from."""
+    return _RendezvousState()
+
+
 def encode(state: _RendezvousState) -> str:
     """Canonical JSON (sorted), so equal states give equal text."""
     doc = {

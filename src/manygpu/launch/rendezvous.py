@@ -16,6 +16,8 @@ They are registered under their own names so torch's stay untouched.
 from __future__ import annotations
 
 import errno
+import hashlib
+import hmac
 import re
 import secrets
 import socket
@@ -219,14 +221,28 @@ def agree_run_id(store: Store, run_id: str, hosting: bool) -> str:
 
 
 class JsonStateBackend(RendezvousBackend):
-    """torch's C10dRendezvousBackend with the state kept as checked JSON."""
+    """torch's C10dRendezvousBackend with the state kept as checked JSON.
+
+    With a job secret each state written is signed (HMAC-SHA256 of its text
+    under a key derived from the secret). A state that fails the check was
+    not written by a node of this job (the gate keeps strangers out; this
+    covers a local user of the store's host, who can reach its loopback
+    port): it is named once in the log and treated as an empty state whose
+    token is that text, so the next write of a node replaces it. It can
+    neither end the rendezvous nor stall it.
+    """
 
     _NULL = "null"  # set first, so a plain ``get`` never blocks
 
-    def __init__(self, store: Store, run_id: str, where: str) -> None:
+    def __init__(
+        self, store: Store, run_id: str, where: str, secret: JobSecret | None = None
+    ) -> None:
         self._store = store
         self._key = f"manygpu.rendezvous.{run_id}"
         self._where = f"{where} (key {self._key})"
+        self._mac_key = None if secret is None else secret.derive("rendezvous-state")
+        self._named = False
+        self._foreign: bytes | None = None
         self._call("compare_set", self._key, "", self._NULL)
 
     @property
@@ -242,7 +258,13 @@ class JsonStateBackend(RendezvousBackend):
         if token is not None and not isinstance(token, bytes):  # not one of ours: stale
             result = self.get_state()
             return None if result is None else (*result, False)
-        text = rdzv_state.encode(rdzv_state.from_local_pickle(state))
+        text = self._sign(rdzv_state.encode(rdzv_state.from_local_pickle(state)))
+        if token is not None and token == self._foreign:
+            # Not ours and maybe not text (compare_set takes text): clear it if it
+            # is still there, then write as onto an empty key.
+            if self._call("get", self._key) == token:
+                self._call("set", self._key, self._NULL)
+            token = None
         expected = token.decode() if token is not None else self._NULL
         raw = self._call("compare_set", self._key, expected, text)
         pair = self._decode(raw)
@@ -250,10 +272,33 @@ class JsonStateBackend(RendezvousBackend):
             return None
         return pair[0], pair[1], raw == text.encode()
 
+    def _sign(self, text: str) -> str:
+        if self._mac_key is None:
+            return text
+        return f"{text}\n{hmac.new(self._mac_key, text.encode(), hashlib.sha256).hexdigest()}"
+
     def _decode(self, raw: bytes) -> tuple[bytes, Token] | None:
         if raw == self._NULL.encode():
             return None
-        return rdzv_state.to_local_pickle(rdzv_state.decode(raw, self._where)), raw
+        body = raw
+        if self._mac_key is not None:
+            body, _, sig = raw.rpartition(b"\n")
+            good = hmac.new(self._mac_key, body, hashlib.sha256).hexdigest().encode()
+            if not hmac.compare_digest(sig, good):
+                self._name_foreign()
+                self._foreign = raw
+                return rdzv_state.to_local_pickle(rdzv_state.empty()), raw
+        return rdzv_state.to_local_pickle(rdzv_state.decode(body, self._where)), raw
+
+    def _name_foreign(self) -> None:
+        if not self._named:
+            self._named = True
+            print(
+                f"manygpu: ignored a rendezvous state at {self._where} that no node of this "
+                "job signed (replaced by the next write)",
+                file=sys.stderr,
+                flush=True,
+            )
 
     def _call(self, op: str, *args: Any) -> Any:
         try:
@@ -327,7 +372,7 @@ def create_c10d(params: RendezvousParameters) -> RendezvousHandler:
     return _DynamicHandler.from_backend(
         run_id,
         store,
-        JsonStateBackend(store, run_id, where),
+        JsonStateBackend(store, run_id, where, _Job.secret),
         params.min_nodes,
         params.max_nodes,
         params.local_addr,
