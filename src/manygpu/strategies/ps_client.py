@@ -27,10 +27,14 @@ from manygpu.strategies.ps_protocol import (
     STEP,
     HyperLayout,
     Layout,
+    ParameterServerError,
     Reply,
+    count,
     fill_request,
     flatten,
     from_bytes,
+    shown,
+    state_limit,
     to_bytes,
     unflatten_into,
 )
@@ -175,12 +179,24 @@ class PSClient:
             fill_request(server.header, FETCH)
             server.link.exchange([server.header], [server.reply], "fetching the state",
                                  self.timeout_s)  # fmt: skip
-            data = torch.zeros(Reply.read(server.reply).aux, dtype=torch.uint8)
+            data = torch.zeros(self._state_size(server), dtype=torch.uint8)
             server.link.exchange([], [data], "fetching the state", self.timeout_s)
             got = from_bytes(data)
             flats.append(got["params"])
             state.update(got["state"])
         return flats, state
+
+    def _state_size(self, server: _Server) -> int:
+        """The byte count a FETCH reply announces, bounded as the server bounds a LOAD."""
+        shard = self._shard(server)
+        limit = state_limit(server.values.numel(), server.values.element_size(), len(shard))
+        size = count(float(server.reply[0]), 1, limit)
+        if size is None:
+            raise ParameterServerError(
+                f"rank {server.link.me}: parameter server rank {server.rank} announced a state "
+                f"of {shown(float(server.reply[0]))} bytes; its shard allows at most {limit:,}"
+            )
+        return size
 
     def load(self, state: dict[int, Any], groups: list[dict[str, Any]]) -> None:
         """Replace every server's shard with this worker's parameters and ``state``; wait."""

@@ -17,12 +17,19 @@ server -> worker ``[aux, version, lag, tau, norm, live, lag of each worker...]``
 
 Parameters are split over the servers by size (largest first onto the least
 loaded server), so parameters and optimizer state are balanced.
+
+A server trusts no number a worker sends: every size, count and index is
+checked against what it holds (:func:`request_problem`, :func:`state_problem`)
+before anything is allocated or indexed, so a lying or buggy worker gets a
+one-line refusal naming it instead of ending the server with an allocation
+failure or a traceback.
 """
 
 from __future__ import annotations
 
 import io
 import math
+import zipfile
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -40,10 +47,48 @@ REPLY_FIXED = 6
 """Slots before the per-worker lags: aux, version, lag, tau, norm, live."""
 GONE = -1.0
 """A worker's lag in a reply once it has left (finished or dropped)."""
+STATE_COPIES = 16
+"""A state to load may hold this many copies of the shard's bytes: Adam keeps two, with
+``amsgrad`` three, at most at twice the parameters' width (fp32 state of bf16 weights)."""
+STATE_OVERHEAD = 16 * 2**20
+"""Bytes a state may hold beyond its tensors: the param groups (``param_names`` included)."""
+STATE_PER_TENSOR = 4096
+"""Bytes of archive and pickle per parameter of the shard (a few state entries each)."""
 
 
 class ParameterServerError(ManyGPUError, RuntimeError):
     """The parameter-server job cannot go on; the message names the rank at fault."""
+
+
+class BadMessage(ParameterServerError):
+    """A worker sent what the protocol does not allow; the text says what, without the rank.
+
+    The server adds who sent it and what happens next: in sync mode the job
+    ends, in async mode the server drops that worker and goes on.
+    """
+
+
+def count(value: float, low: int, high: int) -> int | None:
+    """``value`` as an int when it is a whole number in ``[low, high]``, else ``None``.
+
+    Header slots are ``float64``: NaN, infinities and fractions are refused
+    here, before ``int()`` could raise or a size could reach an allocation.
+    """
+    if not math.isfinite(value) or not float(value).is_integer() or not low <= value <= high:
+        return None
+    return int(value)
+
+
+def shown(value: float) -> str:
+    """A header number as an error shows it: ``1,000,000,000,000``, ``-5``, ``nan``, ``2.5``."""
+    if math.isfinite(value) and float(value).is_integer():
+        return f"{int(value):,}"
+    return repr(float(value))
+
+
+def state_limit(numel: int, itemsize: int, tensors: int) -> int:
+    """The most bytes a state to load (or a fetched one) may have for a shard of this size."""
+    return STATE_OVERHEAD + STATE_COPIES * numel * itemsize + STATE_PER_TENSOR * tensors
 
 
 def balance(sizes: Sequence[int], servers: int) -> list[tuple[int, ...]]:
@@ -80,6 +125,8 @@ class HyperLayout:
 
     slots: tuple[tuple[int, str, int], ...]
     """(group index, key, how many numbers) in header order."""
+    groups: int
+    """How many param groups the optimizer has (a state to load must have as many)."""
 
     @classmethod
     def of(cls, groups: Sequence[dict[str, Any]]) -> HyperLayout:
@@ -90,7 +137,7 @@ class HyperLayout:
                 found = _numbers(group[key])
                 if found is not None:
                     slots.append((gi, key, len(found)))
-        return cls(tuple(slots))
+        return cls(tuple(slots), len(groups))
 
     @property
     def size(self) -> int:
@@ -156,6 +203,101 @@ class Layout:
 
     def hyper_values(self, header: torch.Tensor) -> list[float]:
         return header[REQUEST_FIXED : REQUEST_FIXED + self.hypers.size].tolist()
+
+
+def request_problem(layout: Layout, header: torch.Tensor, load_limit: int) -> str | None:
+    """What is wrong with a worker's header (after its first message), or ``None``.
+
+    ``load_limit``: the most bytes a state to load may have (:func:`state_limit`).
+    """
+    values = header.tolist()
+    kind = values[0]
+    if kind not in KIND_NAMES or kind == INIT:
+        return (
+            f"sent an unknown message (kind {kind!r}); run the same manygpu version on every rank"
+        )
+    if kind == LOAD and count(values[1], 1, load_limit) is None:
+        return (
+            f"sent a state of {shown(values[1])} bytes to load; this server takes at most "
+            f"{load_limit:,} for its shard"
+        )
+    if kind != PUSH:
+        return None
+    max_norm, norm_type = values[2], values[3]
+    if math.isnan(max_norm) or (max_norm > 0 and not norm_type > 0):
+        return (
+            f"asked to clip to {max_norm!r} by the {norm_type!r}-norm; clipping needs a "
+            "positive max_norm and a positive norm type (or inf)"
+        )
+    start = REQUEST_FIXED + layout.hypers.size
+    flags = values[start : start + layout.params]
+    bad = next((i for i, v in enumerate(flags) if v not in (0.0, 1.0)), None)
+    if bad is not None:
+        return (
+            f"sent a push whose gradient flag {bad} is {flags[bad]!r} (0 or 1 expected) for "
+            f"this server's {layout.params:,} parameters"
+        )
+    return None
+
+
+def state_problem(saved: Any, *, shard: dict[int, torch.Tensor], groups: int) -> str | None:
+    """What is wrong with a state a worker sent to load, or ``None``.
+
+    Args:
+        saved: what :func:`from_bytes` read (``params``, ``state``, ``groups``).
+        shard: global parameter index -> this server's parameter.
+        groups: the optimizer's param-group count.
+    """
+    if not isinstance(saved, dict) or not {"params", "state", "groups"} <= saved.keys():
+        return "sent a state to load without its params, state and groups"
+    numel = sum(p.numel() for p in shard.values())
+    dtype = next(iter(shard.values())).dtype
+    flat = saved["params"]
+    if not _dense(flat, numel) or flat.dim() != 1 or flat.numel() != numel or flat.dtype != dtype:
+        what = f"{flat.dtype}[{flat.numel():,}]" if isinstance(flat, torch.Tensor) else "no tensor"
+        return f"sent {what} parameters to load; this server holds {dtype}[{numel:,}]"
+    state = saved["state"]
+    if not isinstance(state, dict):
+        return "sent an optimizer state to load that is not a dict"
+    for index, entry in state.items():
+        if type(index) is not int or index not in shard:
+            return (
+                f"sent optimizer state for parameter {index!r}; this server holds parameters "
+                f"{_span(shard)}"
+            )
+        size = max(shard[index].numel(), 1)
+        if not isinstance(entry, dict) or not all(_state_value(v, size) for v in entry.values()):
+            return (
+                f"sent optimizer state for parameter {index} that is not a dict of numbers and "
+                f"tensors of at most its {size:,} elements"
+            )
+    saved_groups = saved["groups"]
+    if not isinstance(saved_groups, list) or len(saved_groups) != groups:
+        found = len(saved_groups) if isinstance(saved_groups, list) else "no list of"
+        return f"sent {found} param groups to load; the optimizer has {groups}"
+    if not all(isinstance(g, dict) and all(type(k) is str for k in g) for g in saved_groups):
+        return "sent param groups to load that are not dicts keyed by name"
+    return None
+
+
+def _dense(value: Any, limit: int) -> bool:
+    """A plain (strided) tensor of at most ``limit`` elements: no sparse or huge views."""
+    return (
+        isinstance(value, torch.Tensor) and value.layout == torch.strided and value.numel() <= limit
+    )
+
+
+def _state_value(value: Any, size: int) -> bool:
+    """One entry of a parameter's optimizer state: a number, None, or a small tensor."""
+    return value is None or isinstance(value, int | float) or _dense(value, size)
+
+
+def _span(shard: dict[int, torch.Tensor]) -> str:
+    """The shard's global indices, the first few of a long list."""
+    indices = sorted(shard)
+    if len(indices) <= 6:
+        return ", ".join(map(str, indices))
+    return f"{', '.join(map(str, indices[:5]))}, ... ({len(indices):,} in all)"
 
 
 def fill_request(
@@ -226,8 +368,18 @@ def to_bytes(obj: Any) -> torch.Tensor:
 
 
 def from_bytes(data: torch.Tensor) -> Any:
-    """The inverse of :func:`to_bytes`; ``weights_only``: no code runs from a peer's bytes."""
-    return torch.load(io.BytesIO(data.numpy().tobytes()), weights_only=True)
+    """The inverse of :func:`to_bytes`; ``weights_only``: no code runs from a peer's bytes.
+
+    ``torch.load`` allocates each archive entry at the size its directory
+    names: entries must be stored (never compressed) and within the bytes
+    received, so a small message cannot ask for a large allocation.
+    """
+    raw = data.numpy().tobytes()
+    with zipfile.ZipFile(io.BytesIO(raw)) as archive:
+        for entry in archive.infolist():
+            if entry.compress_type != zipfile.ZIP_STORED or entry.file_size > len(raw):
+                raise ValueError(f"archive entry {entry.filename[:60]!r} is not a stored tensor")
+    return torch.load(io.BytesIO(raw), weights_only=True)
 
 
 def flatten(tensors: Sequence[torch.Tensor], dtype: torch.dtype) -> torch.Tensor:

@@ -15,9 +15,11 @@ worker's pull and its push).
 
 A worker that goes away is dropped in ``async`` mode (one line on stderr);
 in ``sync`` mode the server stops with an error naming it, as a step cannot
-be completed without it. When every worker has said goodbye the server
-leaves :meth:`~manygpu.Parallel.prepare` with :class:`ServingDone`, a clean
-``SystemExit(0)``.
+be completed without it. A worker whose message breaks the protocol (a size
+beyond the shard, an unknown kind: see :func:`.ps_protocol.request_problem`)
+is treated the same way, with a line saying what it sent. When every worker
+has said goodbye the server leaves :meth:`~manygpu.Parallel.prepare` with
+:class:`ServingDone`, a clean ``SystemExit(0)``.
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from manygpu.comm.common import first_line
 from manygpu.errors import CollectiveTimeoutError
 from manygpu.strategies.options import PSOptions
 from manygpu.strategies.ps_links import Link, PSContext, lost, short
@@ -39,17 +42,22 @@ from manygpu.strategies.ps_protocol import (
     FETCH,
     GONE,
     INIT,
-    LOAD,
     PUSH,
     STEP,
+    BadMessage,
     HyperLayout,
     Layout,
     ParameterServerError,
     Reply,
     clip_coefficient,
     clip_of,
+    count,
     flatten,
     from_bytes,
+    request_problem,
+    shown,
+    state_limit,
+    state_problem,
     to_bytes,
     unflatten_into,
 )
@@ -118,6 +126,8 @@ class ShardServer:
         self.layout = Layout(hypers, len(params), len(self.workers))
         self.numel = sum(p.numel() for p in params)
         self.dtype = params[0].dtype
+        self.load_limit = state_limit(self.numel, params[0].element_size(), len(params))
+        """The most bytes a worker's state to load may have (checked before allocating)."""
         self.record = ServeRecord(server=ctx.index)
         self._cond = threading.Condition()
         self._live = set(self.workers)
@@ -154,14 +164,17 @@ class ShardServer:
         return self.record
 
     def _receive_init(self) -> None:
+        """The first worker's parameters; a wrong count ends the job (no worker could train)."""
         link = self.ctx.links[self.workers[0]]
         header, values = self.layout.new_request(), torch.zeros(self.numel, dtype=self.dtype)
         link.wait(link.recv(header), "receiving the initial parameters", self.timeout_s)
-        if float(header[0]) != INIT or int(header[1]) != self.numel:
+        kind, size = float(header[0]), float(header[1])
+        if kind != INIT or count(size, self.numel, self.numel) is None:
+            what = "initial parameters" if kind == INIT else f"a message of kind {kind!r} with"
             raise ParameterServerError(
-                f"parameter server rank {link.me}: the first worker's model gives this server "
-                f"{int(header[1])} numbers, its own model {self.numel}: build the same model "
-                "and optimizer on every rank"
+                f"parameter server rank {link.me}: worker rank {link.peer} sent {what} of "
+                f"{shown(size)} numbers; this server holds {self.numel:,} of its model: build "
+                "the same model and optimizer on every rank"
             )
         link.wait(link.recv(values), "receiving the initial parameters", self.timeout_s)
         with torch.no_grad():
@@ -175,6 +188,7 @@ class ShardServer:
         try:
             while True:
                 link.wait(link.recv(header), "waiting for a request", self.timeout_s)
+                self._check(header)
                 kind = float(header[0])
                 if kind == BYE:
                     self._leave(w, finished=True)
@@ -184,22 +198,30 @@ class ShardServer:
                     answer, with_params = self._push(w, header, grad, out)
                 elif kind == STEP:
                     answer, with_params = self._sync_round(w, STEP, header, None, out), True
-                elif kind in (FETCH, LOAD):
+                else:  # FETCH or LOAD: _check let nothing else through
                     self._state_request(w, link, header, reply)
                     continue
-                else:
-                    raise ParameterServerError(
-                        f"worker rank {w} sent an unknown message ({kind}); run the same "
-                        "manygpu version on every rank"
-                    )
                 sends = [answer.write(reply)] + ([out] if with_params else [])
                 link.exchange(sends, [], "sending the reply", self.timeout_s)
         except CollectiveTimeoutError as exc:
             self._lose(w, exc)
+        except BadMessage as exc:
+            self._reject(w, exc)
         except _Stopped:
             return
         except BaseException as exc:  # a bug here must stop the server, not one thread
             self._stop(exc)
+
+    def _check(self, header: torch.Tensor) -> None:
+        """Refuse a header whose numbers the shard does not allow, before acting on it."""
+        problem = request_problem(self.layout, header, self.load_limit)
+        if problem is None and float(header[0]) == STEP:
+            with self._cond:
+                # A step applies the clipped push of the round before it (sync only).
+                if self.mode == "async" or self._pending is None:
+                    problem = "sent a step without a clipped push before it"
+        if problem is not None:
+            raise BadMessage(problem)
 
     # -- updates ----------------------------------------------------------------
     def _push(
@@ -349,10 +371,23 @@ class ShardServer:
                 [answer.write(reply), data], [], "sending the optimizer state", self.timeout_s
             )
             return
+        # _check bounded the size by the shard: this allocation is the shard's, not the sender's.
         data = torch.zeros(int(header[1]), dtype=torch.uint8)
         link.wait(link.recv(data), "receiving a state to load", self.timeout_s)
+        try:
+            saved = from_bytes(data)
+        except Exception as exc:  # whatever a malformed archive raises
+            raise BadMessage(f"sent a state that does not load ({first_line(exc)})") from None
+        shard = dict(zip(self.indices, self.params, strict=True))
+        problem = state_problem(saved, shard=shard, groups=self.layout.hypers.groups)
+        if problem is not None:
+            raise BadMessage(problem)
         with self._cond:
-            self._load(from_bytes(data))
+            try:
+                self._load(saved)
+            except Exception as exc:  # torch's own checks of groups and state
+                why = first_line(exc)
+                raise BadMessage(f"sent a state this server's optimizer refuses ({why})") from None
         link.exchange([reply.zero_()], [], "acknowledging the loaded state", self.timeout_s)
 
     def _state(self) -> dict[int, Any]:
@@ -361,8 +396,7 @@ class ShardServer:
         return {self.indices[i]: value for i, value in local.items()}
 
     def _load(self, saved: dict[str, Any]) -> None:
-        with torch.no_grad():
-            unflatten_into(saved["params"], self.params)
+        """Install a checked state: the optimizer's first (it may refuse), then the parameters."""
         position = {g: i for i, g in enumerate(self.indices)}
         state = {position[g]: v for g, v in saved["state"].items() if g in position}
         groups = []
@@ -371,6 +405,8 @@ class ShardServer:
             values = {k: v for k, v in saved["groups"][gi].items() if k != "params"}
             groups.append({**values, "params": [next(ids) for _ in group["params"]]})
         self.optimizer.load_state_dict({"state": state, "param_groups": groups})
+        with torch.no_grad():
+            unflatten_into(saved["params"], self.params)
 
     # -- workers leaving --------------------------------------------------------
     def _leave(self, w: int, *, finished: bool) -> None:
@@ -403,6 +439,21 @@ class ShardServer:
                 "the timeout (timeout_s, MANYGPU_TIMEOUT) if its steps are that slow"
             )
         self._stop(ParameterServerError(f"parameter server rank {me}: {why}"))
+
+    def _reject(self, w: int, exc: BadMessage) -> None:
+        """A worker broke the protocol: as for a lost worker, async drops it and sync ends."""
+        line = f"parameter server rank {self.ctx.global_cluster.rank}: worker rank {w} {exc}"
+        if self.mode == "async":
+            self._leave(w, finished=False)
+            print(
+                f"manygpu: {line}; asynchronous training goes on with {len(self._live)} worker(s)",
+                file=sys.stderr,
+                flush=True,
+            )
+            return
+        self._stop(
+            ParameterServerError(f"{line}; a synchronous step needs every worker, so the job ends")
+        )
 
     def _stop(self, exc: BaseException) -> None:
         with self._cond:
