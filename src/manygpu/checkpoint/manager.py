@@ -27,6 +27,7 @@ import torch.distributed as dist
 from manygpu.checkpoint import corrupt, formats, layout, rng, writer
 from manygpu.checkpoint.preemption import PreemptionNotice, exit_now, requeue_slurm_job
 from manygpu.checkpoint.staging import Staging, pin_wanted
+from manygpu.comm.objects import all_gather_json, broadcast_json, parse_each
 from manygpu.errors import CheckpointError, UsageError
 
 if TYPE_CHECKING:
@@ -201,13 +202,14 @@ class Checkpointer:
                     f"rank {self.par.rank}: checkpoint barrier failed: {str(exc).splitlines()[0]}"
                 ) from exc
 
-    def _broadcast(self, value: Any) -> Any:
-        """The main rank's ``value`` on every rank (over the checkpoint group)."""
+    def _broadcast_verdict(self, verdict: tuple[str, str]) -> tuple[str, str]:
+        """The main rank's ``(kind, value)`` on every rank (as JSON, over the checkpoint group)."""
         if self._group is None:
-            return value
-        box = [value]
-        dist.broadcast_object_list(box, src=0, group=self._group)
-        return box[0]
+            return verdict
+        sent = broadcast_json(
+            list(verdict), 0, operation=_VERDICT, timeout_s=self.timeout_s, group=self._group
+        )
+        return parse_each([sent], _verdict, operation=_VERDICT)[0]  # only the main rank sends
 
     def _gather_table(
         self, failure: str | None, table: dict[str, dict[str, Any]], group: Any = None
@@ -219,8 +221,10 @@ class Checkpointer:
         group = group or self._group
         reports = [(failure, table)]
         if group is not None:
-            reports = [(None, {})] * self.par.world_size
-            dist.all_gather_object(reports, (failure, table), group=group)
+            sent = all_gather_json(
+                [failure, table], operation=_TABLES, timeout_s=self.timeout_s, group=group
+            )
+            reports = parse_each(sent, _report, operation=_TABLES)
         found = list(dict.fromkeys(f for f, _ in reports if f))  # DCP's: the same on every rank
         if found:
             raise CheckpointError(f"{_FAILED}: " + "; ".join(found))
@@ -237,8 +241,10 @@ class Checkpointer:
         except CheckpointError as exc:
             message = str(exc)
         if self._group is not None:
-            messages: list[str | None] = [None] * self.par.world_size
-            dist.all_gather_object(messages, message, group=self._group)
+            sent = all_gather_json(
+                message, operation=_VERDICTS, timeout_s=self.timeout_s, group=self._group
+            )
+            messages = parse_each(sent, _message, operation=_VERDICTS)
             found = list(dict.fromkeys(m for m in messages if m))  # each once, in rank order
             message = "; ".join(found) if found else None
         if message is not None:
@@ -375,7 +381,7 @@ class Checkpointer:
                 verdict = self._choose(which, fresh_ok)
             except OSError as exc:  # the others must hear of it, not hang in the broadcast
                 verdict = ("error", f"cannot read the checkpoints in {self.root}: {exc}")
-        verdict = self._broadcast(verdict)  # the main rank's files decide
+        verdict = self._broadcast_verdict(verdict)  # the main rank's files decide
         kind, value = verdict
         if kind == "error":
             raise CheckpointError(value)
@@ -434,6 +440,33 @@ class Checkpointer:
 
 
 _FAILED = "saving the checkpoint failed"
+
+# What the checkpoint group exchanges, all as JSON (never pickles), checked by structure.
+_VERDICT = "checkpoint resume decision"
+_TABLES = "checkpoint file tables"
+_VERDICTS = "checkpoint save results"
+
+
+def _verdict(value: Any) -> tuple[str, str]:
+    kind, text = value  # a ValueError when it is not a pair
+    if kind not in ("ok", "none", "error") or not isinstance(text, str):
+        raise TypeError(f"not a resume decision: [{kind!r:.20}, {type(text).__name__}]")
+    return kind, text
+
+
+def _message(value: Any) -> str | None:
+    if value is not None and not isinstance(value, str):
+        raise TypeError(f"expected an error message or null, got {type(value).__name__}")
+    return value
+
+
+def _report(value: Any) -> tuple[str | None, dict[str, dict[str, Any]]]:
+    """A rank's ``[failure, file-table entries]`` as :meth:`Checkpointer._gather_table` sends it."""
+    failure, table = value  # a ValueError when it is not a pair
+    entries = isinstance(table, dict) and all(isinstance(e, dict) for e in table.values())
+    if not entries:
+        raise TypeError("the file table is not an object of objects")
+    return _message(failure), table
 
 
 def _failure(exc: BaseException, rank: int, tmp: Path, files: Any = None) -> str:

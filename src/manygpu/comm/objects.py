@@ -18,7 +18,8 @@ process group's timeout (``Parallel(timeout_s=...)``) bounds them.
 from __future__ import annotations
 
 import json
-from typing import Any
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -32,6 +33,8 @@ from manygpu.comm.common import (
     wait,
 )
 from manygpu.errors import CollectiveTimeoutError, ManyGPUError
+
+T = TypeVar("T")
 
 JSON_LIMIT = 64 * 2**20
 """Largest JSON payload accepted from one rank (bytes): a lie about a length cannot
@@ -68,6 +71,43 @@ def decode_json(data: bytes, *, sender: int, operation: str) -> Any:
         raise PayloadError(me, operation, sender, first_line(exc)) from None
 
 
+def _alone(group: dist.ProcessGroup | None) -> bool:
+    """Whether there is nobody to exchange with (no group, or a group of one)."""
+    if group is None:
+        return not active()
+    return dist.get_world_size(group) <= 1
+
+
+def _device(group: dist.ProcessGroup | None) -> torch.device:
+    """Where the payload tensors must live for ``group``'s backend (a gloo side group
+    of an NCCL job takes CPU tensors)."""
+    if group is None:
+        return scratch_device()
+    if dist.get_backend(group) == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def parse_each(
+    sent: list[Any], parse: Callable[[Any], T], *, operation: str, first_sender: int = 0
+) -> list[T]:
+    """``parse`` of each rank's decoded payload, in order (the first sent by rank
+    ``first_sender``, the next by the rank after it...).
+
+    ``parse`` checks the structure and raises ``TypeError``, ``ValueError``,
+    ``KeyError`` or ``AttributeError`` when it is not what manygpu sends: that
+    becomes a :class:`PayloadError` naming the sender.
+    """
+    out = []
+    for sender, value in enumerate(sent, start=first_sender):
+        try:
+            out.append(parse(value))
+        except (TypeError, ValueError, KeyError, AttributeError) as exc:
+            me = dist.get_rank() if dist.is_initialized() else 0
+            raise PayloadError(me, operation, sender, first_line(exc)) from None
+    return out
+
+
 def _check_length(n: int, *, sender: int, operation: str, limit: int) -> None:
     if not 0 <= n <= limit:
         detail = f"a length of {n} bytes, outside 0..{limit}"
@@ -80,32 +120,37 @@ def all_gather_json(
     operation: str = "all_gather_json",
     timeout_s: float = DEFAULT_TIMEOUT_S,
     limit: int = JSON_LIMIT,
+    group: dist.ProcessGroup | None = None,
 ) -> list[Any]:
     """Every rank's JSON-serialisable ``obj``, decoded, in rank order (tuples come back as lists).
 
     Two all-gathers: the lengths, then the bytes padded to the longest.
-    ``operation`` names the call in errors.
+    ``operation`` names the call in errors. Over ``group`` (default: the
+    default group), in its rank order; errors name the sender's global rank.
     """
-    if not active():
+    if _alone(group):
         return [json.loads(_encode(obj))]
     data = _encode(obj)
-    device = scratch_device()
-    world = dist.get_world_size()
+    device = _device(group)
+    world = dist.get_world_size(group)
+    senders = [r if group is None else dist.get_global_rank(group, r) for r in range(world)]
     mine = torch.tensor([len(data)], dtype=torch.int64, device=device)
     sizes = mine.new_empty(world)
-    wait(all_gather_single(sizes, mine, async_op=True), f"{operation} sizes", timeout_s)
+    work = all_gather_single(sizes, mine, group=group, async_op=True)
+    wait(work, f"{operation} sizes", timeout_s)
     lengths = [int(n) for n in sizes.tolist()]
-    for sender, n in enumerate(lengths):
+    for sender, n in zip(senders, lengths, strict=True):
         _check_length(n, sender=sender, operation=operation, limit=limit)
     longest = max(lengths)
     padded = torch.zeros(longest, dtype=torch.uint8)
     padded[: len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
     table = torch.empty(world * longest, dtype=torch.uint8, device=device)
-    wait(all_gather_single(table, padded.to(device), async_op=True), operation, timeout_s)
+    work = all_gather_single(table, padded.to(device), group=group, async_op=True)
+    wait(work, operation, timeout_s)
     rows = table.cpu().view(world, longest)
     return [
-        decode_json(rows[r, :n].numpy().tobytes(), sender=r, operation=operation)
-        for r, n in enumerate(lengths)
+        decode_json(rows[r, :n].numpy().tobytes(), sender=sender, operation=operation)
+        for r, (sender, n) in enumerate(zip(senders, lengths, strict=True))
     ]
 
 
@@ -116,21 +161,27 @@ def broadcast_json(
     operation: str = "broadcast_json",
     timeout_s: float = DEFAULT_TIMEOUT_S,
     limit: int = JSON_LIMIT,
+    group: dist.ProcessGroup | None = None,
 ) -> Any:
-    """``src``'s JSON-serialisable ``obj`` on every rank, decoded (``src`` gets it decoded too)."""
-    if not active():
+    """``src``'s JSON-serialisable ``obj`` on every rank, decoded (``src`` gets it decoded too).
+
+    Over ``group`` (default: the default group); ``src`` is a global rank, as in
+    ``torch.distributed.broadcast``.
+    """
+    if _alone(group):
         return json.loads(_encode(obj))
-    device = scratch_device()
+    device = _device(group)
     data = _encode(obj) if dist.get_rank() == src else b""
     size = torch.tensor([len(data)], dtype=torch.int64, device=device)
-    wait(dist.broadcast(size, src=src, async_op=True), f"{operation} size", timeout_s)
+    work = dist.broadcast(size, src=src, group=group, async_op=True)
+    wait(work, f"{operation} size", timeout_s)
     n = int(size.item())
     _check_length(n, sender=src, operation=operation, limit=limit)
     buf = torch.zeros(n, dtype=torch.uint8)
     if data:
         buf[:] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
     buf = buf.to(device)
-    wait(dist.broadcast(buf, src=src, async_op=True), operation, timeout_s)
+    wait(dist.broadcast(buf, src=src, group=group, async_op=True), operation, timeout_s)
     return decode_json(buf.cpu().numpy().tobytes(), sender=src, operation=operation)
 
 

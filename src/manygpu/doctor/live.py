@@ -4,7 +4,8 @@ Every rank gathers its facts; rank 0 collects them, and all ranks run a short
 all-reduce and a timed exchange between every pair of ranks, each bounded by
 ``--op-timeout``, so a broken link is named instead of hanging. The options
 come as the :class:`~manygpu.doctor.config.LiveConfig` the command built and
-handed over (:mod:`manygpu.runtime.handoff`). Rank 0 then
+handed over (:mod:`manygpu.runtime.handoff`). Facts, results and the exit
+code travel between ranks as JSON, checked by structure (never pickles). Rank 0 then
 checks every node, compares them, prints the report, and writes it as JSON.
 Every rank exits with the report's exit code, so every node's launcher agrees.
 """
@@ -22,6 +23,7 @@ import torch
 
 from manygpu import comm
 from manygpu.comm.common import first_line
+from manygpu.comm.objects import PayloadError, parse_each
 from manygpu.core.parallel import Parallel
 from manygpu.doctor import probes
 from manygpu.doctor.checks import run_checks
@@ -160,27 +162,60 @@ def build_report(
     return DoctorReport(nodes=[f for _, f in nodes], checks=checks, live=live)
 
 
+def _node_and_facts(value: Any) -> tuple[int, Facts]:
+    """A rank's ``[node_rank, facts]`` as :func:`run` sends it."""
+    node, data = value  # a ValueError when it is not a pair
+    if not isinstance(node, int) or isinstance(node, bool) or not isinstance(data, dict):
+        raise TypeError(f"expected [node_rank, facts], got [{type(node).__name__}, ...]")
+    facts = Facts.from_dict(data)
+    if not isinstance(facts.system.hostname, str):  # a dict key in node_labels
+        raise TypeError("facts.system.hostname is not a string")
+    return node, facts
+
+
+def _pair_dicts(value: Any) -> list[dict[str, Any]]:
+    """A rank's pair results as :func:`live_test` sends them (``vars`` of each
+    :class:`PairResult`), checked field by field."""
+    if not isinstance(value, list):
+        raise TypeError(f"expected a list of pair results, got {type(value).__name__}")
+    out = []
+    for data in value:
+        p = PairResult(**data)  # a TypeError for a missing or unknown field
+        numbers = (p.seconds, p.gbps)
+        if (
+            not all(isinstance(n, int) and not isinstance(n, bool) for n in (p.a, p.b))
+            or not all(n is None or isinstance(n, int | float) for n in numbers)
+            or not (p.error is None or isinstance(p.error, str))
+        ):
+            raise TypeError(f"pair result {data!r:.80} has a field of the wrong type")
+        out.append(vars(p))
+    return out
+
+
 def run(config: LiveConfig) -> int:
     """Probe, test and report on every rank; the report's exit code on every rank."""
     timeout_s = config.op_timeout_s
-    # The group's timeout bounds the object collectives; each test has its own.
-    with Parallel(strategy="ddp", timeout_s=max(2 * timeout_s, 30.0)) as par:
+    # Bounds the exchanges of facts, results and the exit code (JSON); each test has its own.
+    exchange_s = max(2 * timeout_s, 30.0)
+    with Parallel(strategy="ddp", timeout_s=exchange_s) as par:
         facts = probes.gather(full=par.local_rank == 0)
-        gathered = comm.all_gather_object((par.cluster.node_rank, facts.to_dict()))
-        node_ids = [int(node) for node, _ in gathered]
-        per_rank = [Facts.from_dict(d) for _, d in gathered]
+        mine = [par.cluster.node_rank, facts.to_dict()]
+        sent = comm.all_gather_json(mine, operation="doctor facts", timeout_s=exchange_s)
+        gathered = parse_each(sent, _node_and_facts, operation="doctor facts")
+        node_ids = [node for node, _ in gathered]
+        per_rank = [f for _, f in gathered]
         live: LiveResults | None = None
         extra: list[CheckResult] = []
         failed = False
         if config.live:
-            live, extra, failed = live_test(par, config.nbytes, timeout_s)
+            live, extra, failed = live_test(par, config.nbytes, timeout_s, exchange_s)
         code = 0
         if par.is_main:
             report = build_report(per_rank, live, node_ids)
             report.checks += extra
             code = emit(report, config)
         try:
-            code = int(comm.broadcast_object(code))
+            code = _shared_exit_code(code, exchange_s)
         except CollectiveTimeoutError:
             failed = True
         if failed:
@@ -193,20 +228,25 @@ def run(config: LiveConfig) -> int:
 
 
 def live_test(
-    par: Parallel, nbytes: int, timeout_s: float
+    par: Parallel, nbytes: int, timeout_s: float, exchange_s: float
 ) -> tuple[LiveResults, list[CheckResult], bool]:
     """(results, extra findings, whether anything failed) of the timed tests.
 
-    When the results cannot be collected from every rank, rank 0 reports what
-    it saw itself, and says so.
+    Each test is bounded by ``timeout_s``; gathering the results (as JSON) by ``exchange_s``.
+    When they cannot be collected from every rank, rank 0 reports what it saw
+    itself, and says so.
     """
     ms, error = time_all_reduce(par, timeout_s)
     mine = time_pairs(par, nbytes, timeout_s)
     failed = error is not None or any(p.error for p in mine)
     extra: list[CheckResult] = []
+    operation = "doctor live results"
     try:
-        everyone = comm.all_gather_object([vars(p) for p in mine])
-    except CollectiveTimeoutError as exc:
+        sent = comm.all_gather_json(
+            [vars(p) for p in mine], operation=operation, timeout_s=exchange_s
+        )
+        everyone = parse_each(sent, _pair_dicts, operation=operation)
+    except (CollectiveTimeoutError, PayloadError) as exc:
         everyone, failed = [[vars(p) for p in mine]], True
         extra.append(
             fail(
@@ -224,6 +264,19 @@ def live_test(
         pairs=merge_pairs(everyone),
     )
     return live, extra, failed
+
+
+def _exit_code(value: Any) -> int:
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise TypeError(f"expected an exit code, got {type(value).__name__}")
+    return value
+
+
+def _shared_exit_code(code: int, timeout_s: float) -> int:
+    """Rank 0's exit code on every rank."""
+    operation = "doctor exit code"
+    sent = comm.broadcast_json(code, 0, operation=operation, timeout_s=timeout_s)
+    return parse_each([sent], _exit_code, operation=operation)[0]  # only rank 0 sends
 
 
 def emit(report: DoctorReport, config: LiveConfig) -> int:

@@ -30,6 +30,7 @@ from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGP
 
 from manygpu import comm
 from manygpu.comm.common import describe, wait
+from manygpu.comm.objects import broadcast_json, parse_each
 from manygpu.errors import UsageError
 from manygpu.runtime.process_group import DistContext
 from manygpu.strategies.base import StrategyOptions
@@ -286,10 +287,18 @@ class PipelinedModel(nn.Module):
         return self._broadcast(value)
 
     def _share_output(self, output: Any) -> torch.Tensor:
-        """The last stage's output on every rank (shape and dtype sent first)."""
-        meta: list[Any] = [(tuple(output.shape), output.dtype) if self.is_last else None]
-        dist.broadcast_object_list(meta, src=self._last_rank, group=self._group)
-        shape, dtype = meta[0]
+        """The last stage's output on every rank (shape and dtype sent first, as JSON)."""
+        meta = [list(output.shape), _dtype_name(output.dtype)] if self.is_last else None
+        sent = broadcast_json(
+            meta,
+            self._last_rank,
+            operation=_OUTPUT_META,
+            timeout_s=self.timeout_s,
+            group=self._group,
+        )
+        [(shape, dtype)] = parse_each(
+            [sent], _output_meta, operation=_OUTPUT_META, first_sender=self._last_rank
+        )
         device = next(iter(self.stage.parameters()), torch.empty(0)).device
         buf = output.to(device) if self.is_last else torch.empty(shape, dtype=dtype, device=device)
         return self._broadcast(buf)
@@ -298,3 +307,28 @@ class PipelinedModel(nn.Module):
         work = dist.broadcast(tensor, src=self._last_rank, group=self._group, async_op=True)
         wait(work, describe("pipeline broadcast from last stage", tensor), self.timeout_s)
         return tensor
+
+
+_OUTPUT_META = "pipeline output's shape and dtype"
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+_DTYPES = {_dtype_name(d): d for d in vars(torch).values() if isinstance(d, torch.dtype)}
+"""Every dtype by name: a name received is looked up here, never ``getattr``'d."""
+
+
+def _output_meta(sent: Any) -> tuple[list[int], torch.dtype]:
+    """``[shape, dtype name]`` as :meth:`PipelinedModel._share_output` sends it, checked."""
+    shape, name = sent  # a ValueError when it is not a pair
+    dtype = _DTYPES.get(name) if isinstance(name, str) else None
+    if dtype is None:
+        raise TypeError(f"{name!r:.40} is not a torch dtype")
+    sizes = isinstance(shape, list) and all(
+        isinstance(n, int) and not isinstance(n, bool) and n >= 0 for n in shape
+    )
+    if not sizes:
+        raise TypeError(f"shape {shape!r:.80} is not a list of sizes")
+    return shape, dtype
