@@ -27,7 +27,7 @@ from manygpu.comm.common import first_line
 from manygpu.errors import CollectiveTimeoutError, UsageError, peer_lost
 from manygpu.runtime import env as envmod
 from manygpu.runtime.cluster import ClusterInfo
-from manygpu.runtime.process_group import DistContext
+from manygpu.runtime.process_group import DistContext, job_store
 
 Role = Literal["server", "worker"]
 _TAG = 0
@@ -117,21 +117,18 @@ class PSContext(DistContext):
 
 
 def _store(cluster: ClusterInfo, timeout: dt.timedelta) -> dist.Store:
-    """The job's key-value store: the agent's (per restart attempt), else rank 0 hosts it."""
+    """The job's key-value store: the agent's (per restart attempt), else rank 0 hosts it.
+
+    Rank 0's store listens on the job's address only (:func:`job_store`), never
+    on every address of the machine.
+    """
     attempt = envmod.agent_store_attempt(envmod.current())
     if attempt is not None:
         store = dist.TCPStore(
             cluster.master_addr, cluster.master_port, is_master=False, timeout=timeout
         )
         return dist.PrefixStore(f"manygpu/attempt_{attempt}", store)
-    return dist.TCPStore(
-        cluster.master_addr,
-        cluster.master_port,
-        is_master=cluster.rank == 0,
-        timeout=timeout,
-        wait_for_workers=False,
-        multi_tenant=True,
-    )
+    return job_store(cluster, timeout, wait_for_workers=False, multi_tenant=True)
 
 
 def role_view(cluster: ClusterInfo, servers: int) -> tuple[Role, ClusterInfo]:
