@@ -1,11 +1,13 @@
 """manygpu's own cross-rank plumbing unpickles nothing, on real gloo ranks.
 
 Each rank replaces pickle's loaders (and torch's object-collective helpers)
-with functions that raise, then runs what used to pickle: a checkpoint save
-and resume (the file tables, the save's verdicts, the resume decision), a
-pipeline step and an evaluation that returns the last stage's output (its
-shape and dtype), and the doctor's per-rank program with its live test (the
-facts and the pair results gathered, the exit code broadcast).
+with functions that raise, then runs what used to pickle: checkpoint saves
+(blocking and asynchronous) and resumes (the file tables, the save's
+verdicts, the resume decision), a pipeline step and an evaluation that
+returns the last stage's output (its shape and dtype), and the doctor's
+per-rank program with its live test (the facts and the pair results
+gathered, the exit code broadcast). The JSON collectives also run on a gloo
+side group, where a rank that sends bytes that are not JSON is named.
 """
 
 from __future__ import annotations
@@ -65,9 +67,13 @@ def _without_pickle(engine: str, job: Any, *args: Any) -> Any:
 def _checkpoint(directory: str) -> dict[str, Any]:
     par = Parallel(strategy="ddp")
     try:
-        first, _ = train(par, directory, 4, every=2)  # saves steps 2 and 4
-        resumed, params = train(par, directory, 6, every=2)  # resumes at 4
-        return {"first": sorted(first), "resumed": sorted(resumed), "params": params.tolist()}
+        out = {}
+        for mode, async_save in (("blocking", False), ("async", True)):
+            where = f"{directory}/{mode}"
+            first, _ = train(par, where, 4, every=2, async_save=async_save)  # saves 2 and 4
+            resumed, params = train(par, where, 6, every=2, async_save=async_save)  # from 4
+            out[mode] = {"first": sorted(first), "resumed": sorted(resumed), "params": params}
+        return out
     finally:
         par.close()
 
@@ -99,11 +105,14 @@ def _doctor(out: str) -> int:
 
 
 def test_checkpoint_save_and_resume_never_unpickle(tmp_path: Path) -> None:
-    directory = str(tmp_path / "ck")
-    results = run_ranks(_without_pickle, 2, "", _checkpoint, directory, timeout=120)
+    results = run_ranks(_without_pickle, 2, "", _checkpoint, str(tmp_path), timeout=150)
     for out in results:
-        assert out["first"] == [1, 2, 3, 4] and out["resumed"] == [5, 6], out
-        assert out["params"] == results[0]["params"]
+        for mode in ("blocking", "async"):
+            run = out[mode]
+            assert run["first"] == [1, 2, 3, 4] and run["resumed"] == [5, 6], (mode, run)
+            assert torch.equal(run["params"], results[0][mode]["params"])
+    # Blocking and asynchronous saves resume alike (bitwise on CPU fp32).
+    assert torch.equal(results[0]["blocking"]["params"], results[0]["async"]["params"])
 
 
 def test_pipeline_step_and_outputs_never_unpickle() -> None:
@@ -119,3 +128,35 @@ def test_doctor_live_check_never_unpickles(tmp_path: Path) -> None:
     assert live["world_size"] == 2 and len(live["hosts"]) == 2
     assert [(p["a"], p["b"]) for p in live["pairs"]] == [(0, 1)]
     assert live["pairs"][0]["error"] is None and live["pairs"][0]["gbps"] > 0
+
+
+def _side_group() -> dict[str, Any]:
+    """The JSON collectives over a gloo group of their own (as the checkpoint's are);
+    rank 1 then sends bytes that are not JSON."""
+    import torch.distributed as dist
+
+    from manygpu.comm import objects
+
+    dist.init_process_group("gloo")
+    group = dist.new_group(backend="gloo")
+    r = dist.get_rank()
+    out: dict[str, Any] = {
+        "gathered": objects.all_gather_json({"rank": r, "t": (r, "x")}, group=group),
+        "from_1": objects.broadcast_json(["sent by", r], 1, group=group),
+    }
+    if r == 1:
+        objects._encode = lambda obj: b"\x80\x04\x95 not json"  # a pickle's first bytes
+    try:
+        objects.all_gather_json({"rank": r}, operation="probe", group=group)
+        out["garbage"] = "no error"
+    except objects.PayloadError as exc:
+        out["garbage"] = str(exc)
+    return out
+
+
+def test_json_collectives_on_a_side_group_name_the_sender() -> None:
+    results = run_ranks(_without_pickle, 2, "", _side_group, timeout=60)
+    for r, out in enumerate(results):
+        assert out["gathered"] == [{"rank": 0, "t": [0, "x"]}, {"rank": 1, "t": [1, "x"]}]
+        assert out["from_1"] == ["sent by", 1]
+        assert out["garbage"].startswith(f"rank {r}: probe: rank 1 sent a malformed payload (")
