@@ -46,8 +46,8 @@ def test_first_host_here_serves_the_rendezvous_the_other_is_reached_by_ssh() -> 
     here, there = p.nodes
     assert p.endpoint == "10.0.0.1:29400" and p.store_node == 0
     assert here.local and here.argv == here.launch and here.probe is None
-    assert here.launch[:3] == ("/opt/py/bin/python", "-c", hostplan.BOOT)
-    assert here.launch[3:7] == ("-m", "manygpu", "launch", "--driven")
+    assert here.launch[:4] == ("/opt/py/bin/python", "-c", hostplan.BOOT, "/opt/py/bin/python")
+    assert here.launch[4:8] == ("-m", "manygpu", "launch", "--driven")
     assert "--local-addr" in here.launch  # where node1's workers reach node0's
     assert not there.local and there.argv[0] == "ssh"
     assert there.argv[-2] == "node1"

@@ -38,10 +38,11 @@ BOOT = (
     'line=open(0,"rb",0,closefd=False).readline();'
     'line or sys.exit("manygpu: the driver sent no job description on stdin");'
     "os.environ.update(json.loads(line));"
-    "os.execv(sys.executable,[sys.executable]+sys.argv[1:])"
+    "os.execvp(sys.argv[1],sys.argv[1:])"
 )
 """What each host runs first: read one JSON line of variables from stdin (the
-ssh pipe the driver holds), set them, then become the real command. So values
+ssh pipe the driver holds), set them, then become the real command (the same
+Python, started anew: a ``--remote-python`` wrapper sees the variables). So values
 (forwarded settings, API keys, the job secret) never sit on a command line,
 where any local user reads them with ``ps``; and stdin stays open afterwards
 as the driver's lifeline (:mod:`manygpu.launch.driven`). One byte at a time:
@@ -124,7 +125,7 @@ class HostPlan:
 
 def booted(python: str, *args: str) -> tuple[str, ...]:
     """``python ARGS`` started through :data:`BOOT` (its variables come on stdin)."""
-    return (python, "-c", BOOT, *args)
+    return (python, "-c", BOOT, python, *args)
 
 
 def _shell(cwd: str, argv: Sequence[str]) -> str:
