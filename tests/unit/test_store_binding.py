@@ -10,7 +10,7 @@ import pytest
 from jobs import two_rank_cluster
 
 from manygpu.errors import UsageError
-from manygpu.runtime.process_group import listen_fd, store_host
+from manygpu.runtime.job_store import listen_fd, store_host
 
 
 def test_one_node_meets_on_loopback_and_several_on_master_addr() -> None:

@@ -20,7 +20,6 @@ import hashlib
 import hmac
 import re
 import secrets
-import socket
 import sys
 from dataclasses import dataclass
 from datetime import timedelta
@@ -62,19 +61,7 @@ BACKENDS = {"c10d": C10D, "static": STATIC}
 
 def listen_fd(host: str, port: int) -> int:
     """A socket listening on ``host:port`` only; the caller's store owns the fd."""
-    errors: list[OSError] = []
-    for family, kind, proto, _, addr in socket.getaddrinfo(host, port, type=socket.SOCK_STREAM):
-        sock = socket.socket(family, kind, proto)
-        try:
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            sock.bind(addr[:2] if family == socket.AF_INET else addr)
-            sock.listen(socket.SOMAXCONN)
-        except OSError as exc:
-            sock.close()
-            errors.append(exc)
-            continue
-        return sock.detach()
-    raise errors[0] if errors else OSError(errno.EADDRNOTAVAIL, f"no address for {host}")
+    return store_gate.listen(host, port).detach()
 
 
 def serve_store(host: str, port: int, timeout: timedelta, **kwargs: Any) -> TCPStore:

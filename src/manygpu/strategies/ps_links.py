@@ -27,7 +27,8 @@ from manygpu.comm.common import first_line
 from manygpu.errors import CollectiveTimeoutError, UsageError, peer_lost
 from manygpu.runtime import env as envmod
 from manygpu.runtime.cluster import ClusterInfo
-from manygpu.runtime.process_group import DistContext, job_store
+from manygpu.runtime.job_store import job_store
+from manygpu.runtime.process_group import DistContext
 
 Role = Literal["server", "worker"]
 _TAG = 0
