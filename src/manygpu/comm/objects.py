@@ -1,11 +1,13 @@
 """Collectives of Python objects: JSON for manygpu's own metadata, pickle only when asked.
 
 :func:`all_gather_json` and :func:`broadcast_json` carry what manygpu itself
-exchanges (descriptions of calls, layouts, call sites): the object travels as
-UTF-8 JSON in a ``uint8`` tensor, the lengths first, and is read back with
-``json.loads``. A payload that is not JSON, or longer than the limit, is a
-:class:`PayloadError` naming the rank that sent it; nothing it holds is ever
-executed. Callers still check the structure of what they receive.
+exchanges (descriptions of calls, layouts, call sites, checkpoint file tables
+and decisions, a pipeline's output shape, the doctor's facts), over the default
+group or a ``group=`` of their own: the object travels as UTF-8 JSON in a
+``uint8`` tensor, the lengths first, and is read back with ``json.loads``. A
+payload that is not JSON, or longer than the limit, is a :class:`PayloadError`
+naming the rank that sent it; nothing it holds is ever executed. Callers still
+check the structure of what they receive (:func:`parse_each`).
 
 :func:`broadcast_object` and :func:`all_gather_object` are torch's object
 collectives, which pickle: whatever a rank sends is unpickled by the others,
