@@ -249,6 +249,33 @@ def test_a_worker_stuck_at_exit_is_ended_and_counts_as_a_success(tmp_path: Path)
     assert_gone(tmp_path)
 
 
+@pytest.mark.parametrize("mode", ["pool", "compile"])
+def test_a_finished_job_exits_as_plain_python_would(tmp_path: Path, mode: str) -> None:
+    """An idle non-daemon pool held by a module (ours, or inductor's async compile on
+    an empty cache) does not keep a finished worker alive: the exit hooks that tell
+    pool threads to quit run before the threads are joined. The job exits at once,
+    not through the exit timer (its line would name the rank)."""
+    cache = tmp_path / "inductor-cache"
+    start = time.monotonic()
+    res = manygpu(
+        "launch",
+        "--nproc-per-node",
+        "2",
+        str(SCRIPTS / "exits_like_python.py"),
+        str(tmp_path),
+        mode,
+        env={"MANYGPU_EXIT_GRACE": "60", "TORCHINDUCTOR_CACHE_DIR": str(cache)},
+    )
+    elapsed = time.monotonic() - start
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert sorted(p.name for p in tmp_path.glob("done*")) == ["done0", "done1"]
+    assert "the script returned, but the process was still running" not in res.stderr
+    assert elapsed < 60, f"took {elapsed:.1f}s: the exit timer, not a normal exit, ended it"
+    if mode == "compile":
+        assert any(cache.rglob("*.so")), "inductor compiled nothing: the test proves nothing"
+    assert_gone(tmp_path)
+
+
 def _one_line_error(res: subprocess.CompletedProcess[str], *needles: str) -> None:
     assert res.returncode == 2, (res.returncode, res.stderr)
     lines = [ln for ln in res.stderr.splitlines() if ln.strip()]

@@ -145,14 +145,32 @@ def _guard_descendants() -> None:
 def _finish() -> None:
     """The script has returned: wait for its threads as Python would, then arm the exit timer."""
     _release_group()
-    for thread in threading.enumerate():
-        if thread is not threading.current_thread() and not thread.daemon:
-            thread.join()
+    _shut_threads_down()
     sys.stdout.flush()
     sys.stderr.flush()
     if exit_timer.arm(envmod.exit_grace_s(envmod.current())) and _RETURNED_FD >= 0:
         with contextlib.suppress(OSError):
             os.write(_RETURNED_FD, b"r")
+
+
+def _shut_threads_down() -> None:
+    """What the interpreter does first at exit: threading's exit hooks, then join threads.
+
+    The hooks (``threading._register_atexit``) are how ``concurrent.futures``
+    tells its pool threads, non-daemon since Python 3.9, to quit; joining the
+    threads without running them waits forever on an idle pool (torch's async
+    compile keeps one), although plain ``python`` exits at once.
+    ``threading._shutdown`` is the function the interpreter itself calls; it
+    runs the hooks, then joins every non-daemon thread, and is a no-op when
+    the interpreter calls it again.
+    """
+    shutdown = getattr(threading, "_shutdown", None)
+    if callable(shutdown):
+        shutdown()
+        return
+    for thread in threading.enumerate():  # another Python: join, as before
+        if thread is not threading.current_thread() and not thread.daemon:
+            thread.join()
 
 
 def main() -> None:

@@ -1,0 +1,47 @@
+"""Trains briefly and returns, leaving what makes a finished job hang if exit is
+not done as Python does it: an idle, non-daemon thread pool held by a module.
+
+argv: OUT, MODE. ``pool``: our own ThreadPoolExecutor kept in ``sys.modules``;
+``compile``: ``Parallel(compile=True)`` (inductor's async compile keeps its
+pool; run with an empty TORCHINDUCTOR_CACHE_DIR). Writes OUT/pid<rank> and
+OUT/done<rank>.
+"""
+
+import os
+import sys
+from concurrent.futures import ThreadPoolExecutor
+
+import torch
+from torch import nn
+
+from manygpu import Parallel
+
+
+class Net(nn.Module):
+    """Its own forward (dynamo compiles nothing for a bare nn.Sequential here)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(8, 16), nn.Linear(16, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.b(torch.relu(self.a(x)))
+
+
+out, mode = sys.argv[1], sys.argv[2]
+with Parallel(strategy="ddp", compile=mode == "compile") as par:
+    with open(os.path.join(out, f"pid{par.rank}"), "w") as fh:
+        fh.write(str(os.getpid()))
+    model = Net()
+    model, opt = par.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    for _ in range(3):
+        x = torch.randn(4, 8)
+        par.backward(model(x).pow(2).mean())
+        opt.step()
+        opt.zero_grad()
+    if mode == "pool":
+        pool = ThreadPoolExecutor(2)
+        sys.modules["_held_pool"] = pool  # type: ignore[assignment]  # as a library holds one
+        assert pool.submit(lambda: 1).result() == 1
+    with open(os.path.join(out, f"done{par.rank}"), "w") as fh:
+        fh.write("ok")
