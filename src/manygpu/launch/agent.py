@@ -7,16 +7,19 @@ after that names the failing rank and returns its exit code.
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import logging
 import os
 import re
 import shutil
 import signal
+import socket
 import sys
 import tempfile
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import replace
+from pathlib import Path
 from typing import Any
 
 from torch.distributed import DistStoreError
@@ -31,7 +34,7 @@ from torch.distributed.elastic.rendezvous.api import (
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
 from manygpu.errors import UsageError
-from manygpu.launch import blame, driven, jobsecret, rendezvous
+from manygpu.launch import blame, driven, hangwatch, jobsecret, rendezvous
 from manygpu.launch.jobsecret import JobSecret
 from manygpu.launch.netcheck import (
     check_port_free,
@@ -218,19 +221,81 @@ def launch(spec: LaunchSpec) -> int:
     # leaves it there; ours goes once the failure report has read it.
     own_logs = None if spec.log_dir is not None else tempfile.mkdtemp(prefix="manygpu-logs-")
     try:
-        return _run(spec if own_logs is None else replace(spec, log_dir=own_logs), secret)
+        given = spec.log_dir
+        return _run(spec if own_logs is None else replace(spec, log_dir=own_logs), secret, given)
     finally:
         if own_logs is not None:
             shutil.rmtree(own_logs, ignore_errors=True)
 
 
-def _run(spec: LaunchSpec, secret: JobSecret | None) -> int:
+def _run(spec: LaunchSpec, secret: JobSecret | None, log_dir: str | None) -> int:
     logging.getLogger("torch.distributed.elastic").setLevel(logging.WARNING)
     # Its per-worker "failed (exitcode ...)" lines repeat what report_failure says.
     logging.getLogger("torch.distributed.elastic.multiprocessing.api").setLevel(logging.CRITICAL)
     os.environ.update(worker_env(spec))
     config = build_config(spec, secret)
     executable, args = worker_command(spec)
+    with watching(spec, log_dir) as watch:
+        code = _agent(spec, config, executable, args)
+        if watch.verdict is not None:
+            return HUNG
+    return code
+
+
+HUNG = 124
+"""The exit code of a job ended by a hang verdict (as ``timeout`` exits)."""
+
+
+@contextlib.contextmanager
+def watching(spec: LaunchSpec, log_dir: str | None) -> Iterator[hangwatch.HangWatch]:
+    """A hang watch over this node's workers while the job runs (always on).
+
+    Its evidence goes under ``--log-dir``/hang (``log_dir``: the user's), else
+    a directory of its own that is removed unless a verdict names it.
+    """
+    own = log_dir is None
+    out = (
+        Path(tempfile.mkdtemp(prefix="manygpu-evidence-")) if own else Path(log_dir or "") / "hang"
+    )
+    out.mkdir(parents=True, exist_ok=True)
+    os.environ[envmod.EVIDENCE_DIR] = str(out)
+    os.environ.setdefault("TORCH_FR_BUFFER_SIZE", str(FLIGHT_RECORDS))
+    several = spec.max_nodes > 1
+    watch = hangwatch.HangWatch(
+        out=out,
+        host=_host_label(spec),
+        default_timeout_s=spec.timeout_s or envmod.DEFAULT_TIMEOUT_S,
+        job_store=rendezvous.hang_channel if several else lambda: None,
+        end_job=_end_after_verdict,
+    ).start()
+    try:
+        yield watch
+    finally:
+        watch.stop()
+        if own and watch.verdict is None:
+            shutil.rmtree(out, ignore_errors=True)
+
+
+def _end_after_verdict() -> None:
+    """Stop this node's workers as on SIGTERM; the verdict already said why."""
+    logging.getLogger("torch.distributed.elastic.agent.server.api").setLevel(logging.ERROR)
+    os.kill(os.getpid(), signal.SIGTERM)
+
+
+FLIGHT_RECORDS = 1000
+"""torch's Flight Recorder buffer per process (records of collectives), unless set."""
+
+
+def _host_label(spec: LaunchSpec) -> str:
+    """How a verdict names this host: its address on the job's network, else its name."""
+    host = split_endpoint(spec.rdzv_endpoint, 0)[0]
+    address = spec.local_addr or source_address(host)
+    if address and not jobsecret.is_loopback(address):
+        return address
+    return socket.gethostname()
+
+
+def _agent(spec: LaunchSpec, config: LaunchConfig, executable: str, args: list[str]) -> int:
     try:
         elastic_launch(config, executable)(*args)
     except ChildFailedError as err:

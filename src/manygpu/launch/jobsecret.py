@@ -18,7 +18,7 @@ from __future__ import annotations
 from manygpu.errors import UsageError
 from manygpu.runtime.secret import JobSecret, is_loopback, load
 
-__all__ = ["HOW", "JobSecret", "load", "refusal", "required"]
+__all__ = ["HOW", "JobSecret", "is_loopback", "load", "refusal", "required"]
 
 HOW = (
     "put the same secret on every node: export MANYGPU_JOB_SECRET=$(openssl rand -hex 32) "

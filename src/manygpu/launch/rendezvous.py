@@ -78,13 +78,29 @@ def serve_store(host: str, port: int, timeout: timedelta, **kwargs: Any) -> TCPS
 
 
 class _Job:
-    """This launcher's job secret, set by :func:`register` before the agent starts.
+    """This launcher's job secret, set by :func:`register` before the agent starts,
+    and the store its handler joined (for the hang watch's messages between hosts).
 
     torch builds handlers from ``RendezvousParameters``, whose settings it logs;
     the secret stays out of them, here in the one process that launches.
     """
 
     secret: JobSecret | None = None
+    store: Store | None = None
+    hosting: bool = False
+    run_id: str = ""
+
+
+def hang_channel() -> tuple[Store, bool, str] | None:
+    """The job's store once joined, whether this node hosts it, and the hang keys' prefix."""
+    if _Job.store is None:
+        return None
+    return _Job.store, _Job.hosting, f"manygpu.hang.{_Job.run_id}"
+
+
+def _joined(store: Store, hosting: bool, run_id: str) -> str:
+    _Job.store, _Job.hosting, _Job.run_id = store, hosting, run_id
+    return run_id
 
 
 @dataclass
@@ -355,7 +371,7 @@ def _timeouts(params: RendezvousParameters) -> RendezvousTimeout:
 def create_c10d(params: RendezvousParameters) -> RendezvousHandler:
     """torch's c10d handler (same settings) with our store and state backend."""
     store, where, hosting = _c10d_store(params)
-    run_id = agree_run_id(store, params.run_id, hosting)
+    run_id = _joined(store, hosting, agree_run_id(store, params.run_id, hosting))
     return _DynamicHandler.from_backend(
         run_id,
         store,
@@ -383,7 +399,8 @@ class _StaticHandler(StaticTCPRendezvous):
                 self._store = _host(self.master_addr, self.master_port, self.timeout, **kwargs)[0]
             else:
                 self._store = _client(self.master_addr, self.master_port, self.timeout, **kwargs)
-            self.run_id = agree_run_id(self._store, self.run_id, hosting=self.rank == 0)
+            run_id = agree_run_id(self._store, self.run_id, hosting=self.rank == 0)
+            self.run_id = _joined(self._store, self.rank == 0, run_id)
             self._doors = _Doors()
         return self._doors.through(super().next_rendezvous(), self.timeout)
 

@@ -16,7 +16,7 @@ import sys
 import threading
 import traceback
 
-from manygpu.launch import blame, exit_timer, ps_keeper
+from manygpu.launch import blame, evidence, exit_timer, ps_keeper
 from manygpu.runtime import env as envmod
 
 
@@ -179,6 +179,7 @@ def main() -> None:
     if ps_keeper.applies(envmod.current()):
         ps_keeper.keep()  # from here on, this is the child that runs the script
     _default_group_timeout()
+    evidence.start(envmod.current())
     try:
         run(sys.argv[1:])
         _finish()

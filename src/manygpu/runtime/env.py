@@ -178,3 +178,12 @@ def forwarded(env: Environ) -> dict[str, str]:
             )
         out[name] = value
     return out
+
+
+EVIDENCE_DIR = "MANYGPU_EVIDENCE_DIR"
+"""Where a launched worker reports waits and answers the launcher's hang questions."""
+
+
+def evidence_dir(env: Environ) -> str | None:
+    """This worker's evidence directory (``manygpu launch`` sets it), ``None`` elsewhere."""
+    return env.get(EVIDENCE_DIR) or None

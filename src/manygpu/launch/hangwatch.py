@@ -1,0 +1,329 @@
+"""A launcher's side of hang verdicts: notice a rank stuck past its timeout, gather, judge.
+
+Each host's launcher watches its own workers' files (:mod:`manygpu.launch.evidence`).
+When one of them has waited in a collective for nearly that collective's own
+timeout, the launcher raises the alarm (in the job's store, for the other
+hosts), asks each of its workers what it is doing, looks from outside at those
+that cannot answer (stopped, exited, silent in native code: ``/proc`` and
+faulthandler's ``SIGUSR2`` dump), and sends one message per host. The host
+that serves the rendezvous store gathers those, prints the verdict
+(:mod:`manygpu.launch.verdict`) and the evidence directory, and every
+launcher then stops its workers. The alarm goes off a little before the
+backend's own timeout, so every rank is still there to be asked.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sys
+import threading
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+from manygpu.launch import verdict
+from manygpu.launch.verdict import Collective, RankView
+
+ANSWER_S = 3.0
+"""How long workers get to answer before they are looked at from outside."""
+GATHER_S = 6.0
+"""How long the gathering host waits for the other hosts' messages."""
+POLL_S = 0.5
+
+
+def alarm_after(timeout_s: float) -> float:
+    """Seconds of waiting that raise the alarm: shortly before the collective's timeout."""
+    return max(timeout_s * 0.75, timeout_s - 8.0)
+
+
+class HangWatch:
+    """One launcher's watch over its workers' waits (a daemon thread).
+
+    Args:
+        out: this host's evidence directory (the workers' ``MANYGPU_EVIDENCE_DIR``).
+        host: how this host is named in a verdict.
+        default_timeout_s: for a wait whose collective's timeout is not recorded.
+        job_store: once the rendezvous is done, for a job over several hosts: its
+            store, whether this host gathers the others' messages and judges, and
+            the prefix of this job's keys (``None``: one host, or not yet).
+        end_job: called once the verdict is out (stops this host's workers).
+    """
+
+    def __init__(
+        self,
+        *,
+        out: Path,
+        host: str,
+        default_timeout_s: float,
+        job_store: Callable[[], tuple[Any, bool, str] | None] = lambda: None,
+        end_job: Callable[[], None] | None = None,
+        say: Callable[[str], None] | None = None,
+    ) -> None:
+        self.out, self.host, self.default_timeout_s = out, host, default_timeout_s
+        self.job_store = job_store
+        self.store: Any = None
+        self.gathers, self.prefix = True, "manygpu.hang"
+        self.end_job = end_job or (lambda: os.kill(os.getpid(), signal.SIGTERM))
+        self.say = say or (lambda line: print(line, file=sys.stderr, flush=True))
+        self.verdict: tuple[str, int] | None = None
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="manygpu-hangwatch", daemon=True)
+
+    def start(self) -> HangWatch:
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    # -- noticing ---------------------------------------------------------------------
+
+    def _run(self) -> None:
+        while not self._stop.wait(POLL_S):
+            try:
+                alarm = self._alarm()
+            except Exception:  # a watch that fails must not end a healthy job
+                continue
+            if alarm is not None:
+                self._judge(alarm)
+                return
+
+    def _alarm(self) -> str | None:
+        """The alarm's id once raised, here (a local wait too long) or by another host."""
+        if self.store is None and (found := self.job_store()) is not None:
+            self.store, self.gathers, self.prefix = found
+        if self.store is not None and self.store.check([self._key("alarm")]):
+            return str(self.store.get(self._key("alarm")).decode())
+        now = time.time()
+        for doc in _read_all(self.out, "progress-rank"):
+            waiting = doc.get("waiting")
+            if not waiting:
+                continue
+            limit = doc.get("timeout_s") or self.default_timeout_s
+            if now - float(waiting["since"]) >= alarm_after(float(limit)):
+                return self._raise_alarm()
+        return None
+
+    def _raise_alarm(self) -> str:
+        ask = uuid.uuid4().hex
+        if self.store is None:
+            return ask
+        won = self.store.compare_set(self._key("alarm"), "", ask)
+        return str(won.decode())
+
+    def _key(self, name: str) -> str:
+        return f"{self.prefix}/{name}"
+
+    # -- gathering and judging ----------------------------------------------------------
+
+    def _judge(self, ask: str) -> None:
+        views = self.local_views(ask)
+        if self.store is None:
+            self._conclude(views)
+            return
+        self.store.set(self._key(f"host/{self.host}"), json.dumps([asdict(v) for v in views]))
+        self.store.add(self._key("hosts"), 1)
+        if self.gathers:
+            self._conclude(self._gather())
+        else:
+            self._await_verdict()
+
+    def _gather(self) -> list[RankView]:
+        """Every host's views, until they cover the world or the wait is over."""
+        deadline = time.monotonic() + GATHER_S
+        views: dict[int, RankView] = {}
+        world = self._world()
+        while True:
+            for key in self.store.list_keys():
+                if key.startswith(self._key("host/")):
+                    for raw in json.loads(self.store.get(key)):
+                        views[raw["rank"]] = _view(raw)
+            if len(views) >= world or time.monotonic() > deadline:
+                return list(views.values())
+            time.sleep(0.2)
+
+    def _conclude(self, views: list[RankView]) -> None:
+        world = max(self._world(), max((v.rank for v in views), default=-1) + 1)
+        line, rank = verdict.compose(views, world)
+        self.verdict = (line, rank)
+        record = {"verdict": line, "rank": rank, "ranks": [asdict(v) for v in views]}
+        (self.out / "verdict.json").write_text(json.dumps(record, indent=1))
+        self.say(f"manygpu: hang: {line}")
+        self.say(f"manygpu: evidence (stacks and collective records per rank): {self.out}")
+        if self.store is not None:
+            self.store.set(self._key("verdict"), json.dumps({"line": line, "rank": rank}))
+        self.end_job()
+
+    def _await_verdict(self) -> None:
+        deadline = time.monotonic() + GATHER_S + 10
+        while time.monotonic() < deadline:
+            if self.store.check([self._key("verdict")]):
+                doc = json.loads(self.store.get(self._key("verdict")))
+                self.verdict = (doc["line"], int(doc["rank"]))
+                break
+            time.sleep(0.2)
+        self.end_job()
+
+    def _world(self) -> int:
+        return max((int(d.get("world", 1)) for d in _read_all(self.out, "hello-rank")), default=1)
+
+    # -- this host's ranks ----------------------------------------------------------------
+
+    def local_views(self, ask: str) -> list[RankView]:
+        """What each of this host's ranks is doing: its answer, else what shows from outside."""
+        hello = {int(d["rank"]): int(d["pid"]) for d in _read_all(self.out, "hello-rank")}
+        (self.out / "request").write_text(ask)
+        deadline = time.monotonic() + ANSWER_S
+        answers: dict[int, dict[str, Any]] = {}
+        while time.monotonic() < deadline and len(answers) < len(hello):
+            for doc in _read_all(self.out, "rank"):
+                if doc.get("request") == ask:
+                    answers[int(doc["rank"])] = doc
+            time.sleep(0.1)
+        views = []
+        for rank, pid in sorted(hello.items()):
+            answer = answers.get(rank)
+            views.append(self._answered(answer, pid) if answer else self._outside(rank, pid))
+        return views
+
+    def _answered(self, doc: dict[str, Any], pid: int) -> RankView:
+        rank = int(doc["rank"])
+        main = _main_stack(doc.get("threads", []))
+        detail = ""
+        if verdict.in_dataloader(main):
+            detail = "in the DataLoader" + _loader_detail(self.out, rank, pid)
+        waiting = _collective(doc)
+        return RankView(
+            rank=rank,
+            host=self.host,
+            state="answered",
+            waiting=waiting,
+            where=verdict.own_frame(main),
+            detail=detail,
+            evidence=str(self.out / f"rank{rank}.json"),
+        )
+
+    def _outside(self, rank: int, pid: int) -> RankView:
+        state = _proc_state(pid)
+        native = self.out / f"native-rank{rank}.txt"
+        if state is None:
+            return RankView(rank=rank, host=self.host, state="exited", detail="its process is gone")
+        where = ""
+        if state != "T":
+            where = _native_frame(native, pid)
+        return RankView(
+            rank=rank,
+            host=self.host,
+            state="stopped" if state == "T" else "silent",
+            where=where,
+            evidence=str(native),
+        )
+
+
+def _read_all(out: Path, stem: str) -> list[dict[str, Any]]:
+    docs = []
+    for path in out.glob(f"{stem}*.json"):
+        if not path.name[len(stem) :].removesuffix(".json").isdigit():
+            continue
+        try:
+            docs.append(json.loads(path.read_text()))
+        except (OSError, ValueError):
+            continue
+    return docs
+
+
+def _view(raw: dict[str, Any]) -> RankView:
+    waiting = raw.get("waiting")
+    return RankView(**{**raw, "waiting": Collective(**waiting) if waiting else None})
+
+
+def _main_stack(threads: list[dict[str, Any]]) -> list[list[object]]:
+    for thread in threads:
+        if thread.get("name") == "MainThread":
+            return list(thread.get("stack", []))
+    return list(threads[0].get("stack", [])) if threads else []
+
+
+def _collective(doc: dict[str, Any]) -> Collective | None:
+    """The collective a rank waits in, named from its Flight Recorder record."""
+    waiting = doc.get("waiting")
+    if not waiting:
+        return None
+    pg, seq = str(waiting["pg"]), int(waiting["seq"])
+    for entry in doc.get("flight_recorder", {}).get("entries", []):
+        group = str(entry.get("process_group", [""])[0])
+        if group == pg and int(entry.get("collective_seq_id", -1)) == seq:
+            op = str(entry.get("profiling_name", "")).split(":")[-1]
+            return Collective(pg=pg, seq=seq, op=op, args=_args(entry))
+    return Collective(pg=pg, seq=seq)
+
+
+_DTYPES = {
+    "Float": "float32",
+    "Double": "float64",
+    "Half": "float16",
+    "BFloat16": "bfloat16",
+    "Long": "int64",
+    "Int": "int32",
+    "Short": "int16",
+    "Char": "int8",
+    "Byte": "uint8",
+    "Bool": "bool",
+}
+
+
+def _args(entry: dict[str, Any]) -> str:
+    """``float32[1024]`` from a record's input dtypes and sizes."""
+    dtypes = [_DTYPES.get(str(d), str(d)) for d in entry.get("input_dtypes", [])]
+    sizes = entry.get("input_sizes", [])
+    return ", ".join(f"{d}[{','.join(map(str, s))}]" for d, s in zip(dtypes, sizes, strict=False))
+
+
+def _proc_state(pid: int) -> str | None:
+    """``/proc``'s one-letter state (``T``: stopped), ``None`` when the process is gone."""
+    try:
+        with open(f"/proc/{pid}/stat") as fh:
+            text = fh.read()
+    except OSError:
+        return None
+    state = text.rpartition(")")[2].split()[0]
+    return None if state in ("Z", "X") else state
+
+
+def _native_frame(native: Path, pid: int, *, own_only: bool = False) -> str:
+    """faulthandler's view of the main thread (works while another thread holds the GIL)."""
+    before = native.stat().st_size if native.exists() else 0
+    try:
+        os.kill(pid, signal.SIGUSR2)
+    except OSError:
+        return ""
+    time.sleep(0.5)
+    try:
+        with open(native) as fh:
+            fh.seek(before)
+            stacks = verdict.parse_faulthandler(fh.read())
+    except OSError:
+        return ""
+    return verdict.own_frame(stacks[-1], own_only=own_only) if stacks else ""
+
+
+def _loader_detail(out: Path, rank: int, pid: int) -> str:
+    """Which DataLoader worker the rank waits for, and where it is (forked workers inherit
+    the rank's faulthandler registration, so each can be asked the same way)."""
+    import psutil
+
+    try:
+        children = psutil.Process(pid).children()
+    except psutil.Error:
+        return ""
+    native = out / f"native-rank{rank}.txt"
+    for index, child in enumerate(children):
+        where = _native_frame(native, child.pid, own_only=True)
+        if where:
+            return f" (worker {index} at {where})"
+    return f" ({len(children)} workers, none in your code)" if children else ""

@@ -1,0 +1,197 @@
+"""From what every rank was doing when the job stopped moving, one line: who, where, why.
+
+Pure functions over plain data (:class:`RankView`), so every rule is tested
+with lists of views. The views come from each host's launcher
+(:mod:`manygpu.launch.hangwatch`): a rank's own answer (its stacks, the Flight
+Recorder's records), or what the launcher could see of it when it could not
+answer (stopped, exited, silent in native code).
+"""
+
+from __future__ import annotations
+
+import os
+from collections import Counter
+from dataclasses import dataclass, field
+
+STATES = ("answered", "stopped", "silent", "exited")
+
+
+@dataclass(frozen=True, kw_only=True)
+class Collective:
+    """One collective as the Flight Recorder saw it on one rank."""
+
+    pg: str
+    seq: int
+    op: str = "collective"
+    """``all_reduce``, ``broadcast``, ``barrier``... (without the backend's prefix)."""
+    args: str = ""
+    """``float32[1024]``: the tensors it was called with."""
+
+    @property
+    def name(self) -> str:
+        return f"{self.op} #{self.seq}" + ("" if self.pg in ("0", "") else f" (group {self.pg})")
+
+
+@dataclass(frozen=True, kw_only=True)
+class RankView:
+    """What one rank was doing."""
+
+    rank: int
+    host: str
+    state: str = "answered"
+    """``answered``; ``stopped`` (SIGSTOP, a debugger); ``silent`` (alive but its
+    threads could not answer: native code holding the GIL); ``exited``."""
+    waiting: Collective | None = None
+    """The collective it waits in, ``None`` when it is in none."""
+    where: str = ""
+    """Its own code's innermost frame, ``train.py:57 in save_checkpoint()``."""
+    detail: str = ""
+    """More on where it is (``in the DataLoader (worker 1 at dataset.py:40)``, an exit code)."""
+    evidence: str = ""
+    """The file holding its stacks and records."""
+    extra: dict[str, str] = field(default_factory=dict)
+
+
+def ranks_text(ranks: list[int]) -> str:
+    """``[0, 1, 2, 4, 6, 7]`` -> ``0-2,4,6-7``."""
+    out: list[str] = []
+    for r in sorted(ranks):
+        if out and "-" not in out[-1].split(",")[-1] and int(out[-1]) == r - 1:
+            out[-1] = f"{out[-1]}-{r}"
+        elif out and "-" in out[-1] and int(out[-1].split("-")[1]) == r - 1:
+            out[-1] = f"{out[-1].split('-')[0]}-{r}"
+        else:
+            out.append(str(r))
+    return ",".join(out)
+
+
+def _who(v: RankView) -> str:
+    return f"rank {v.rank} (host {v.host})"
+
+
+def _state(v: RankView) -> str:
+    """Where a rank that is not in the collective is, in words."""
+    at = f" at {v.where}" if v.where else ""
+    if v.state == "stopped":
+        return f"rank {v.rank} is stopped (SIGSTOP or a debugger){at}"
+    if v.state == "exited":
+        return f"rank {v.rank} has exited{f' ({v.detail})' if v.detail else ''}"
+    if v.state == "silent":
+        return f"rank {v.rank} does not answer: it is in native code holding the GIL{at}"
+    detail = f", {v.detail}" if v.detail else ""
+    return f"rank {v.rank} is{at or ' in its own code'}{detail}"
+
+
+def compose(views: list[RankView], world: int) -> tuple[str, int]:
+    """The verdict line (without ``manygpu: hang:``) and the rank to blame."""
+    waiting = [v for v in views if v.waiting is not None]
+    missing = sorted(set(range(world)) - {v.rank for v in views})
+    if not waiting:
+        return "no rank waits in a collective; nothing to blame", min(v.rank for v in views)
+    counts = Counter((v.waiting.pg, v.waiting.seq) for v in waiting if v.waiting)
+    main_key = max(counts, key=lambda k: (counts[k], k[1]))
+    in_main = [v for v in waiting if v.waiting and (v.waiting.pg, v.waiting.seq) == main_key]
+    name = in_main[0].waiting.name if in_main[0].waiting else ""
+    others = [v for v in views if v not in in_main]
+    wait_text = f"ranks {ranks_text([v.rank for v in in_main])} wait in"
+    if len(in_main) == 1:
+        wait_text = f"rank {in_main[0].rank} waits in"
+    if others or missing:
+        return _absent(others, missing, name, wait_text)
+    return _mismatch(in_main, name)
+
+
+def _absent(
+    others: list[RankView], missing: list[int], name: str, wait_text: str
+) -> tuple[str, int]:
+    """Some ranks are not in the collective the others wait in."""
+    culprits = sorted(others, key=lambda v: (v.waiting is not None, v.rank))
+    if culprits:
+        first = culprits[0]
+        if first.waiting is not None:
+            line = f"{_who(first)} waits in {first.waiting.name} while {wait_text} {name}"
+            line += f"; it called it at {first.where}" if first.where else ""
+        else:
+            line = f"{_who(first)} never entered {name} that {wait_text}; {_state(first)}"
+        rest = [v.rank for v in culprits[1:]] + missing
+        if rest:
+            line += f" (also not in it: rank{'s' if len(rest) > 1 else ''} {ranks_text(rest)})"
+        return line, first.rank
+    line = f"rank{'s' if len(missing) > 1 else ''} {ranks_text(missing)} never answered"
+    return f"{line}; {wait_text} {name}", missing[0]
+
+
+def _mismatch(in_main: list[RankView], name: str) -> tuple[str, int]:
+    """Every rank is in the same collective: do they agree on what it is?"""
+    kinds = Counter((v.waiting.op, v.waiting.args) for v in in_main if v.waiting)
+    if len(kinds) == 1:
+        rank = min(v.rank for v in in_main)
+        return (
+            f"all ranks wait in {name} with the same arguments: no rank is missing, "
+            "so a connection between them is stuck (network, or a peer's backend thread)",
+            rank,
+        )
+    common = kinds.most_common(1)[0][0]
+    odd = sorted(
+        (v for v in in_main if v.waiting and (v.waiting.op, v.waiting.args) != common),
+        key=lambda v: v.rank,
+    )
+    first = odd[0]
+    assert first.waiting is not None
+    said = f"{first.waiting.op}({first.waiting.args})"
+    ranks = ranks_text([v.rank for v in odd])
+    who = f"rank {ranks}" if len(odd) == 1 else f"ranks {ranks}"
+    line = (
+        f"all ranks wait in {name}; {who} (host {first.host}) started it as {said}, "
+        f"the others as {common[0]}({common[1]})"
+    )
+    line += f"; rank {first.rank} at {first.where}" if first.where else ""
+    return line, first.rank
+
+
+# -- reading a rank's frames ----------------------------------------------------------
+
+_LIBRARY_MARKERS = (
+    f"{os.sep}site-packages{os.sep}",
+    f"{os.sep}dist-packages{os.sep}",
+    f"{os.sep}manygpu{os.sep}",
+    f"{os.sep}lib{os.sep}python3",
+    "<frozen ",
+)
+
+
+def own_frame(stack: list[list[object]], *, own_only: bool = False) -> str:
+    """The innermost frame of the user's own code in ``stack`` (innermost last).
+
+    Without one: the innermost frame of all, or ``""`` with ``own_only``.
+    """
+    for filename, line, func in reversed([(str(f[0]), f[1], str(f[2])) for f in stack]):
+        if not any(marker in filename for marker in _LIBRARY_MARKERS):
+            func_text = f" in {func}()" if func != "<module>" else ""
+            return f"{os.path.basename(filename)}:{line}{func_text}"
+    if stack and not own_only:
+        last = stack[-1]
+        return f"{os.path.basename(str(last[0]))}:{last[1]} in {last[2]}()"
+    return ""
+
+
+def in_dataloader(stack: list[list[object]]) -> bool:
+    """Whether a stack waits inside torch's DataLoader."""
+    return any("torch/utils/data/" in str(f[0]) for f in stack)
+
+
+def parse_faulthandler(text: str) -> list[list[list[object]]]:
+    """faulthandler's dump -> one stack per thread (innermost last), in the dump's order.
+
+    faulthandler lists the newest thread first, so the main thread is the last.
+    """
+    stacks: list[list[list[object]]] = []
+    for line in text.splitlines():
+        if line.startswith(("Thread 0x", "Current thread 0x")):
+            stacks.append([])
+        elif stacks and line.strip().startswith('File "'):
+            head, _, func = line.strip().partition(" in ")
+            name, _, lineno = head.removeprefix('File "').partition('", line ')
+            digits = "".join(ch for ch in lineno if ch.isdigit())
+            stacks[-1].insert(0, [name, int(digits or 0), func])
+    return stacks
