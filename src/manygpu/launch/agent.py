@@ -172,6 +172,8 @@ def _describe(o: blame.Outcome, failure: ProcessFailure) -> str:
     text = _recorded_message(failure)
     detail = f": {text}" if text else ""
     pid = f" (pid {failure.pid})" if o.how.startswith("was killed") else ""
+    at = hangwatch.crash_site(o.rank, -failure.exitcode) if failure.exitcode < 0 else ""
+    pid += f" at {at}" if at else ""
     return f"rank {o.rank} {o.how}{pid}{detail}"
 
 

@@ -47,6 +47,8 @@ def start(env: envmod.Environ) -> threading.Thread | None:
     out = Path(where)
     native = open(out / f"native-rank{rank}.txt", "w")  # noqa: SIM115 - lives as long as we do
     faulthandler.register(signal.SIGUSR2, file=native, all_threads=True, chain=False)
+    # A fatal signal (gloo aborts on a size mismatch) leaves the stacks there too.
+    faulthandler.enable(file=native, all_threads=True)
     world = envmod.get_int(env, "WORLD_SIZE") or 1
     _write(out / f"hello-rank{rank}.json", {"rank": rank, "pid": os.getpid(), "world": world})
     watcher = _Watcher(out, rank)

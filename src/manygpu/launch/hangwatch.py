@@ -29,7 +29,7 @@ from typing import Any
 from manygpu.launch import verdict
 from manygpu.launch.verdict import Collective, RankView
 
-ANSWER_S = 3.0
+ANSWER_S = 2.0
 """How long workers get to answer before they are looked at from outside."""
 GATHER_S = 6.0
 """How long the gathering host waits for the other hosts' messages."""
@@ -37,8 +37,9 @@ POLL_S = 0.5
 
 
 def alarm_after(timeout_s: float) -> float:
-    """Seconds of waiting that raise the alarm: shortly before the collective's timeout."""
-    return max(timeout_s * 0.75, timeout_s - 8.0)
+    """Seconds of waiting that raise the alarm: before the collective's own timeout ends
+    the waiting ranks, leaving time to ask every rank (15 s, or half of a short timeout)."""
+    return max(timeout_s * 0.5, timeout_s - 15.0)
 
 
 class HangWatch:
@@ -327,3 +328,21 @@ def _loader_detail(out: Path, rank: int, pid: int) -> str:
         if where:
             return f" (worker {index} at {where})"
     return f" ({len(children)} workers, none in your code)" if children else ""
+
+
+FATAL = frozenset({signal.SIGABRT, signal.SIGSEGV, signal.SIGFPE, signal.SIGBUS, signal.SIGILL})
+"""Signals on which faulthandler writes a dying worker's stacks (gloo aborts with SIGABRT)."""
+
+
+def crash_site(rank: int, signum: int) -> str:
+    """Where this node's rank ``rank`` was when ``signum`` killed it ("" when unknown)."""
+    where = os.environ.get("MANYGPU_EVIDENCE_DIR")
+    if signum not in FATAL or not where:
+        return ""
+    try:
+        text = (Path(where) / f"native-rank{rank}.txt").read_text()
+    except OSError:
+        return ""
+    dump = text.rpartition("Fatal Python error")[2]
+    stacks = verdict.parse_faulthandler(dump) if dump != text else []
+    return verdict.own_frame(stacks[-1]) if stacks else ""  # the main thread is listed last

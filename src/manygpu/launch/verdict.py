@@ -141,9 +141,10 @@ def _mismatch(in_main: list[RankView], name: str) -> tuple[str, int]:
     said = f"{first.waiting.op}({first.waiting.args})"
     ranks = ranks_text([v.rank for v in odd])
     who = f"rank {ranks}" if len(odd) == 1 else f"ranks {ranks}"
+    number = name.split(" ", 1)[1] if " " in name else name
     line = (
-        f"all ranks wait in {name}; {who} (host {first.host}) started it as {said}, "
-        f"the others as {common[0]}({common[1]})"
+        f"all ranks wait in collective {number}; {who} (host {first.host}) started it as "
+        f"{said}, the others as {common[0]}({common[1]})"
     )
     line += f"; rank {first.rank} at {first.where}" if first.where else ""
     return line, first.rank
