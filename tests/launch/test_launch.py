@@ -182,9 +182,13 @@ def test_the_first_failure_in_time_is_blamed_with_its_exit_code(
     assert all(f"rank {failing} " not in ln for ln in summary[1:]), summary
 
 
-def test_timeout_covers_a_plain_torchrun_script_and_no_temp_dir_is_left(tmp_path: Path) -> None:
-    """--timeout becomes the default process-group timeout of any script; the
-    launcher's own log directory is removed (torch would leave torchelastic_* in TMPDIR)."""
+def test_a_plain_torchrun_scripts_hang_gets_a_verdict_and_only_its_evidence_is_left(
+    tmp_path: Path,
+) -> None:
+    """--timeout becomes the default process-group timeout of any script, and before
+    it ends the waiting rank the verdict names the rank that never came and its line.
+    The launcher's own log directory is removed (torch would leave torchelastic_* in
+    TMPDIR); the evidence directory the verdict names is kept."""
     tmp = tmp_path / "tmp"
     tmp.mkdir()
     start = time.monotonic()
@@ -198,14 +202,23 @@ def test_timeout_covers_a_plain_torchrun_script_and_no_temp_dir_is_left(tmp_path
         env={"TMPDIR": str(tmp)},
     )
     elapsed = time.monotonic() - start
-    assert res.returncode == 1, res.stderr
+    assert res.returncode == 124, res.stderr
     assert elapsed < 5 + 30, f"took {elapsed:.1f}s"
-    assert "Timed out waiting 5000ms" in res.stderr
+    lines = [line for line in res.stderr.splitlines() if line.startswith("manygpu:")]
+    assert lines[0].startswith("manygpu: hang: rank 1 (host ") and lines[0].endswith(
+        ") never entered all_reduce #1 that rank 0 waits in; rank 1 is at plain_hang.py:10"
+    ), lines
     left = [p.name for p in tmp.iterdir() if p.name.startswith(("torchelastic_", "manygpu-"))]
-    assert left == []
+    assert len(left) == 1 and left[0].startswith("manygpu-evidence-"), left
+    assert (
+        lines[1] == f"manygpu: evidence (stacks and collective records per rank): {tmp / left[0]}"
+    )
+    record = json.loads((tmp / left[0] / "verdict.json").read_text())
+    assert record["rank"] == 1 and {r["rank"] for r in record["ranks"]} == {0, 1}
 
 
 def test_hung_rank_ends_within_timeout(tmp_path: Path) -> None:
+    """manygpu's own collective: the verdict comes before its timeout would end rank 0."""
     timeout = 5
     start = time.monotonic()
     res = manygpu(
@@ -219,10 +232,12 @@ def test_hung_rank_ends_within_timeout(tmp_path: Path) -> None:
         env={"PYTHONPATH": str(ROOT / "src")},
     )
     elapsed = time.monotonic() - start
-    assert res.returncode != 0
+    assert res.returncode == 124, res.stderr
     # Start-up (two torch imports on 2 cores) + timeout + stopping the other rank.
     assert elapsed < timeout + 25, f"took {elapsed:.1f}s"
-    assert "rank 0: all_reduce[sum](float32[4]) did not complete within 5s" in res.stderr
+    assert "never entered all_reduce #1 that rank 0 waits in; rank 1 is at hangs.py:17" in (
+        res.stderr
+    )
     assert_gone(tmp_path)
 
 

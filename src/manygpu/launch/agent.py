@@ -260,8 +260,7 @@ def watching(spec: LaunchSpec, log_dir: str | None) -> Iterator[hangwatch.HangWa
         Path(tempfile.mkdtemp(prefix="manygpu-evidence-")) if own else Path(log_dir or "") / "hang"
     )
     out.mkdir(parents=True, exist_ok=True)
-    os.environ[envmod.EVIDENCE_DIR] = str(out)
-    os.environ.setdefault("TORCH_FR_BUFFER_SIZE", str(FLIGHT_RECORDS))
+    envmod.export_evidence(str(out), FLIGHT_RECORDS)
     several = spec.max_nodes > 1
     watch = hangwatch.HangWatch(
         out=out,

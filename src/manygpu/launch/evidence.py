@@ -83,7 +83,7 @@ def pending(status: dict[str, Any]) -> tuple[str, int] | None:
         done = int(counters.get("last_completed_collective", -1))
         queued = int(counters.get("last_enqueued_collective", -1))
         if queued > done:
-            waiting.append((pg, done + 1))
+            waiting.append((pg, max(done, 0) + 1))  # -1 before the first completes
     return min(waiting, key=lambda w: w[1]) if waiting else None
 
 

@@ -28,6 +28,7 @@ from typing import Any
 
 from manygpu.launch import verdict
 from manygpu.launch.verdict import Collective, RankView
+from manygpu.runtime import env as envmod
 
 ANSWER_S = 2.0
 """How long workers get to answer before they are looked at from outside."""
@@ -336,7 +337,7 @@ FATAL = frozenset({signal.SIGABRT, signal.SIGSEGV, signal.SIGFPE, signal.SIGBUS,
 
 def crash_site(rank: int, signum: int) -> str:
     """Where this node's rank ``rank`` was when ``signum`` killed it ("" when unknown)."""
-    where = os.environ.get("MANYGPU_EVIDENCE_DIR")
+    where = envmod.evidence_dir(envmod.current())
     if signum not in FATAL or not where:
         return ""
     try:

@@ -187,3 +187,14 @@ EVIDENCE_DIR = "MANYGPU_EVIDENCE_DIR"
 def evidence_dir(env: Environ) -> str | None:
     """This worker's evidence directory (``manygpu launch`` sets it), ``None`` elsewhere."""
     return env.get(EVIDENCE_DIR) or None
+
+
+FLIGHT_RECORDER = "TORCH_FR_BUFFER_SIZE"
+"""torch's Flight Recorder: how many collectives each process keeps records of."""
+
+
+def export_evidence(where: str, records: int) -> None:
+    """Set, for the workers this launcher starts, where their evidence goes, and turn
+    torch's Flight Recorder on with ``records`` entries unless the user sized it."""
+    os.environ[EVIDENCE_DIR] = where
+    os.environ.setdefault(FLIGHT_RECORDER, str(records))
