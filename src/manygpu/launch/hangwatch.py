@@ -92,7 +92,12 @@ class HangWatch:
             except Exception:  # a watch that fails must not end a healthy job
                 continue
             if alarm is not None:
-                self._judge(alarm)
+                try:
+                    self._judge(alarm)
+                except Exception as exc:  # the store's host ended first, or worse
+                    if self.verdict is None:
+                        self.verdict = (f"no verdict here ({type(exc).__name__})", -1)
+                    self.end_job()
                 return
 
     def _alarm(self) -> str | None:
@@ -163,13 +168,16 @@ class HangWatch:
 
     def _await_verdict(self) -> None:
         deadline = time.monotonic() + GATHER_S + 10
-        while time.monotonic() < deadline:
-            if self.store.check([self._key("verdict")]):
-                doc = json.loads(self.store.get(self._key("verdict")))
-                self.verdict = (doc["line"], int(doc["rank"]))
-                break
-            time.sleep(0.2)
-        self.end_job()
+        self.verdict = ("the verdict is printed by the host that serves the store", -1)
+        try:
+            while time.monotonic() < deadline:
+                if self.store.check([self._key("verdict")]):
+                    doc = json.loads(self.store.get(self._key("verdict")))
+                    self.verdict = (doc["line"], int(doc["rank"]))
+                    break
+                time.sleep(0.2)
+        finally:  # the store's host may end (and its store go) before we read it
+            self.end_job()
 
     def _world(self) -> int:
         return max((int(d.get("world", 1)) for d in _read_all(self.out, "hello-rank")), default=1)
