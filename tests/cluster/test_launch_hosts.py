@@ -369,3 +369,23 @@ def test_an_elastic_job_survives_a_killed_host(
         f"manygpu: the elastic job finished without a host (lost host {cluster.addresses[1]}"
         in text
     )
+
+
+@pytest.mark.timeout(150)
+def test_a_hang_over_hosts_is_reported_first_as_its_verdict(
+    hosts: tuple[EmulatedCluster, SshHosts], tmp_path: Path
+) -> None:
+    """Rank 1 (host 1) spins in save_checkpoint() while rank 0 waits: the driver's
+    report starts with the verdict the store's host made, and the job exits 124."""
+    cluster, ssh = hosts
+    script = Path(__file__).resolve().parents[1] / "launch" / "scripts" / "hang_kinds.py"
+    argv = _argv(cluster, ssh, _two(cluster, 1), "--timeout", "12", "--term-timeout", "3")
+    res = _run(cluster, [*argv, str(script), "spin", str(tmp_path)], 120)
+    assert res.returncode == 124, res.stderr[-3000:]
+    report = _report(res.stderr)
+    assert report[0] == (
+        f"manygpu: {cluster.addresses[0]}: hang: rank 1 (host {cluster.addresses[1]}) never "
+        "entered all_reduce #2 that rank 0 waits in; rank 1 is at hang_kinds.py:32 in "
+        "save_checkpoint()"
+    ), report
+    assert all("(a consequence)" in line for line in report[1:]), report

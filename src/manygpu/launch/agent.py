@@ -240,12 +240,24 @@ def _run(spec: LaunchSpec, secret: JobSecret | None, log_dir: str | None) -> int
     with watching(spec, log_dir) as watch:
         code = _agent(spec, config, executable, args)
         if watch.verdict is not None:
+            if spec.driven:
+                _verdict_to_driver(watch)
             return HUNG
     return code
 
 
 HUNG = 124
 """The exit code of a job ended by a hang verdict (as ``timeout`` exits)."""
+
+
+def _verdict_to_driver(watch: hangwatch.HangWatch) -> None:
+    """Under a launch over hosts: the verdict as the job's first failure (its time is the
+    alarm's), the other hosts' ends as its consequences."""
+    assert watch.verdict is not None
+    line, rank = watch.verdict
+    judged = rank >= 0 and watch.gathers
+    how = blame.Outcome(rank, HUNG, watch.alarm_ns, not judged, "hang")
+    driven.report(how, f"hang: {line}" if judged else "stopped after the hang verdict")
 
 
 @contextlib.contextmanager

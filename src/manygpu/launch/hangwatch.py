@@ -73,6 +73,8 @@ class HangWatch:
         self.end_job = end_job or (lambda: os.kill(os.getpid(), signal.SIGTERM))
         self.say = say or (lambda line: print(line, file=sys.stderr, flush=True))
         self.verdict: tuple[str, int] | None = None
+        self.alarm_ns = 0
+        """When the alarm went off here (the verdict's time in a report)."""
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="manygpu-hangwatch", daemon=True)
 
@@ -92,6 +94,7 @@ class HangWatch:
             except Exception:  # a watch that fails must not end a healthy job
                 continue
             if alarm is not None:
+                self.alarm_ns = time.time_ns()
                 try:
                     self._judge(alarm)
                 except Exception as exc:  # the store's host ended first, or worse
