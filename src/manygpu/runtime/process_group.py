@@ -19,7 +19,7 @@ import torch.distributed as dist
 
 from manygpu.runtime import env as envmod
 from manygpu.runtime.cluster import ClusterInfo
-from manygpu.runtime.job_store import DIRECT_SOURCES, job_store
+from manygpu.runtime.job_store import job_store
 
 """Launchers whose ranks meet on a store that rank 0 hosts (no agent hosts one)."""
 
@@ -116,22 +116,10 @@ def _create_group(
             timeout=timeout,
             device_id=device_id,
         )
-    elif cluster.source in DIRECT_SOURCES:
-        # torch's tcp:// handler with the same settings (its key prefix included),
-        # but rank 0's store bound to the job's address only, behind a gate
-        # when that address is a network one.
-        bound = job_store(cluster, timeout, multi_tenant=True)
-        dist.init_process_group(
-            backend,
-            store=dist.PrefixStore("default_pg", bound),
-            rank=cluster.rank,
-            world_size=cluster.world_size,
-            timeout=timeout,
-            device_id=device_id,
-        )
     else:
-        # Started by hand (RANK, WORLD_SIZE, MASTER_ADDR set, no agent): torch's
-        # env:// handler would bind rank 0's store to every address.
+        # srun / mpirun (torch's tcp:// handler) or a start by hand (env://), with the
+        # same settings and key prefix, but rank 0's store bound to the job's address
+        # only (torch binds every address), behind a gate when that is a network one.
         bound = job_store(cluster, timeout, multi_tenant=True)
         dist.init_process_group(
             backend,
