@@ -123,7 +123,9 @@ def _absent(
 
 def _mismatch(in_main: list[RankView], name: str) -> tuple[str, int]:
     """Every rank is in the same collective: do they agree on what it is?"""
-    kinds = Counter((v.waiting.op, v.waiting.args) for v in in_main if v.waiting)
+    # Counted in rank order, so a tie names the same majority whatever order views came in.
+    ordered = sorted(in_main, key=lambda v: v.rank)
+    kinds = Counter((v.waiting.op, v.waiting.args) for v in ordered if v.waiting)
     if len(kinds) == 1:
         rank = min(v.rank for v in in_main)
         return (
@@ -132,22 +134,33 @@ def _mismatch(in_main: list[RankView], name: str) -> tuple[str, int]:
             rank,
         )
     common = kinds.most_common(1)[0][0]
-    odd = sorted(
-        (v for v in in_main if v.waiting and (v.waiting.op, v.waiting.args) != common),
-        key=lambda v: v.rank,
-    )
-    first = odd[0]
-    assert first.waiting is not None
-    said = f"{first.waiting.op}({first.waiting.args})"
-    ranks = ranks_text([v.rank for v in odd])
-    who = f"rank {ranks}" if len(odd) == 1 else f"ranks {ranks}"
+    # The odd ranks, grouped by what they called (several groups when they disagree too).
+    groups: dict[tuple[str, str], list[RankView]] = {}
+    for v in ordered:
+        if v.waiting and (v.waiting.op, v.waiting.args) != common:
+            groups.setdefault((v.waiting.op, v.waiting.args), []).append(v)
+    said = [
+        f"{_group(group)} {'started it ' if i == 0 else ''}as {op}({args})"
+        for i, ((op, args), group) in enumerate(groups.items())
+    ]
+    first = next(iter(groups.values()))[0]
     number = name.split(" ", 1)[1] if " " in name else name
     line = (
-        f"all ranks wait in collective {number}; {who} (host {first.host}) started it as "
-        f"{said}, the others as {common[0]}({common[1]})"
+        f"all ranks wait in collective {number}; {', '.join(said)}, "
+        f"the others as {common[0]}({common[1]})"
     )
     line += f"; rank {first.rank} at {first.where}" if first.where else ""
     return line, first.rank
+
+
+def _group(views: list[RankView]) -> str:
+    """``rank 3 (host a)``, ``ranks 2-3 (host a)``, ``ranks 2-3 (hosts a,b)``."""
+    hosts = sorted({v.host for v in views})
+    plural = "s" if len(views) > 1 else ""
+    return (
+        f"rank{plural} {ranks_text([v.rank for v in views])} "
+        f"(host{'s' if len(hosts) > 1 else ''} {','.join(hosts)})"
+    )
 
 
 # -- reading a rank's frames ----------------------------------------------------------
@@ -155,7 +168,9 @@ def _mismatch(in_main: list[RankView], name: str) -> tuple[str, int]:
 _LIBRARY_MARKERS = (
     f"{os.sep}site-packages{os.sep}",
     f"{os.sep}dist-packages{os.sep}",
-    f"{os.sep}manygpu{os.sep}",
+    # manygpu itself, by its real directory: a checkout named manygpu (CI clones are)
+    # must not make the user's scripts inside it look like library code.
+    os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep,
     f"{os.sep}lib{os.sep}python3",
     "<frozen ",
 )
