@@ -39,7 +39,7 @@ EXPECTED = {
     "native": HOST1 + r" never entered all_reduce #2 that ranks 0-2 wait in; rank 3 does not "
     r"answer: it is in native code holding the GIL at hang_kinds\.py:70",
     "ddp_skip": r"all ranks wait in collective #10; rank 3 \(host 10\.\d+\.\d+\.2\) started it "
-    r"as barrier\(\), the others as all_reduce\(float32\[10\]\); rank 3 at hang_kinds\.py:59",
+    r"as barrier\(\), the others as all_reduce\(float32\[10\]\); rank 3 is at hang_kinds\.py:59",
 }
 
 

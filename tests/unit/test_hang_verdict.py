@@ -79,7 +79,7 @@ def test_a_rank_in_another_collective_number() -> None:
     views = _job(RankView(rank=5, host="gpu7", waiting=behind, where="t.py:50"))
     assert compose(views, 8) == (
         "rank 5 (host gpu7) waits in all_reduce #811 while ranks 0-4,6-7 wait in "
-        "all_reduce #812; it called it at t.py:50",
+        "all_reduce #812, called at t.py:50",
         5,
     )
     views = _job(RankView(rank=5, host="gpu7", waiting=behind))
@@ -129,7 +129,7 @@ def test_same_number_different_op_or_args() -> None:
     odd = RankView(rank=3, host="gpu3", waiting=skipped, where="train.py:59 in step()")
     assert compose(_job(odd, world=4, coll=ddp), 4) == (
         "all ranks wait in collective #10; rank 3 (host gpu3) started it as barrier(), "
-        "the others as all_reduce(float32[10]); rank 3 at train.py:59 in step()",
+        "the others as all_reduce(float32[10]); rank 3 is at train.py:59 in step()",
         3,
     )
     short = Collective(pg="0", seq=10, op="all_reduce", args="float32[12]")

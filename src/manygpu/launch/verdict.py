@@ -110,7 +110,7 @@ def _absent(
         first = culprits[0]
         if first.waiting is not None:
             line = f"{_who(first)} waits in {first.waiting.name} while {wait_text} {name}"
-            line += f"; it called it at {first.where}" if first.where else ""
+            line += f", called at {first.where}" if first.where else ""
         else:
             line = f"{_who(first)} never entered {name} that {wait_text}; {_state(first)}"
         rest = [v.rank for v in culprits[1:]] + missing
@@ -149,7 +149,7 @@ def _mismatch(in_main: list[RankView], name: str) -> tuple[str, int]:
         f"all ranks wait in collective {number}; {', '.join(said)}, "
         f"the others as {common[0]}({common[1]})"
     )
-    line += f"; rank {first.rank} at {first.where}" if first.where else ""
+    line += f"; rank {first.rank} is at {first.where}" if first.where else ""
     return line, first.rank
 
 
