@@ -179,7 +179,8 @@ def main() -> None:
     if ps_keeper.applies(envmod.current()):
         ps_keeper.keep()  # from here on, this is the child that runs the script
     _default_group_timeout()
-    evidence.start(envmod.current())
+    with contextlib.suppress(OSError):  # no watch is better than no job
+        evidence.start(envmod.current())
     try:
         run(sys.argv[1:])
         _finish()
