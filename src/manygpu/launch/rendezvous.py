@@ -144,27 +144,20 @@ def serve_gated(
     return GatedStore(store=store, gate=gate)
 
 
-def door(secret: JobSecret, host: str, port: int, timeout: timedelta) -> store_gate.Door:
-    """A loopback entrance to the job's gated store at ``host:port``."""
-
-    def say(line: str) -> None:
-        print(f"manygpu: {line}", file=sys.stderr, flush=True)
-
-    return store_gate.Door(secret.gate_key, host, port, timeout.total_seconds(), say)
-
-
 def _client(host: str, port: int, timeout: timedelta, **kwargs: Any) -> TCPStore:
     """A store client of ``host:port``, through a door when the job has a secret."""
     secret = _Job.secret
     if secret is None:
         return TCPStore(host, port, is_master=False, timeout=timeout, **kwargs)
-    entrance = door(secret, host, port, timeout)
     try:
-        entrance.check()
+        entrance = _door(secret, host, port, timeout)
     except (store_gate.DoorRefused, ConnectionError) as exc:
         raise RendezvousConnectionError(str(exc)) from None
-    _KEEP.append(entrance)
     return TCPStore("127.0.0.1", entrance.port, is_master=False, timeout=timeout, **kwargs)
+
+
+def _door(secret: JobSecret, host: str, port: int, timeout: timedelta) -> store_gate.Door:
+    return store_gate.open_door(secret.gate_key, host, port, timeout.total_seconds())
 
 
 def _host(host: str, port: int, timeout: timedelta, **kwargs: Any) -> tuple[TCPStore, int]:
@@ -195,8 +188,8 @@ class _Doors:
             return info
         key = (remote.master_addr, remote.master_port)
         if key not in self._open:
-            entrance = door(secret, *key, timeout)
-            _KEEP.append(entrance)
+            # Unchecked: the workers' store may not be up yet; its clients retry.
+            entrance = store_gate.Door(secret.gate_key, *key, timeout.total_seconds())
             self._open[key] = int(entrance.port)
         local = RendezvousStoreInfo(master_addr="127.0.0.1", master_port=self._open[key])
         return RendezvousInfo(info.store, info.rank, info.world_size, local)

@@ -16,7 +16,6 @@ import datetime as dt
 import errno
 import ipaddress
 import socket
-import sys
 from typing import Any
 
 import torch.distributed as dist
@@ -98,16 +97,10 @@ def _secret_for(host: str) -> secretmod.JobSecret | None:
 
 def _door(secret: secretmod.JobSecret, host: str, port: int, timeout: dt.timedelta) -> int:
     """A door on loopback to rank 0's gate; its port. A wrong secret fails here, in one line."""
-
-    def say(line: str) -> None:
-        print(f"manygpu: {line}", file=sys.stderr, flush=True)
-
-    door = store_gate.Door(secret.gate_key, host, port, timeout.total_seconds(), say)
     try:
-        door.check()
+        door = store_gate.open_door(secret.gate_key, host, port, timeout.total_seconds())
     except (store_gate.DoorRefused, ConnectionError) as exc:
         raise UsageError(str(exc)) from None
-    _KEEP.append(door)
     return int(door.port)
 
 

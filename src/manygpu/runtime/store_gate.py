@@ -135,7 +135,7 @@ class Gate(_Listener):
     ) -> None:
         self._key = key
         self._store_port = store_port
-        self._on_refused = on_refused or _say_refused
+        self._on_refused = on_refused or _say
         self._named: set[str] = set()
         super().__init__(sock, self._serve_peer)
 
@@ -170,7 +170,7 @@ class Gate(_Listener):
         self._on_refused(f"refused a connection to the job's store from {peer}: {why}")
 
 
-def _say_refused(line: str) -> None:
+def _say(line: str) -> None:
     print(f"manygpu: {line}", file=sys.stderr, flush=True)
 
 
@@ -187,12 +187,17 @@ class Door(_Listener):
     """
 
     def __init__(
-        self, key: bytes, host: str, port: int, timeout_s: float, on_error: Callable[[str], None]
+        self,
+        key: bytes,
+        host: str,
+        port: int,
+        timeout_s: float,
+        on_error: Callable[[str], None] | None = None,
     ) -> None:
         self._key = key
         self._target = (host, port)
         self._timeout_s = timeout_s
-        self._on_error = on_error
+        self._on_error = on_error or _say
         self._warned = False
         super().__init__(listen("127.0.0.1", 0), self._serve_local)
 
@@ -250,3 +255,14 @@ class Door(_Listener):
             raise
         remote.settimeout(None)
         return remote
+
+
+def open_door(key: bytes, host: str, port: int, timeout_s: float) -> Door:
+    """A checked :class:`Door` to the gate at ``host:port``: a refused key or an
+    unreachable gate raises here (``DoorRefused`` / ``ConnectionError``), once.
+
+    Its accepting thread keeps it alive as long as the process.
+    """
+    door = Door(key, host, port, timeout_s)
+    door.check()
+    return door
