@@ -79,6 +79,11 @@ class ParallelConfig:
     """``torch.compile`` the prepared model where its strategy needs it (after
     DDP wrapping, per FSDP2 block, per pipeline stage); ``CompileOptions`` sets
     mode, fullgraph and dynamic."""
+    stragglers: bool | int = True
+    """Every N steps (``True``: 50) gather each rank's step split (input wait,
+    compute, exposed communication) to the main rank, which names a rank or host
+    that stays slower than its peers (``manygpu: straggler: ...``); ``False`` (or
+    ``MANYGPU_STRAGGLERS=0``) turns the reports off."""
     debug: bool | None = None
     """Check before each collective of :meth:`Parallel.reduce` / ``gather`` /
     ``barrier`` that every rank calls the same one (shape, dtype); ``None``
@@ -111,6 +116,9 @@ class ParallelConfig:
             raise UsageError(
                 f"grad_accum_steps must be an integer >= 1, got {self.grad_accum_steps!r}"
             )
+        k = self.stragglers
+        if not isinstance(k, bool) and (not isinstance(k, int) or k < 1):
+            raise UsageError(f"stragglers takes True, False or steps per report >= 1, not {k!r}")
         t = self.timeout_s
         if t is not None and (
             isinstance(t, bool) or not isinstance(t, int | float) or not math.isfinite(t) or t <= 0

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import random
+import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -184,8 +185,10 @@ class PreparedLoader:
         on_last_batch: Callable[[], None] | None = None,
         generator_seed: int | None = None,
         channels_last: Callable[[], bool] | None = None,
+        on_wait: Callable[[float], None] | None = None,
     ) -> None:
         self.loader = loader
+        self._on_wait = on_wait  # told how long each batch took to arrive (the step clock)
         # Asked per epoch, not fixed here: the model that decides may be
         # prepared after its loader.
         self._channels_last = channels_last
@@ -239,6 +242,7 @@ class PreparedLoader:
             self.loader.generator.manual_seed(self._generator_seed + epoch)
         total = len(self.loader)
         channels_last = self._channels_last is not None and self._channels_last()
+        wait, start = self._on_wait, time.perf_counter()
         try:
             for index, batch in enumerate(self.loader):
                 if index == total - 1 and self._on_last_batch is not None:
@@ -250,7 +254,11 @@ class PreparedLoader:
                 batch = move_to_device(batch, self.device)
                 # On the device, after the copy: the layout change is one cheap kernel
                 # there, and the host-to-device copy stays one contiguous block.
-                yield batch_to_channels_last(batch) if channels_last else batch
+                batch = batch_to_channels_last(batch) if channels_last else batch
+                if wait is not None:
+                    wait(time.perf_counter() - start)
+                yield batch
+                start = time.perf_counter()
         finally:
             if isinstance(sampler, ResumableSampler):
                 sampler.skip_batches = 0  # only the resumed epoch starts late

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -19,12 +20,17 @@ class PreparedOptimizer(OptimizerView):
     """
 
     def __init__(
-        self, optimizer: torch.optim.Optimizer, accumulator: Accumulator, precision: PrecisionPlugin
+        self,
+        optimizer: torch.optim.Optimizer,
+        accumulator: Accumulator,
+        precision: PrecisionPlugin,
+        on_step: Callable[[], None] | None = None,
     ) -> None:
         # Deliberately no super().__init__: this object owns no parameters.
         self.optimizer = optimizer
         self._accumulator = accumulator
         self._precision = precision
+        self._on_step = on_step  # the step clock's tick (first optimizer only)
 
     def step(self, closure: Any = None) -> None:  # type: ignore[override]
         """Apply the update at the end of an accumulation cycle; else do nothing."""
@@ -32,6 +38,8 @@ class PreparedOptimizer(OptimizerView):
             raise ValueError("closures are not supported by manygpu's prepared optimizer")
         if self._accumulator.last_synced:
             self._precision.step(self.optimizer)
+            if self._on_step is not None:
+                self._on_step()
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Clear gradients, except while still accumulating them."""

@@ -22,6 +22,7 @@ from manygpu.comm.common import debug_requested, first_line
 from manygpu.comm.debug import check_end
 from manygpu.comm.grad_norm import clip_grads_, total_grad_norm
 from manygpu.comm.module_sync import broadcast_module_state
+from manygpu.core import straggler_board
 from manygpu.core.accumulation import Accumulator
 from manygpu.core.auto import choose_strategy
 from manygpu.core.config import ParallelConfig
@@ -145,6 +146,14 @@ class Parallel:
         self._auto_batch = 32  # per-device batch the planner assumes for "auto"
         self._optimizers: list[PreparedOptimizer] = []
         self.console = MainConsole(self.is_main, self.rank)
+        self._steps = straggler_board.start(
+            straggler_board.steps_every(self.config.stragglers, environ),
+            self.rank,
+            self.world_size,
+            local_rank=self.local_rank,
+            peers=self.strategy.timing_peers(),
+            is_main=self.is_main,
+        )
         said = announcement(self.precision_choice, self._device_name)
         if said is not None:
             self.print(said)
@@ -238,6 +247,9 @@ class Parallel:
         wrapped = self.strategy.setup_module(model)
         self.precision.wrap_forward(wrapped)
         self.strategy.set_grad_sync(wrapped, self._accumulator.next_is_boundary)
+        if self._steps is not None:
+            clock = self._steps.clock
+            clock.attach(self.strategy.comm_probe(wrapped, clock.probe_every))
         compile_options = self.config.compile_options
         if compile_options is not None:
             check_compiler(self.device)
@@ -261,7 +273,9 @@ class Parallel:
         if fused_step_applies(optimizer, param_device_types(optimizer)):
             use_fused_step(optimizer)  # before the strategy: ZeRO-1 rebuilds from its defaults
         inner = self.strategy.setup_optimizer(optimizer)
-        prepared = PreparedOptimizer(inner, self._accumulator, self.precision)
+        # The first optimizer's steps are the training steps the clock counts.
+        tick = self._steps.clock.step if self._steps and not self._optimizers else None
+        prepared = PreparedOptimizer(inner, self._accumulator, self.precision, on_step=tick)
         self._optimizers.append(prepared)
         return prepared
 
@@ -296,6 +310,7 @@ class Parallel:
             on_last_batch=hook,
             generator_seed=seed,
             channels_last=lambda: self._channels_last,
+            on_wait=self._steps.clock.waited_for_input if self._steps and train else None,
         )
 
     # -- the training step -----------------------------------------------------
@@ -424,6 +439,17 @@ class Parallel:
             note = self.strategy.status()
             if note is not None:
                 self.console.set_note(note)
+        if self.step_times:
+            self.print(straggler_board.render(self.step_times))
+
+    @property
+    def step_times(self) -> list[dict[str, Any]]:
+        """Every rank's latest step split (ms: step, input, compute, exposed comm, link).
+
+        On the main rank, once a report window is complete; empty elsewhere or
+        with ``stragglers=False``. What the straggler verdicts are judged on.
+        """
+        return self._steps.table() if self._steps is not None else []
 
     def seed_everything(self, seed: int) -> None:
         """Seed python, numpy and torch with ``seed`` + this rank's data-shard index.
@@ -445,6 +471,8 @@ class Parallel:
         In debug mode every rank first checks that all made the same number
         of collectives: a skipped or extra one is named instead of passing.
         """
+        if self._steps is not None:
+            self._steps.close()
         if self.world_size > 1 and comm.common.active() and debug_requested(self.config.debug):
             check_end(timeout_s=self.timeout_s)
         self.strategy.teardown()

@@ -272,11 +272,12 @@ def watching(spec: LaunchSpec, log_dir: str | None) -> Iterator[hangwatch.HangWa
         Path(tempfile.mkdtemp(prefix="manygpu-evidence-")) if own else Path(log_dir or "") / "hang"
     )
     out.mkdir(parents=True, exist_ok=True)
-    envmod.export_evidence(str(out), FLIGHT_RECORDS)
+    host = _host_label(spec)
+    envmod.export_evidence(str(out), FLIGHT_RECORDS, host)
     several = spec.max_nodes > 1
     watch = hangwatch.HangWatch(
         out=out,
-        host=_host_label(spec),
+        host=host,
         default_timeout_s=spec.timeout_s or envmod.DEFAULT_TIMEOUT_S,
         job_store=rendezvous.hang_channel if several else lambda: None,
         end_job=_end_after_verdict,

@@ -193,8 +193,36 @@ FLIGHT_RECORDER = "TORCH_FR_BUFFER_SIZE"
 """torch's Flight Recorder: how many collectives each process keeps records of."""
 
 
-def export_evidence(where: str, records: int) -> None:
-    """Set, for the workers this launcher starts, where their evidence goes, and turn
-    torch's Flight Recorder on with ``records`` entries unless the user sized it."""
+def export_evidence(where: str, records: int, host: str) -> None:
+    """Set, for the workers this launcher starts, where their evidence goes and how
+    their host is named, and turn torch's Flight Recorder on with ``records``
+    entries unless the user sized it."""
     os.environ[EVIDENCE_DIR] = where
+    os.environ[HOST_LABEL] = host
     os.environ.setdefault(FLIGHT_RECORDER, str(records))
+
+
+HOST_LABEL = "MANYGPU_HOST"
+"""How verdicts name this worker's host (the launcher sets it: its address on the job's network)."""
+
+
+def host_label(env: Environ) -> str | None:
+    """This worker's host as the launcher names it, ``None`` when not launched by manygpu."""
+    return get_str(env, HOST_LABEL)
+
+
+STRAGGLERS = "MANYGPU_STRAGGLERS"
+"""Straggler reports: ``0`` turns them off, a number N reports every N steps."""
+
+
+def straggler_every(env: Environ) -> int | None:
+    """``MANYGPU_STRAGGLERS`` as steps per report: 0 is off, ``None`` when unset."""
+    value = get_int(env, STRAGGLERS)
+    if value is not None and value < 0:
+        raise UsageError(f"{STRAGGLERS}={value} must be 0 (off) or a number of steps per report")
+    return value
+
+
+def restart_count(env: Environ) -> int:
+    """How many times torch elastic has restarted this job's workers (0 at first)."""
+    return get_int(env, "TORCHELASTIC_RESTART_COUNT") or 0

@@ -8,6 +8,7 @@ asks which strategy it is talking to.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, ClassVar
 
@@ -31,6 +32,10 @@ from manygpu.strategies.options import (
 if TYPE_CHECKING:
     from manygpu.checkpoint.formats import Format
     from manygpu.strategies.registry import StrategyCard
+
+
+CommProbe = Callable[[], "tuple[int, float] | None"]
+"""See :meth:`Strategy.comm_probe`."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -202,6 +207,21 @@ class Strategy(ABC):
         workers push, so they clip the average there.
         """
         return None
+
+    def comm_probe(self, module: nn.Module, every: int) -> CommProbe | None:
+        """How to read the exposed communication of a sampled step of ``module``.
+
+        The probe returns (the step's start in ``time.time_ns()``, seconds) for a
+        step sampled since its last call, else ``None``; it is called every
+        ``every`` steps. ``None`` (the default):
+        this strategy cannot tell its communication apart from compute, and the
+        straggler reports count it as compute.
+        """
+        return None
+
+    def timing_peers(self) -> int:
+        """Ranks whose steps do comparable work share this label (default: all ranks)."""
+        return 0
 
     def status(self) -> str | None:
         """One line of progress for the main process's bar after each step (``None``: none)."""

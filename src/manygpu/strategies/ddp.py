@@ -12,7 +12,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from manygpu.errors import UsageError
 from manygpu.runtime.cluster import ClusterInfo
-from manygpu.strategies.base import Strategy, StrategyOptions
+from manygpu.strategies.base import CommProbe, Strategy, StrategyOptions
 from manygpu.strategies.mesh import check_dims
 from manygpu.strategies.options import CompileOptions, compile_in_place
 from manygpu.strategies.registry import register
@@ -77,6 +77,13 @@ class DDPStrategy(Strategy):
     def unwrap(self, module: nn.Module) -> nn.Module:
         return module.module if isinstance(module, DistributedDataParallel) else module
 
+    def comm_probe(self, module: nn.Module, every: int) -> CommProbe | None:
+        """DDP's reducer times its own steps (every 100th by default): every ``every``-th here."""
+        if not isinstance(module, DistributedDataParallel):
+            return None
+        module._set_ddp_runtime_logging_sample_rate(every)
+        return _ReducerTimes(module)
+
     def compile_module(self, module: nn.Module, options: CompileOptions) -> None:
         """Compile the model inside the DDP wrapper, after wrapping.
 
@@ -87,6 +94,28 @@ class DDPStrategy(Strategy):
         forward, which ``fullgraph=True`` refuses.
         """
         compile_in_place(self.unwrap(module), options)
+
+
+class _ReducerTimes:
+    """Exposed communication of DDP's latest sampled step, from its reducer's timers.
+
+    The reducer notes when the backward's last gradient was ready and when the
+    last bucket's all-reduce finished; what lies between is the communication
+    the backward did not hide. A slow rank's is short, its peers' long.
+    """
+
+    def __init__(self, ddp: DistributedDataParallel) -> None:
+        self._ddp = ddp
+        self._seen: int | None = None
+
+    def __call__(self) -> tuple[int, float] | None:
+        data = self._ddp._get_ddp_logging_data()
+        started = data.get("forward_compute_time_start")
+        ready, done = data.get("backward_compute_time_end"), data.get("backward_comm_time_end")
+        if not started or started == self._seen or not ready or not done:
+            return None
+        self._seen = started
+        return int(started), max(0, int(done) - int(ready)) / 1e9
 
 
 def _sync_batchnorm(module: nn.Module, device: torch.device) -> nn.Module:

@@ -149,6 +149,10 @@ class PipelineStrategy(ReplacingMeshStrategy):
         stage = module.stage if isinstance(module, PipelinedModel) else module
         compile_in_place(stage, options)
 
+    def timing_peers(self) -> int:
+        # Stages do different work: a rank's step compares with its stage's replicas.
+        return int(self.spec.coords(self.ctx.rank)["pp"])
+
     def grad_norm_group(self) -> object | None:
         # Each stage holds different layers: the model's norm sums over stages.
         return self._pp_group

@@ -1,0 +1,91 @@
+"""A DDP training job where one rank (the last) may be slow; argv: KIND STEPS EVERY OUT.
+
+``uniform``: nobody is slow; ``compute``: the last rank sleeps 50 ms in every
+forward; ``input``: the last rank's loader sleeps 50 ms per batch; ``network``:
+nobody is slow on its own, the model's gradients are large (the test throttles
+one host's link). The main rank writes OUT/steps.json: its final
+``par.step_times``.
+"""
+
+import json
+import os
+import sys
+import time
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.data import DataLoader, Dataset
+
+from manygpu import Parallel
+
+kind, steps, every, out = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
+world = int(os.environ["WORLD_SIZE"])
+culprit = int(os.environ["RANK"]) == world - 1
+
+
+class Blocks(nn.Module):
+    """A small residual MLP (ModuleList of blocks); wide when the network is the test."""
+
+    def __init__(self, width: int, depth: int) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(nn.Linear(width, width) for _ in range(depth))
+        self.head = nn.Linear(width, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if kind == "compute" and culprit:
+            time.sleep(0.05)
+        for block in self.blocks:
+            x = x + torch.relu(block(x))
+        return self.head(x)
+
+
+class Points(Dataset):
+    def __init__(self, width: int) -> None:
+        self.x = torch.randn(4096 + 13, width)  # does not divide evenly
+        self.y = torch.randint(0, 4, (len(self.x),))
+
+    def __len__(self) -> int:
+        return len(self.x)
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.x[i], self.y[i]
+
+
+def collate(items: list[tuple[torch.Tensor, torch.Tensor]]) -> list[torch.Tensor]:
+    """The culprit's batches each take 50 ms to arrive (a slow disk or decoder)."""
+    if kind == "input" and culprit:
+        time.sleep(0.05)
+    return [torch.stack(column) for column in zip(*items, strict=True)]
+
+
+width = 512 if kind == "network" else 64
+par = Parallel(strategy="ddp", stragglers=every)
+model = Blocks(width, 4)
+opt = torch.optim.AdamW(
+    [
+        {"params": [p for n, p in model.named_parameters() if n.endswith("weight")]},
+        {
+            "params": [p for n, p in model.named_parameters() if n.endswith("bias")],
+            "weight_decay": 0,
+        },
+    ],
+    lr=1e-3,
+)
+loader = DataLoader(Points(width), batch_size=8, shuffle=True, collate_fn=collate)
+model, opt, loader = par.prepare(model, opt, loader)
+done = 0
+while done < steps:
+    for x, y in loader:
+        loss = F.cross_entropy(model(x), y)
+        par.backward(loss)
+        par.clip_grad_norm_(model, 1.0)
+        opt.step()
+        opt.zero_grad()
+        done += 1
+        if done == steps:
+            break
+if par.is_main:
+    with open(os.path.join(out, "steps.json"), "w") as fh:
+        json.dump(par.step_times, fh)
+par.close()
