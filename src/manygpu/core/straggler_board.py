@@ -33,6 +33,8 @@ LINK_PAYLOAD = b"\0" * 65536
 """What one rank per host sends through the store and reads back, once per window."""
 KEEP_WINDOWS = 4
 """Windows the main rank waits for late ranks before giving a window up."""
+CLOSE_WAIT_S = 1.5
+"""How long the main rank's close waits for the other ranks' last windows."""
 
 
 class Board:
@@ -62,7 +64,7 @@ class Board:
         """Called on the training thread: the rest happens on the board's."""
         self._queue.put(split)
 
-    def close(self, timeout_s: float = 2.0) -> None:
+    def close(self, timeout_s: float = CLOSE_WAIT_S + 1.0) -> None:
         """Send what is queued, judge what is complete, and stop."""
         self._queue.put(None)
         self._thread.join(timeout_s)
@@ -79,6 +81,11 @@ class Board:
                 if self._say is not None:
                     self._pending.append(split.window)
                     self._collect()
+            # Closing: the others' last windows are on their way (they end together).
+            deadline = time.monotonic() + CLOSE_WAIT_S
+            while self._pending and time.monotonic() < deadline:
+                time.sleep(0.05)
+                self._collect()
         except Exception:  # the store is gone: the job is ending
             return
 

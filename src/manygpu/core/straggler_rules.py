@@ -1,13 +1,17 @@
 """Who is slow and why, from every rank's window of step times (pure functions).
 
 A rank is a straggler when its own work — input wait plus compute — is at least
-``RELATIVE`` (20%) and ``ABSOLUTE_MS`` above the median of its peers' in
-``STREAK`` consecutive windows. Why those numbers: each window is already a
+``RELATIVE`` (20%) above the median of its peers', and the excess is at least
+``STEP_SHARE`` (10%) of the step and ``ABSOLUTE_MS``, in ``STREAK`` consecutive
+windows. Why those numbers: each window is already a
 median over ``every`` steps, so one slow step (a checkpoint, a page fault, the
 OS running something else) moves nothing; what remains between equal ranks on
 a shared two-core VM is a few percent, and a rank is only named when it stays
-20% slower three windows running. The absolute floor keeps sub-millisecond
-steps, where 20% is timer noise, quiet. The cause is the larger part of the
+20% slower three windows running. The share of the step is what the others
+lose waiting for it: a rank 40% slower at a tenth of the step costs the job 4%,
+which is noise, not a straggler (two ranks sharing cores with a 50 ms sleeper
+show exactly that). The absolute floor keeps sub-millisecond steps, where 20% is
+timer noise, quiet. The cause is the larger part of the
 excess: input (the loader) or compute (forward, backward, optimizer, user code).
 
 A host is slow on the network when, while communication is a large part of
@@ -26,6 +30,7 @@ from manygpu.core.step_clock import StepSplit
 
 RELATIVE = 0.20
 ABSOLUTE_MS = 1.0
+STEP_SHARE = 0.10
 STREAK = 3
 NETWORK_RATIO = 3.0
 COMM_SHARE = 0.25
@@ -67,7 +72,9 @@ def rank_finding(splits: Sequence[StepSplit], me: StepSplit) -> Finding | None:
     median = statistics.median(
         [_busy(s) for s in splits if s.peers == me.peers and s.rank != me.rank]
     )
-    if busy < median * (1 + RELATIVE) or busy - median < ABSOLUTE_MS:
+    step = statistics.median([s.step_ms for s in splits if s.peers == me.peers])
+    floor = max(ABSOLUTE_MS, STEP_SHARE * step)
+    if busy < median * (1 + RELATIVE) or busy - median < floor:
         return None
     input_med = _peers_median(splits, me, "input_ms")
     compute_med = _peers_median(splits, me, "compute_ms")

@@ -132,18 +132,25 @@ class EmulatedCluster:
             self._in(name, "ip", "addr", "add", f"{addr}/{prefix}", "dev", "eth0")
             self._in(name, "ip", "link", "set", "eth0", "up")
             self._in(name, "ip", "link", "set", "lo", "up")
-            self._shape(name, "eth0")
-            self._shape(self.switch, port)
+            self._shape(name, "eth0", self.shape)
+            self._shape(self.switch, port, self.shape)
 
     def _add_ns(self, name: str) -> None:
         _sh(["ip", "netns", "add", name])
         self._created.append(name)
         self._in(name, "ip", "link", "set", "lo", "up")
 
-    def _shape(self, ns: str, dev: str) -> None:
-        rate, delay = self.shape.rate, self.shape.delay
+    def reshape(self, host: int, shape: LinkShape) -> None:
+        """Shape host ``host``'s link alone, both ways (a slow NIC or a congested port)."""
+        self._shape(self.names[host], "eth0", shape)
+        self._shape(self.switch, f"p{host}", shape)
+
+    def _shape(self, ns: str, dev: str, shape: LinkShape) -> None:
+        rate, delay = shape.rate, shape.delay
+        if rate is None and delay is None:
+            _sh(["ip", "netns", "exec", ns, "tc", "qdisc", "del", "dev", dev, "root"], check=False)
         if delay is not None:
-            cmd = ["tc", "qdisc", "add", "dev", dev, "root", "netem", "delay", delay]
+            cmd = ["tc", "qdisc", "replace", "dev", dev, "root", "netem", "delay", delay]
             if rate is not None:
                 cmd += ["rate", rate]
             res = _sh(["ip", "netns", "exec", ns, *cmd, "limit", "100000"], check=False)
@@ -159,7 +166,7 @@ class EmulatedCluster:
                 ns,
                 "tc",
                 "qdisc",
-                "add",
+                "replace",
                 "dev",
                 dev,
                 "root",

@@ -85,7 +85,7 @@ while done < steps:
         done += 1
         if done == steps:
             break
+par.close()  # the main rank judges the last window before it returns
 if par.is_main:
     with open(os.path.join(out, "steps.json"), "w") as fh:
         json.dump(par.step_times, fh)
-par.close()

@@ -1,0 +1,161 @@
+"""Straggler reports on emulated hosts, under a real DDP training loop (gloo).
+
+One 3-host cluster serves every case:
+- 2 hosts x 2 ranks where rank 3 (host 1) sleeps 50 ms in each forward: named with
+  "compute"; where rank 3's loader takes 50 ms per batch: named "waits for input";
+  where nobody is slow: nobody is named over 200 steps (reports every 10 steps,
+  so 20 windows, each a chance for a false alarm).
+- 3 hosts x 1 rank, host 2's link alone throttled to 100 Mbit/s both ways (tc tbf
+  on its veth and its switch port) while the others run at 1 Gbit/s: host 2 is
+  named with "network", and no rank is named for compute or input.
+
+The two 2x2 jobs with a culprit run at once (the 50 ms sleeps dwarf the noise of
+sharing two cores); the uniform and the network jobs run alone.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from jobs import subprocess_env
+
+from manygpu.emulate import EmulatedCluster, LinkShape, netns_available
+
+OK, WHY = netns_available()
+pytestmark = pytest.mark.skipif(not OK, reason=f"emulated cluster unavailable: {WHY}")
+
+SCRIPT = Path(__file__).resolve().parents[1] / "launch" / "scripts" / "straggler_kinds.py"
+LINE = re.compile(r"manygpu: straggler: (.*)")
+PORTS = {"compute": 29641, "input": 29642, "uniform": 29643, "network": 29644}
+
+
+class Job:
+    """One job: a launcher per host it uses, and what the serving host printed."""
+
+    def __init__(
+        self, cluster: EmulatedCluster, kind: str, hosts: int, ranks: int, steps: int, out: Path
+    ) -> None:
+        self.kind, self.out = kind, out
+        port = PORTS[kind]
+        self.procs = [
+            cluster.popen(
+                i,
+                [
+                    sys.executable, "-m", "manygpu", "launch", "--nnodes", str(hosts),
+                    "--node-rank", str(i), "--nproc-per-node", str(ranks),
+                    "--master-addr", cluster.addresses[0], "--master-port", str(port),
+                    "--timeout", "60", str(SCRIPT), kind, str(steps), "5" if kind == "network"
+                    else "10", str(out),
+                ],
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                env=subprocess_env(namespace=True),
+                start_new_session=True,
+            )
+            for i in range(hosts)
+        ]  # fmt: skip
+        self.codes: list[int] = []
+        self.output: list[str] = []
+
+    def wait(self) -> Job:
+        try:
+            for proc in self.procs:
+                out, err = proc.communicate(timeout=240)
+                self.output.append(out + err)
+                self.codes.append(proc.returncode)
+                (self.out / f"host{len(self.codes) - 1}.txt").write_text(out + err)
+        finally:
+            for proc in self.procs:
+                proc.kill()
+        return self
+
+    @property
+    def lines(self) -> list[str]:
+        return [m.group(1) for m in LINE.finditer(self.output[0])]
+
+    @property
+    def table(self) -> list[dict[str, object]]:
+        rows: list[dict[str, object]] = json.loads((self.out / "steps.json").read_text())
+        return rows
+
+
+@pytest.fixture(scope="module")
+def jobs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Job]]:
+    with EmulatedCluster(3, LinkShape(rate="1gbit")) as cluster:
+        out = tmp_path_factory.mktemp
+        done: dict[str, Job] = {}
+        pair = [Job(cluster, kind, 2, 2, 60, out(kind)) for kind in ("compute", "input")]
+        done.update({job.kind: job.wait() for job in pair})
+        done["uniform"] = Job(cluster, "uniform", 2, 2, 200, out("uniform")).wait()
+        cluster.reshape(2, LinkShape(rate="100mbit"))
+        done["network"] = Job(cluster, "network", 3, 1, 40, out("network")).wait()
+        yield done
+
+
+def _ok(job: Job) -> None:
+    assert job.codes == [0] * len(job.codes), "\n".join(o[-2000:] for o in job.output)
+
+
+HOST1 = r"host 10\.\d+\.\d+\.2"
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_a_rank_that_computes_slowly_is_named_with_compute(jobs: dict[str, Job]) -> None:
+    job = jobs["compute"]
+    _ok(job)
+    assert len(job.lines) == 1, job.output[0][-3000:]
+    assert re.fullmatch(
+        rf"rank 3 \({HOST1}\) computes \d+\.\dx as long as the median \(input [\d.]+ ms, "
+        r"compute [5-9]\d ms vs [\d.]+ ms\)",
+        job.lines[0],
+    ), job.lines
+    slow = next(r for r in job.table if r["rank"] == 3)
+    others = [r for r in job.table if r["rank"] != 3]
+    assert all(float(r["comm_ms"]) > 40 for r in others), job.table  # type: ignore[arg-type]
+    assert float(slow["compute_ms"]) > 45, slow  # type: ignore[arg-type]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_a_rank_whose_loader_is_slow_is_named_with_input(jobs: dict[str, Job]) -> None:
+    job = jobs["input"]
+    _ok(job)
+    assert len(job.lines) == 1, job.output[0][-3000:]
+    assert re.fullmatch(
+        rf"rank 3 \({HOST1}\) waits for input: [45]\d ms per step vs [\d.]+ ms "
+        r"\(median of the others; compute [\d.]+ ms vs [\d.]+ ms\)",
+        job.lines[0],
+    ), job.lines
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_a_uniform_job_names_nobody_over_200_steps(jobs: dict[str, Job]) -> None:
+    job = jobs["uniform"]
+    _ok(job)
+    assert job.lines == [], job.lines
+    assert sorted(int(r["rank"]) for r in job.table) == [0, 1, 2, 3]  # type: ignore[call-overload]
+    # 199 timed steps (the first has no start): windows 0-18 all reached the judge
+    assert {r["window"] for r in job.table} == {18}, job.table
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_a_host_whose_link_alone_is_throttled_is_named_with_network(
+    jobs: dict[str, Job],
+) -> None:
+    job = jobs["network"]
+    _ok(job)
+    assert len(job.lines) == 1, job.output[0][-3000:]
+    assert re.fullmatch(
+        r"host 10\.\d+\.\d+\.3: network: exposed communication is \d+% of every step, and its "
+        r"link measures [\d.]+x the other hosts' \([\d.]+ ms vs [\d.]+ ms per 64 KiB round trip\)",
+        job.lines[0],
+    ), job.lines
