@@ -439,8 +439,8 @@ class Parallel:
             note = self.strategy.status()
             if note is not None:
                 self.console.set_note(note)
-        if self.step_times:
-            self.print(straggler_board.render(self.step_times))
+        if self._steps is not None and (table := self._steps.new_table()):
+            self.print(straggler_board.render(table))
 
     @property
     def step_times(self) -> list[dict[str, Any]]:

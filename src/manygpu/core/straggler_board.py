@@ -138,10 +138,19 @@ class StepReports:
 
     def __init__(self, clock: StepClock, board: Board) -> None:
         self.clock, self.board = clock, board
+        self._shown: int | None = None
 
     def table(self) -> list[dict[str, Any]]:
         """Every rank's latest window (main rank; empty elsewhere and before the first)."""
         return [asdict(s) for s in self.board.latest]
+
+    def new_table(self) -> list[dict[str, Any]]:
+        """:meth:`table` when its window was not shown yet, else empty (shown once each)."""
+        rows = self.table()
+        if not rows or rows[0]["window"] == self._shown:
+            return []
+        self._shown = rows[0]["window"]
+        return rows
 
     def close(self) -> None:
         self.board.close()
@@ -193,5 +202,11 @@ def render(rows: list[dict[str, Any]]) -> Any:
     for title, _ in _COLUMNS:
         table.add_column(title, justify="left" if title == "host" else "right")
     for row in sorted(rows, key=lambda r: r["rank"]):
-        table.add_row(*("-" if row[k] is None else str(row[k]) for _, k in _COLUMNS))
+        table.add_row(*(_cell(row[k]) for _, k in _COLUMNS))
     return table
+
+
+def _cell(value: object) -> str:
+    if value is None:
+        return "-"
+    return f"{value:.1f}" if isinstance(value, float) else str(value)

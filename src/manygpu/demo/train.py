@@ -43,6 +43,8 @@ class DemoResult:
     single_worker_samples_per_s: float | None = None
     """One worker alone on the same per-worker batch; ``None`` when the job had one worker
     (comparing it with itself would only measure noise)."""
+    step_times: list[dict[str, object]] = field(default_factory=list)
+    """Every rank's step split of the last straggler report (``Parallel.step_times``)."""
 
     @property
     def speedup(self) -> float | None:
@@ -164,6 +166,7 @@ def main(config: DemoConfig) -> DemoResult:
                 f"({samples / seconds:,.0f} samples/s)"
             )
         result.samples_per_s = timed_samples / timed_s
+        result.step_times = par.step_times
         if par.world_size > 1:  # one worker compared with one worker says nothing
             per_worker = config.global_batch_size // par.world_size
             steps = min(2 * len(train), 100)  # ~1-2 s: enough to average out noise
