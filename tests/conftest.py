@@ -33,6 +33,12 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(pytest.mark.slow)
         if where == "cluster":
             item.add_marker(pytest.mark.xdist_group("cluster"))
+    if os.environ.get("MANYGPU_SCALE_TESTS") != "1":
+        why = "a scale test (~12 GB, minutes): MANYGPU_SCALE_TESTS=1 runs it"
+        big = pytest.mark.skip(reason=why)
+        for item in items:
+            if "scale" in item.keywords:
+                item.add_marker(big)
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA GPU; none is visible on this machine")
