@@ -262,3 +262,16 @@ def test_render_lists_ranks_in_order_one_decimal_dashes_for_unknowns() -> None:
         ["0", "alpha", "30.0", "1.5", "18.3", "10.5", "0.7"],  # one decimal
         ["3", "beta", "31.5", "2.3", "20.0", "-", "-"],
     ]
+
+
+def test_a_sample_older_than_every_remembered_step_pairs_with_none(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    rig = Rig(monkeypatch, every=10)
+    rig.clock.attach(rig.probe)
+    rig.step(0.0, 5.0)
+    for _ in range(9):
+        rig.sample = (1, 0.010)  # started long before the clock's first step
+        rig.step(0.0, 40.0)
+    assert len(rig.clock._comms) == 9  # counted as communication...
+    assert rig.clock._computes == []  # ...but paired with no step

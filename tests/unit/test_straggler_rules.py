@@ -78,6 +78,7 @@ def test_a_compute_straggler_is_named_with_its_numbers() -> None:
         "compute",
         "rank 2 (host h1)",
         "computes 50% slower than the median (input 2.0 ms, compute 30 ms vs 20 ms)",
+        10.0,
     )
     assert [rank_finding(splits, s) for s in splits if s.rank != 2] == [None, None, None]
     # Rank 3 shares host h1 but is not slow: no host line, the rank's own line.
@@ -251,3 +252,15 @@ def test_a_change_of_cause_is_a_new_streak() -> None:
     waits = job(r2=split(2, input_ms=12.0))
     assert said(Judge(), [SLOW, SLOW, waits, waits]) == [[], [], [], []]
     assert Judge(streak=1).window(waits)[0].startswith("rank 2 (host h1) waits for input")
+
+
+def test_a_folded_host_line_shows_its_slowest_rank() -> None:
+    def one(rank: int, host: str, compute: float) -> StepSplit:
+        return StepSplit(rank, host, 0, 50, 92.0, 2.0, compute, None)
+
+    # "rank 10" sorts before "rank 9": the line must follow the numbers, not the names.
+    job = [one(0, "a", 20.0), one(1, "a", 20.0), one(9, "b", 90.0), one(10, "b", 30.0)]
+    assert [f.line for f in findings(job)] == [
+        "host b (ranks 9,10): computes 4.5x as long as the median (input 2.0 ms, "
+        "compute 90 ms vs 20 ms)"
+    ]

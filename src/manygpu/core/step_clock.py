@@ -65,7 +65,9 @@ class StepClock:
         self._inputs: list[float] = []
         self._comms: list[float] = []
         self._computes: list[float] = []  # per sampled step: its busy time - its exposed comm
-        self._recent: deque[tuple[int, float]] = deque(maxlen=2 * self._probe_every + 2)
+        # (start ns, end ns, busy s) of the last steps, for pairing samples with them
+        self._recent: deque[tuple[int, int, float]] = deque(maxlen=2 * self._probe_every + 2)
+        self._last_ns = 0
         self._steps = 0
         self._window = 0
 
@@ -85,14 +87,14 @@ class StepClock:
 
     def step(self) -> None:
         """One optimizer step is done (called on sync steps only)."""
-        now = time.perf_counter()
+        now, now_ns = time.perf_counter(), time.time_ns()
         if self._last is not None:
             wall = now - self._last
             self._walls.append(wall)
             self._inputs.append(self._input)
             self._busy.append(max(0.0, wall - self._input))
-            self._recent.append((time.time_ns(), self._busy[-1]))
-        self._last, self._input = now, 0.0
+            self._recent.append((self._last_ns, now_ns, self._busy[-1]))
+        self._last, self._last_ns, self._input = now, now_ns, 0.0
         self._steps += 1
         if self._probe is not None and self._steps % self._probe_every == 0:
             self._sample(self._probe)
@@ -112,8 +114,8 @@ class StepClock:
             return
         started_ns, exposed = sample
         self._comms.append(exposed)
-        for ended_ns, busy in self._recent:
-            if ended_ns > started_ns:
+        for began_ns, ended_ns, busy in self._recent:
+            if began_ns <= started_ns < ended_ns:
                 self._computes.append(max(0.0, busy - exposed))
                 return
 

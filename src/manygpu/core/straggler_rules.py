@@ -45,6 +45,7 @@ class Finding:
     cause: str  # "compute" | "input" | "network"
     who: str  # how the line names the subject: "rank 3 (host h2)"
     detail: str  # what the line says of it
+    excess_ms: float = 0.0  # how much longer than its peers' median its own work takes
 
     @property
     def line(self) -> str:
@@ -84,14 +85,14 @@ def rank_finding(splits: Sequence[StepSplit], me: StepSplit) -> Finding | None:
             f"waits for input: {_fmt(me.input_ms)} per step vs {_fmt(input_med)} "
             f"(median of the others; compute {_fmt(me.compute_ms)} vs {_fmt(compute_med)})"
         )
-        return Finding(f"rank {me.rank}", "input", who, detail)
+        return Finding(f"rank {me.rank}", "input", who, detail, busy - median)
     ratio = me.compute_ms / compute_med if compute_med > 0 else float("inf")
     how = f"{ratio - 1:.0%} slower than" if ratio < 2 else f"{ratio:.1f}x as long as"
     detail = (
         f"computes {how} the median (input {_fmt(me.input_ms)}, "
         f"compute {_fmt(me.compute_ms)} vs {_fmt(compute_med)})"
     )
-    return Finding(f"rank {me.rank}", "compute", who, detail)
+    return Finding(f"rank {me.rank}", "compute", who, detail, busy - median)
 
 
 def network_findings(splits: Sequence[StepSplit]) -> list[Finding]:
@@ -134,7 +135,7 @@ def _fold_hosts(splits: Sequence[StepSplit], found: list[Finding]) -> list[Findi
         causes = {f.cause for f in mine}
         if hosts > 1 and len(ranks) > 1 and len(mine) == len(ranks) and len(causes) == 1:
             span = ",".join(map(str, sorted(ranks)))
-            worst = min(mine, key=lambda f: f.subject)
+            worst = max(mine, key=lambda f: f.excess_ms)
             out = [f for f in out if f not in mine]
             out.append(
                 Finding(f"host {host}", causes.pop(), f"host {host} (ranks {span}):", worst.detail)
