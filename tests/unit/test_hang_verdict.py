@@ -321,3 +321,23 @@ def test_read_all_takes_numbered_files_and_skips_broken_ones(tmp_path: Path) -> 
     assert got == [0, 12]
     assert [d["rank"] for d in hangwatch._read_all(tmp_path, "rank")] == [1]
     assert hangwatch._read_all(tmp_path / "missing", "rank") == []
+
+
+def test_an_earlier_attempts_files_raise_no_alarm_and_count_no_rank(tmp_path: Path) -> None:
+    """After an elastic restart to a smaller world, rank 3's files of attempt 0
+    remain; its old wait must not raise an alarm, nor rank 3 count in the world."""
+
+    def put(name: str, doc: dict[str, Any]) -> None:
+        (tmp_path / f"{name}.json").write_text(json.dumps(doc))
+
+    put("hello-rank3", {"rank": 3, "pid": 1, "world": 4, "attempt": 0})
+    put("progress-rank3", {"rank": 3, "attempt": 0, "waiting": {"pg": "0", "seq": 9, "since": 0}})
+    for rank in range(3):
+        put(f"hello-rank{rank}", {"rank": rank, "pid": 1, "world": 3, "attempt": 1})
+        put(f"progress-rank{rank}", {"rank": rank, "attempt": 1, "waiting": None})
+    watch = hangwatch.HangWatch(out=tmp_path, host="h", default_timeout_s=20)
+    assert watch._alarm() is None
+    assert watch._world() == 3
+    # The same stale wait in the current attempt does raise it.
+    put("progress-rank2", {"rank": 2, "attempt": 1, "waiting": {"pg": "0", "seq": 9, "since": 0}})
+    assert watch._alarm() is not None

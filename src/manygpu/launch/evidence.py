@@ -50,8 +50,10 @@ def start(env: envmod.Environ) -> threading.Thread | None:
     # A fatal signal (gloo aborts on a size mismatch) leaves the stacks there too.
     faulthandler.enable(file=native, all_threads=True)
     world = envmod.get_int(env, "WORLD_SIZE") or 1
-    _write(out / f"hello-rank{rank}.json", {"rank": rank, "pid": os.getpid(), "world": world})
-    watcher = _Watcher(out, rank)
+    attempt = envmod.restart_count(env)
+    hello = {"rank": rank, "pid": os.getpid(), "world": world, "attempt": attempt}
+    _write(out / f"hello-rank{rank}.json", hello)
+    watcher = _Watcher(out, rank, attempt)
     thread = threading.Thread(target=watcher.run, name="manygpu-watch", daemon=True)
     thread.start()
     return thread
@@ -94,8 +96,8 @@ def _write(path: Path, doc: dict[str, Any]) -> None:
 
 
 class _Watcher:
-    def __init__(self, out: Path, rank: int) -> None:
-        self.out, self.rank = out, rank
+    def __init__(self, out: Path, rank: int, attempt: int) -> None:
+        self.out, self.rank, self.attempt = out, rank, attempt
         self.waiting: tuple[str, int] | None = None
         self.since = 0.0
         self.published = False
@@ -127,7 +129,12 @@ class _Watcher:
             self._publish(now, _timeout_s(now))
 
     def _publish(self, now: tuple[str, int] | None, timeout: float | None) -> None:
-        doc: dict[str, Any] = {"rank": self.rank, "pid": os.getpid(), "waiting": None}
+        doc: dict[str, Any] = {
+            "rank": self.rank,
+            "pid": os.getpid(),
+            "attempt": self.attempt,
+            "waiting": None,
+        }
         if now is not None:
             doc["waiting"] = {"pg": now[0], "seq": now[1], "since": self.since}
             doc["timeout_s"] = timeout

@@ -239,6 +239,12 @@ class HangWatch:
 
 
 def _read_all(out: Path, stem: str) -> list[dict[str, Any]]:
+    """Every ``<stem><rank>.json`` of the workers' current attempt.
+
+    After an elastic restart a smaller world leaves the earlier attempt's files
+    of the ranks that are gone: a wait one of them published must not raise an
+    alarm in the new attempt, nor its rank count in the world.
+    """
     docs = []
     for path in out.glob(f"{stem}*.json"):
         if not path.name[len(stem) :].removesuffix(".json").isdigit():
@@ -247,7 +253,18 @@ def _read_all(out: Path, stem: str) -> list[dict[str, Any]]:
             docs.append(json.loads(path.read_text()))
         except (OSError, ValueError):
             continue
-    return docs
+    latest = _current_attempt(out)
+    return [d for d in docs if int(d.get("attempt", 0)) == latest or stem == "rank"]
+
+
+def _current_attempt(out: Path) -> int:
+    attempts = [0]
+    for path in out.glob("hello-rank*.json"):
+        try:
+            attempts.append(int(json.loads(path.read_text()).get("attempt", 0)))
+        except (OSError, ValueError):
+            continue
+    return max(attempts)
 
 
 def _view(raw: dict[str, Any]) -> RankView:
