@@ -4,16 +4,18 @@ Covers :func:`rank_finding` (compute vs input stragglers, the 20% relative,
 10%-of-the-step and 1 ms absolute thresholds, noise, peer labels), :func:`_fold_hosts` (a host all
 of whose ranks are slow for one cause becomes one line), :func:`network_findings`
 (a slow host link while communication is a large share of the step) and
-:class:`Judge` (a verdict after three windows in a row, said once).
+:class:`Judge` (a verdict after three windows in a row lasting 5 s, said once).
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
 from manygpu.core.step_clock import StepSplit
 from manygpu.core.straggler_rules import (
     STREAK,
+    STREAK_S,
     Finding,
     Judge,
     _fold_hosts,
@@ -237,11 +239,20 @@ def said(judge: Judge, windows: Sequence[list[StepSplit]]) -> list[list[str]]:
 
 def test_the_judge_speaks_after_three_windows_in_a_row_and_once() -> None:
     assert STREAK == 3
-    assert said(Judge(), [SLOW] * 6) == [[], [], [LINE], [], [], []]
+    assert said(Judge(streak_s=0.0), [SLOW] * 6) == [[], [], [LINE], [], [], []]
+
+
+def test_the_streak_must_also_last_five_seconds() -> None:
+    # SLOW's windows last 50 steps of its longest step: a burst of three is too short.
+    seconds = max(s.step_ms * s.steps for s in SLOW) / 1e3
+    assert STREAK_S == 5.0 and 3 * seconds < STREAK_S
+    needed = math.ceil(STREAK_S / seconds)
+    want = [[] for _ in range(needed - 1)] + [[LINE]]
+    assert said(Judge(), [SLOW] * needed) == want
 
 
 def test_a_broken_streak_starts_the_count_again() -> None:
-    judge = Judge()
+    judge = Judge(streak_s=0.0)
     assert said(judge, [SLOW, SLOW, EVEN, SLOW, SLOW]) == [[], [], [], [], []]
     assert judge.window(SLOW) == [LINE]
     # Once said, a later streak of the same finding is not repeated.
@@ -250,8 +261,8 @@ def test_a_broken_streak_starts_the_count_again() -> None:
 
 def test_a_change_of_cause_is_a_new_streak() -> None:
     waits = job(r2=split(2, input_ms=12.0))
-    assert said(Judge(), [SLOW, SLOW, waits, waits]) == [[], [], [], []]
-    assert Judge(streak=1).window(waits)[0].startswith("rank 2 (host h1) waits for input")
+    assert said(Judge(streak_s=0.0), [SLOW, SLOW, waits, waits]) == [[], [], [], []]
+    assert Judge(streak=1, streak_s=0.0).window(waits)[0].startswith("rank 2 (host h1) waits for input")
 
 
 def test_a_folded_host_line_shows_its_slowest_rank() -> None:

@@ -2,8 +2,9 @@
 
 ``uniform``: nobody is slow; ``compute``: the last rank sleeps 50 ms in every
 forward; ``input``: the last rank's loader sleeps 50 ms per batch; ``network``:
-nobody is slow on its own, the model's gradients are large (the test throttles
-one host's link). The main rank writes OUT/steps.json: its final
+nobody is slow on its own (the test throttles one host's link). The uniform and
+network jobs train a wider model: steps long enough that 200 of them outlast a
+straggler verdict's 5 s, and gradients that load the link. The main rank writes OUT/steps.json: its final
 ``par.step_times``.
 """
 
@@ -59,7 +60,7 @@ def collate(items: list[tuple[torch.Tensor, torch.Tensor]]) -> list[torch.Tensor
     return [torch.stack(column) for column in zip(*items, strict=True)]
 
 
-width = 512 if kind == "network" else 64
+width = 64 if kind in ("compute", "input") else 256
 par = Parallel(strategy="ddp", stragglers=every)
 model = Blocks(width, 4)
 opt = torch.optim.AdamW(
