@@ -209,7 +209,7 @@ def test_a_slow_link_is_named_while_communication_is_a_quarter_of_the_step() -> 
     splits = three_hosts([2.0, 2.0, 20.0])
     assert lines(splits) == [
         "host h2: network: exposed communication is 33% of every step, and its link "
-        "measures 10.0x the other hosts' (20 ms vs 2.0 ms per 64 KiB round trip)"
+        "measures 10.0x the other hosts' (20 ms vs 2.0 ms per MiB round trip)"
     ]
     assert [(f.subject, f.cause) for f in network_findings(splits)] == [("host h2", "network")]
 
@@ -262,7 +262,8 @@ def test_a_broken_streak_starts_the_count_again() -> None:
 def test_a_change_of_cause_is_a_new_streak() -> None:
     waits = job(r2=split(2, input_ms=12.0))
     assert said(Judge(streak_s=0.0), [SLOW, SLOW, waits, waits]) == [[], [], [], []]
-    assert Judge(streak=1, streak_s=0.0).window(waits)[0].startswith("rank 2 (host h1) waits for input")
+    first = Judge(streak=1, streak_s=0.0).window(waits)[0]
+    assert first.startswith("rank 2 (host h1) waits for input")
 
 
 def test_a_folded_host_line_shows_its_slowest_rank() -> None:

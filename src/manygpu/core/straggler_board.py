@@ -4,7 +4,7 @@ Each rank's :class:`~manygpu.core.step_clock.StepClock` hands its window to a
 daemon thread, which writes it under a key of the job's c10d store — not a
 collective: nothing is added to the training stream, no sequence number of a
 hang verdict moves, and a rank that is late simply reports late. One rank per
-host also times a 64 KiB round trip to the store, its link's measure. The main
+host also times a 1 MiB round trip to the store, its link's measure. The main
 rank's thread reads a window once every rank's key is there, deletes the keys,
 and asks :class:`~manygpu.core.straggler_rules.Judge`, printing each verdict
 once as ``manygpu: straggler: ...``.
@@ -29,8 +29,11 @@ from manygpu.core.step_clock import DEFAULT_EVERY, StepClock, StepSplit
 from manygpu.core.straggler_rules import Judge
 from manygpu.runtime import env as envmod
 
-LINK_PAYLOAD = b"\0" * 65536
-"""What one rank per host sends through the store and reads back, once per window."""
+LINK_PAYLOAD = b"\0" * (1 << 20)
+"""What one rank per host sends through the store and reads back, once per window:
+a bandwidth, not a latency, measure (a 64 KiB probe fits in the burst a switch
+buffer or a token bucket passes at line rate, and showed a 100 Mbit/s link as
+fast as the 1 Gbit/s ones)."""
 KEEP_WINDOWS = 4
 """Windows the main rank waits for late ranks before giving a window up."""
 CLOSE_WAIT_S = 1.5

@@ -114,7 +114,7 @@ def network_findings(splits: Sequence[StepSplit]) -> list[Finding]:
             detail = (
                 f"network: exposed communication is {share:.0%} of every step, "
                 f"and its link measures {link / others:.1f}x the other hosts' "
-                f"({_fmt(link)} vs {_fmt(others)} per 64 KiB round trip)"
+                f"({_fmt(link)} vs {_fmt(others)} per MiB round trip)"
             )
             found.append(Finding(f"host {host}", "network", f"host {host}:", detail))
     return found

@@ -3,8 +3,9 @@
 ``uniform``: nobody is slow; ``compute``: the last rank sleeps 50 ms in every
 forward; ``input``: the last rank's loader sleeps 50 ms per batch; ``network``:
 nobody is slow on its own (the test throttles one host's link). The uniform and
-network jobs train a wider model: steps long enough that 200 of them outlast a
-straggler verdict's 5 s, and gradients that load the link. The main rank writes OUT/steps.json: its final
+network jobs train a wider model (the uniform one deeper, on larger batches): steps long
+enough that 200 of them outlast a straggler verdict's 5 s, and gradients that
+load the link. The main rank writes OUT/steps.json: its final
 ``par.step_times``.
 """
 
@@ -62,7 +63,7 @@ def collate(items: list[tuple[torch.Tensor, torch.Tensor]]) -> list[torch.Tensor
 
 width = 64 if kind in ("compute", "input") else 256
 par = Parallel(strategy="ddp", stragglers=every)
-model = Blocks(width, 4)
+model = Blocks(width, 8 if kind == "uniform" else 4)
 opt = torch.optim.AdamW(
     [
         {"params": [p for n, p in model.named_parameters() if n.endswith("weight")]},
@@ -73,7 +74,8 @@ opt = torch.optim.AdamW(
     ],
     lr=1e-3,
 )
-loader = DataLoader(Points(width), batch_size=8, shuffle=True, collate_fn=collate)
+batch = 256 if kind == "uniform" else 8
+loader = DataLoader(Points(width), batch_size=batch, shuffle=True, collate_fn=collate)
 model, opt, loader = par.prepare(model, opt, loader)
 done = 0
 while done < steps:
