@@ -19,20 +19,11 @@ call on small collectives. This measures both, in 2-rank gloo jobs on
   the watcher's.
 
 The recorder reads its buffer size when the process starts, so every variant
-is a job of its own: two fresh worker processes (this script with
-``--worker``). Each job times, per rank:
-
-- ``all_reduce 2 ranks``: microseconds per ``all_reduce`` of 4 float32 over
-  both ranks (blocks of ``--iters`` calls, a barrier before each block);
-- ``all_reduce 1 rank``: the same call on a group of one rank (each rank its
-  own, timed one rank at a time): no peer to wait for, so the recorder's own
-  per-call cost is not lost in loopback latency of a millisecond or more;
-- ``DDP step``: seconds per training step of the demo (``manygpu demo``'s
-  SimpleCNN on 16x16 digits, Adam, 32 samples per rank = its global batch of
-  64 on 2 workers) through ``Parallel(strategy="ddp")``, in blocks of
-  ``--steps`` steps;
-- ``counter read``: microseconds of one watcher poll (``evidence.fr_status``),
-  which the watcher pays twice a second.
+is a job of its own: two fresh rank processes
+(``bench/hang_records_overhead_worker.py``, which says what they time). Each
+job times, per rank: ``all_reduce`` of 4 float32 over both ranks and on a
+1-rank group (wall and CPU microseconds per call), the demo's DDP step through
+``Parallel(strategy="ddp")`` (milliseconds) and one watcher poll.
 
 A job's number for a measurement is its best block (mean over the ranks):
 on a shared machine the slower blocks measure other tenants, not this code;
@@ -60,20 +51,20 @@ import argparse
 import datetime as dt
 import json
 import os
-import platform
 import shlex
-import socket
 import statistics
-import subprocess
 import sys
 import tempfile
-import time
-from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+# Next to this file (python puts the script's folder on sys.path).
+import overhead_common as common
+from hang_records_overhead_worker import WorkerConfig
+
 HERE = Path(__file__).resolve().parent
+WORKER = HERE / "hang_records_overhead_worker.py"
 BASELINE = "off"
 
 
@@ -200,183 +191,15 @@ class Report:
         return asdict(self)
 
 
-# -- worker: one rank of one job ------------------------------------------------------
-def _timed_blocks(
-    fn: Callable[[], None], count: int, blocks: int, sync: Callable[[], None]
-) -> list[float]:
-    """Seconds per call of ``fn``, one value per block of ``count`` calls."""
-    return [wall for wall, _ in _timed_blocks_cpu(fn, count, blocks, sync)]
-
-
-def _timed_blocks_cpu(
-    fn: Callable[[], None], count: int, blocks: int, sync: Callable[[], None]
-) -> list[tuple[float, float]]:
-    """(wall, process CPU) seconds per call of ``fn``, one pair per block of ``count`` calls.
-
-    The CPU time is every thread of this process (gloo's worker and the
-    watcher included): what the call costs, without the waits that make its
-    wall time swing with the machine's load.
-    """
-    out = []
-    for _ in range(blocks):
-        sync()  # both ranks start a block together
-        start, cpu = time.perf_counter(), time.process_time()
-        for _ in range(count):
-            fn()
-        out.append(((time.perf_counter() - start) / count, (time.process_time() - cpu) / count))
-    return out
-
-
-def _nothing() -> None:
-    pass
-
-
-def _ddp_step(image_size: int, batch: int, seed: int) -> tuple[Callable[[], None], Any]:
-    """The demo's training step through ``Parallel(strategy="ddp")``; (step, Parallel)."""
-    import torch
-    import torch.nn.functional as F
-
-    from manygpu import Parallel
-    from manygpu.demo.data import digits
-    from manygpu.demo.model import SimpleCNN
-
-    par = Parallel(strategy="ddp", precision="fp32")  # as manygpu demo
-    torch.manual_seed(0)
-    model = SimpleCNN(image_size)
-    opt = torch.optim.Adam(model.parameters(), lr=2e-3)  # the demo's optimizer and rate
-    model, opt = par.prepare(model, opt)
-    images, labels = digits(image_size)[0].tensors
-    gen = torch.Generator().manual_seed(seed)
-    # Batches drawn up front: the loader is not what is measured.
-    batches = [
-        (images[i], labels[i])
-        for i in (torch.randint(len(labels), (batch,), generator=gen) for _ in range(64))
-    ]
-    count = [0]
-
-    def step() -> None:
-        x, y = batches[count[0] % len(batches)]
-        count[0] += 1
-        opt.zero_grad(set_to_none=True)
-        loss = F.cross_entropy(model(x), y)
-        par.backward(loss)
-        opt.step()
-
-    return step, par
-
-
-def _collectives_per_step(step: Callable[[], None], steps: int) -> float | None:
-    """Collectives a DDP step issues, from the recorder's counters (``None`` with it off)."""
-    from manygpu.launch import evidence
-
-    def enqueued() -> int | None:
-        status = evidence.fr_status()
-        if not status:
-            return None
-        return sum(int(c.get("last_enqueued_collective", 0)) for c in status.values())
-
-    before = enqueued()
-    for _ in range(steps):
-        step()
-    after = enqueued()
-    return None if before is None or after is None else (after - before) / steps
-
-
-def _recorder_facts(watcher: Any) -> dict[str, Any]:
-    """What this rank's Flight Recorder holds and whether its watcher runs: proof of the variant."""
-    from manygpu.launch import evidence
-
-    entries = evidence.fr_records().get("entries", [])
-    polls = []
-    for _ in range(200):
-        start = time.perf_counter()
-        evidence.fr_status()
-        polls.append(time.perf_counter() - start)
-    return {
-        "fr_buffer_size": os.environ.get("TORCH_FR_BUFFER_SIZE"),
-        "fr_entries": len(entries),
-        "fr_last_op": entries[-1].get("profiling_name") if entries else None,
-        "watcher_alive": bool(watcher is not None and watcher.is_alive()),
-        "poll_us": statistics.median(polls) * 1e6,
-    }
-
-
-def _time_small_calls(cfg: Config, rank: int, world: int) -> dict[str, list[float]]:
-    """Microseconds per ``all_reduce`` of 4 float32, per block: over both ranks, and alone."""
-    import torch
-    import torch.distributed as dist
-
-    tensor = torch.ones(4)
-
-    def call() -> None:
-        dist.all_reduce(tensor)
-
-    _timed_blocks(call, cfg.iters, 1, dist.barrier)  # warm-up
-    duo = _timed_blocks_cpu(call, cfg.iters, cfg.blocks, dist.barrier)
-    solo_group, _ = dist.new_subgroups(group_size=1)  # every rank its own group
-
-    def solo_call() -> None:
-        dist.all_reduce(tensor, group=solo_group)
-
-    # One rank at a time (the other waits in a barrier, off the CPU), so the
-    # two ranks' loops do not compete for the 2 cores.
-    solo: list[tuple[float, float]] = []
-    for turn in range(world):
-        if turn == rank:
-            _timed_blocks(solo_call, cfg.solo_iters, 1, _nothing)
-            solo = _timed_blocks_cpu(solo_call, cfg.solo_iters, cfg.blocks, _nothing)
-        dist.barrier()
-    return {
-        "allreduce_us": [w * 1e6 for w, _ in duo],
-        "allreduce_cpu_us": [c * 1e6 for _, c in duo],
-        "solo_us": [w * 1e6 for w, _ in solo],
-        "solo_cpu_us": [c * 1e6 for _, c in solo],
-    }
-
-
-def worker_main(cfg: Config, out: Path) -> None:
-    """One rank: start the watcher if this variant has it, then time everything."""
-    import torch.distributed as dist
-
-    from manygpu.launch import evidence
-
-    # Before the process group, as manygpu's launched worker does it (launch/worker.py).
-    watcher = evidence.start(os.environ)
-    step, par = _ddp_step(image_size=16, batch=32, seed=int(os.environ["RANK"]))
-    with par:
-        blocks = _time_small_calls(cfg, par.rank, par.world_size)
-        _timed_blocks(step, cfg.warmup, 1, dist.barrier)
-        per_step = _collectives_per_step(step, cfg.warmup)
-        step_s = _timed_blocks(step, cfg.steps, cfg.blocks, dist.barrier)
-        blocks["step_ms"] = [s * 1e3 for s in step_s]
-        mine = {"rank": par.rank, "blocks": blocks, "collectives_per_step": per_step}
-        mine.update(_recorder_facts(watcher))
-        everyone: list[Any] = [None] * par.world_size
-        dist.all_gather_object(everyone, mine)
-        if par.rank == 0:
-            out.write_text(json.dumps(everyone))
-
-
 # -- driver: jobs, rounds ---------------------------------------------------------------
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def job_env(variant: str, rank: int, port: int, evidence_dir: Path) -> dict[str, str]:
     """A rank's environment: a start by hand on loopback, 1 thread, the variant's switches."""
     from manygpu.launch.agent import FLIGHT_RECORDS  # what manygpu launch sets
     from manygpu.runtime import env as envmod
 
-    env = dict(os.environ)
+    env = common.loopback_env(os.environ, rank, port)
     for name in (envmod.FLIGHT_RECORDER, envmod.EVIDENCE_DIR):
         env.pop(name, None)  # "off" is off even if the caller's shell set them
-    env.update(
-        RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2", LOCAL_WORLD_SIZE="2",
-        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), GLOO_SOCKET_IFNAME="lo",
-        OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="",
-    )  # fmt: skip
     switches = VARIANTS[variant]
     if switches.fr_buffer is not None:
         launch = switches.fr_buffer == "launch"
@@ -391,57 +214,28 @@ def run_job(cfg: Config, variant: str, round_: int, position: int, tmp: Path) ->
     out = tmp / f"{variant}-r{round_}.json"
     where = tmp / f"evidence-{variant}-r{round_}"
     where.mkdir()
-    port = _free_port()
-    cmd = [sys.executable, str(Path(__file__).resolve()), "--worker", json.dumps(asdict(cfg))]
-    start = time.perf_counter()
-    procs = [
-        subprocess.Popen(
-            [*cmd, "--out", str(out)],
-            env=job_env(variant, rank, port, where),
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-        )
-        for rank in range(2)
-    ]
-    outputs, codes = [], []
-    deadline = start + cfg.job_timeout_s
-    for proc in procs:
-        try:
-            outputs.append(proc.communicate(timeout=max(1.0, deadline - time.perf_counter()))[0])
-        except subprocess.TimeoutExpired:
-            for p in procs:
-                p.kill()  # our own children, by handle
-            outputs.append(proc.communicate()[0])
-        codes.append(proc.returncode)
-    wall = time.perf_counter() - start
-    if any(codes) or not out.exists():
+    port = common.free_port()
+    cmd = [sys.executable, str(WORKER), "--config", json.dumps(asdict(WorkerConfig.pick(cfg)))]
+    envs = [job_env(variant, rank, port, where) for rank in range(2)]
+    run = common.run_ranks([*cmd, "--out", str(out)], envs, cfg.job_timeout_s)
+    if any(run.codes) or not out.exists():
         tails = [
             f"[rank{r}] exit {c}: " + " | ".join(o.strip().splitlines()[-3:])
-            for r, (c, o) in enumerate(zip(codes, outputs, strict=True))
+            for r, (c, o) in enumerate(zip(run.codes, run.outputs, strict=True))
         ]
-        return JobRecord(round_, position, variant, False, wall, error="\n".join(tails))
+        return JobRecord(round_, position, variant, False, run.wall_s, error="\n".join(tails))
     ranks = json.loads(out.read_text())
-    best = {key: statistics.mean(min(r["blocks"][key]) for r in ranks) for key in METRICS}
-    mid = {
-        key: statistics.mean(statistics.median(r["blocks"][key]) for r in ranks) for key in METRICS
-    }
+    best = {k: statistics.mean(min(r["blocks"][k]) for r in ranks) for k in METRICS}
+    mid = {k: statistics.mean(statistics.median(r["blocks"][k]) for r in ranks) for k in METRICS}
     poll = statistics.mean(r["poll_us"] for r in ranks)
-    return JobRecord(round_, position, variant, True, wall, best, mid, poll, ranks)
-
-
-def round_order(variants: list[str], round_: int) -> list[str]:
-    """Rotate the order each round (off on, on off, ...) so no variant always runs first."""
-    k = round_ % len(variants)
-    return variants[k:] + variants[:k]
+    return JobRecord(round_, position, variant, True, run.wall_s, best, mid, poll, ranks)
 
 
 def progress_line(cfg: Config, job: JobRecord) -> str:
     head = f"round {job.round}/{cfg.rounds}  {job.variant:<5}"
     if not job.ok:
         return f"{head} failed ({job.wall_s:.1f} s): {job.error}"
-    m = job.metrics
-    ranks = job.ranks
+    m, ranks = job.metrics, job.ranks
     proof = (
         f"fr entries {ranks[0]['fr_entries']}, "
         f"watcher {'alive' if all(r['watcher_alive'] for r in ranks) else 'none'}"
@@ -458,7 +252,7 @@ def run_rounds(cfg: Config) -> list[JobRecord]:
     jobs: list[JobRecord] = []
     with tempfile.TemporaryDirectory(prefix="hang_records-") as tmp:
         for round_ in range(cfg.rounds):
-            for position, variant in enumerate(round_order(list(cfg.variants), round_)):
+            for position, variant in enumerate(common.round_order(list(cfg.variants), round_)):
                 job = run_job(cfg, variant, round_ + 1, position, Path(tmp))
                 jobs.append(job)
                 print(progress_line(cfg, job), flush=True)
@@ -466,28 +260,6 @@ def run_rounds(cfg: Config) -> list[JobRecord]:
 
 
 # -- summarising (data) and showing (views) -------------------------------------------
-def median_se(values: list[float]) -> float | None:
-    """Standard error of a median, robustly: 1.253 x (1.4826 x MAD) / sqrt(n)."""
-    if len(values) < 3:
-        return None
-    mid = statistics.median(values)
-    mad = statistics.median(abs(v - mid) for v in values)
-    return 1.253 * 1.4826 * mad / len(values) ** 0.5
-
-
-def verdict(value: float | None, se: float | None, limit: float) -> str:
-    """``met`` / ``NOT met`` when two standard errors settle it, else ``unresolved``."""
-    if value is None:
-        return "not measured"
-    if se is None:
-        return "too few rounds"
-    if value + 2 * se <= limit:
-        return "met"
-    if value - 2 * se > limit:
-        return "NOT met"
-    return "unresolved"
-
-
 def compare(
     jobs: list[JobRecord], variants: tuple[str, ...], baseline: str = BASELINE
 ) -> list[Comparison]:
@@ -509,8 +281,8 @@ def compare(
                     median=statistics.median(values) if values else None,
                     ratio=statistics.median(ratios) if ratios else None,
                     diff=statistics.median(diffs) if diffs else None,
-                    diff_se=median_se(diffs),
-                    ratio_se=median_se(ratios),
+                    diff_se=common.median_se(diffs),
+                    ratio_se=common.median_se(ratios),
                     slower_rounds=sum(d > 0 for d in diffs),
                     rounds=len(pairs),
                     per_round_ratios=ratios,
@@ -543,19 +315,19 @@ def judge(comparisons: list[Comparison], jobs: list[JobRecord]) -> dict[str, Any
         "step_ratio_max": TARGET_STEP_RATIO,
         "step_ratio": step.ratio if step else None,
         "step_ratio_se": step.ratio_se if step else None,
-        "step": verdict(step.ratio, step.ratio_se, TARGET_STEP_RATIO) if step else None,
+        "step": common.verdict(step.ratio, step.ratio_se, TARGET_STEP_RATIO) if step else None,
         "collectives_per_step": statistics.median(per_step) if per_step else None,
         "step_ratio_from_calls": predicted,
         "call_us_max": TARGET_CALL_US,
         "call_us_2_ranks": duo.diff if duo else None,
         "call_us_2_ranks_se": duo.diff_se if duo else None,
-        "call_2_ranks": verdict(duo.diff, duo.diff_se, TARGET_CALL_US) if duo else None,
+        "call_2_ranks": common.verdict(duo.diff, duo.diff_se, TARGET_CALL_US) if duo else None,
         "call_us_1_rank": solo.diff if solo else None,
         "call_us_1_rank_se": solo.diff_se if solo else None,
-        "call_1_rank": verdict(solo.diff, solo.diff_se, TARGET_CALL_US) if solo else None,
+        "call_1_rank": common.verdict(solo.diff, solo.diff_se, TARGET_CALL_US) if solo else None,
         "call_us_1_rank_cpu": cpu.diff if cpu else None,
         "call_us_1_rank_cpu_se": cpu.diff_se if cpu else None,
-        "call_1_rank_cpu": verdict(cpu.diff, cpu.diff_se, TARGET_CALL_US) if cpu else None,
+        "call_1_rank_cpu": common.verdict(cpu.diff, cpu.diff_se, TARGET_CALL_US) if cpu else None,
     }
 
 
@@ -621,21 +393,6 @@ FULL = {"rounds": 6, "iters": 100, "solo_iters": 1000, "steps": 10, "blocks": 8,
 QUICK = {"rounds": 2, "iters": 100, "solo_iters": 500, "steps": 5, "blocks": 3, "warmup": 3}
 
 
-def machine_info() -> dict[str, Any]:
-    """Facts that make numbers comparable (or not) between machines."""
-    import torch
-
-    return {
-        "platform": platform.platform(),
-        "python": platform.python_version(),
-        "nproc": os.cpu_count(),
-        "cpus_usable": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None,
-        "cuda_available": torch.cuda.is_available(),
-        "torch": torch.__version__,
-        "load_average_before": list(os.getloadavg()),
-    }
-
-
 def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, Config]:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--quick", action="store_true", help="smoke run: 2 short rounds")
@@ -648,11 +405,7 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, Confi
     p.add_argument("--variants", default="off,on", help="comma-separated: " + ", ".join(VARIANTS))
     p.add_argument("--job-timeout", type=float, default=300.0, help="seconds per job")
     p.add_argument("--out", type=Path, default=HERE / "results" / "hang_records_overhead.json")
-    p.add_argument("--worker", help=argparse.SUPPRESS)  # a job's rank: its Config as JSON
     ns = p.parse_args(argv)
-    if ns.worker:
-        fields = json.loads(ns.worker)
-        return ns, Config(**{**fields, "variants": tuple(fields["variants"])})
     defaults = QUICK if ns.quick else FULL
     names = [n.strip() for n in ns.variants.split(",") if n.strip()]
     names.sort(key=lambda n: n != BASELINE)  # stable: off leads round 1
@@ -668,10 +421,7 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, Confi
 
 def main(argv: list[str] | None = None) -> int:
     ns, cfg = parse_args(argv)
-    if ns.worker:
-        worker_main(cfg, ns.out)
-        return 0
-    machine = machine_info()
+    machine = common.machine_info()
     jobs = run_rounds(cfg)
     machine["load_average_after"] = list(os.getloadavg())
     comparisons = compare(jobs, cfg.variants)

@@ -39,16 +39,14 @@ import json
 import os
 import shlex
 import statistics
-import subprocess
 import sys
 import tempfile
-import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-# Shared with the Flight Recorder's benchmark next to this file.
-from hang_records_overhead import _free_port, machine_info, median_se, round_order
+# Shared with the Flight Recorder's benchmark, next to this file.
+import overhead_common as common
 
 HERE = Path(__file__).resolve().parent
 WORKER = HERE / "straggler_overhead_worker.py"
@@ -122,12 +120,7 @@ class Comparison:
 def job_env(rank: int, port: int) -> dict[str, str]:
     """A rank's environment: started by hand on loopback, 1 thread, CPU only."""
     env = {k: v for k, v in os.environ.items() if k != "MANYGPU_STRAGGLERS"}  # the variant rules
-    env.update(
-        RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2", LOCAL_WORLD_SIZE="2",
-        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), GLOO_SOCKET_IFNAME="lo",
-        OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="",
-    )  # fmt: skip
-    return env
+    return common.loopback_env(env, rank, port)
 
 
 def run_job(cfg: Config, variant: str, round_: int, position: int, tmp: Path) -> JobRecord:
@@ -137,31 +130,9 @@ def run_job(cfg: Config, variant: str, round_: int, position: int, tmp: Path) ->
     job = {"stragglers": VARIANTS[variant], "warmup": cfg.warmup, "steps": cfg.steps}
     job["probe_calls"] = cfg.probe_calls
     cmd = [sys.executable, str(WORKER), "--config", json.dumps(job), "--out", str(out)]
-    port, start = _free_port(), time.perf_counter()
-    procs = [
-        subprocess.Popen(
-            cmd, env=job_env(r, port), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
-        )
-        for r in range(2)
-    ]
-    outputs, codes, timed_out = [], [], False
-    try:
-        for proc in procs:
-            left = max(1.0, start + cfg.job_timeout_s - time.perf_counter())
-            try:
-                outputs.append(proc.communicate(timeout=left)[0])
-            except subprocess.TimeoutExpired:
-                timed_out = True
-                for p in procs:
-                    p.kill()  # our own two children, by handle
-                outputs.append(proc.communicate()[0])
-            codes.append(proc.returncode)
-    finally:
-        for p in procs:  # interrupted (Ctrl-C): leave no rank behind
-            if p.poll() is None:
-                p.kill()
-                p.wait()
-    wall = time.perf_counter() - start
+    port = common.free_port()
+    run = common.run_ranks(cmd, [job_env(r, port) for r in range(2)], cfg.job_timeout_s)
+    outputs, codes, timed_out, wall = run.outputs, run.codes, run.timed_out, run.wall_s
     files = [out / f"rank{r}.json" for r in range(2)]
     if timed_out or any(codes) or not all(f.exists() for f in files):
         why = f"timed out after {cfg.job_timeout_s:.0f} s" if timed_out else f"exit {codes}"
@@ -185,7 +156,7 @@ def run_rounds(cfg: Config) -> list[JobRecord]:
     jobs: list[JobRecord] = []
     with tempfile.TemporaryDirectory(prefix="straggler_overhead-") as tmp:
         for round_ in range(cfg.rounds):
-            for position, variant in enumerate(round_order(list(VARIANTS), round_)):
+            for position, variant in enumerate(common.round_order(list(VARIANTS), round_)):
                 job = run_job(cfg, variant, round_ + 1, position, Path(tmp))
                 jobs.append(job)
                 head = f"round {job.round}/{cfg.rounds}  {job.variant:<6}"
@@ -203,15 +174,9 @@ def run_rounds(cfg: Config) -> list[JobRecord]:
 # -- summarising and showing --------------------------------------------------------------
 def verdict(value: float | None, se: float | None, limit: float) -> str:
     """``met`` / ``not met`` when two standard errors settle it, else say the noise won."""
-    if value is None:
-        return "not measured"
-    if se is None:
-        return "too few rounds"
-    if value + 2 * se <= limit:
-        return "met"
-    if value - 2 * se > limit:
-        return "not met"
-    return "not resolved by this machine's noise"
+    return common.verdict(
+        value, se, limit, not_met="not met", unresolved="not resolved by this machine's noise"
+    )
 
 
 def _median(values: list[float]) -> float | None:
@@ -231,7 +196,7 @@ def compare(jobs: list[JobRecord]) -> list[Comparison]:
                 variant, len(mine),
                 _median([j.median_ms for j in mine]) or 0.0,
                 _median([j.mean_ms for j in mine]) or 0.0,
-                _median(ratios), median_se(ratios), _median(means), median_se(means),
+                _median(ratios), common.median_se(ratios), _median(means), common.median_se(means),
                 sum(r > 1 for r in ratios), ratios,
             )
         )  # fmt: skip
@@ -346,7 +311,7 @@ def main(argv: list[str] | None = None) -> int:
     from straggler_overhead_worker import clock_cost  # next to this file
 
     cfg, out = parse_args(argv)
-    machine, started = machine_info(), dt.datetime.now(dt.timezone.utc)
+    machine, started = common.machine_info(), dt.datetime.now(dt.timezone.utc)
     # The thread's own cost first, while no job runs beside it.
     clock = [clock_cost(cfg.clock_calls, every) for every in (50, 10)]
     for c in clock:
