@@ -18,21 +18,25 @@ hosts), so each is ``slow``; a process-starting test elsewhere carries the mark 
 ``pytest -m "not slow"`` runs the rest in under a minute."""
 
 
-# First: pytest-xdist's --dist loadgroup reads the xdist_group marks in this same hook.
-@pytest.hookimpl(tryfirst=True)
-def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Mark the slow directories; GPU tests skip cleanly, with the reason, without CUDA.
+def pytest_itemcollected(item: pytest.Item) -> None:
+    """Mark the slow directories, and keep each tests/cluster module on one xdist worker.
 
-    Emulated clusters share one subnet and one bridge, so under pytest-xdist the
-    tests in tests/cluster run one at a time, on one worker.
+    A cluster module builds its emulated cluster (and often runs its jobs) in a
+    module fixture; its tests spread over workers would build it once per worker.
+    Different modules' clusters are separate namespaces and may run at once.
+    Marked as each item is collected, before pytest-xdist's --dist loadgroup
+    reads the marks (see constraints.txt for the pytest pin it needs).
     """
-    for item in items:
-        path = item.path.resolve()
-        where = path.relative_to(TESTS).parts[0] if path.is_relative_to(TESTS) else ""
-        if where in SLOW_DIRS:
-            item.add_marker(pytest.mark.slow)
-        if where == "cluster":
-            item.add_marker(pytest.mark.xdist_group("cluster"))
+    path = item.path.resolve()
+    where = path.relative_to(TESTS).parts[0] if path.is_relative_to(TESTS) else ""
+    if where in SLOW_DIRS:
+        item.add_marker(pytest.mark.slow)
+    if where == "cluster":
+        item.add_marker(pytest.mark.xdist_group(f"cluster-{path.stem}"))
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Scale tests wait for MANYGPU_SCALE_TESTS=1; GPU tests skip cleanly without CUDA."""
     if os.environ.get("MANYGPU_SCALE_TESTS") != "1":
         why = "a scale test (~12 GB, minutes): MANYGPU_SCALE_TESTS=1 runs it"
         big = pytest.mark.skip(reason=why)

@@ -146,14 +146,7 @@ class Parallel:
         self._auto_batch = 32  # per-device batch the planner assumes for "auto"
         self._optimizers: list[PreparedOptimizer] = []
         self.console = MainConsole(self.is_main, self.rank)
-        self._steps = straggler_board.start(
-            straggler_board.steps_every(self.config.stragglers, environ),
-            self.rank,
-            self.world_size,
-            local_rank=self.local_rank,
-            peers=self.strategy.timing_peers(),
-            is_main=self.is_main,
-        )
+        self._steps = self._step_reports(environ)
         said = announcement(self.precision_choice, self._device_name)
         if said is not None:
             self.print(said)
@@ -518,6 +511,17 @@ class Parallel:
             self.strategy = chosen(self._ctx, options)
             self.strategy_name = name
         self.print(f"manygpu: strategy='auto' chose {name!r}")
+
+    def _step_reports(self, environ: envmod.Environ) -> straggler_board.StepReports | None:
+        """This rank's straggler reports (``None``: off, or one process)."""
+        return straggler_board.start(
+            straggler_board.steps_every(self.config.stragglers, environ),
+            self.rank,
+            self.world_size,
+            local_rank=self.local_rank,
+            peers=self.strategy.timing_peers(),
+            is_main=self.is_main,
+        )
 
     def _device(self, strategy_cls: type[Strategy], options: StrategyOptions) -> torch.device:
         """This rank's device: the strategy's slot among this node's GPUs (none: the CPU)."""
