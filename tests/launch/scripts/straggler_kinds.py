@@ -1,7 +1,8 @@
-"""A DDP training job where one rank (the last) may be slow; argv: KIND STEPS EVERY OUT.
+"""A DDP training job where a rank may be slow; argv: KIND STEPS EVERY OUT.
 
 ``uniform``: nobody is slow; ``compute``: the last rank sleeps 50 ms in every
-forward; ``input``: the last rank's loader sleeps 50 ms per batch; ``network``:
+forward; ``input``: the last rank's loader sleeps 50 ms per batch; ``mixed``:
+both at once, the last rank computing slowly and rank 1 reading slowly; ``network``:
 nobody is slow on its own (the test throttles one host's link). The uniform and
 network jobs train a wider model (the uniform one deeper, on larger batches): steps long
 enough that 200 of them outlast a straggler verdict's 5 s, and gradients that
@@ -22,8 +23,9 @@ from torch.utils.data import DataLoader, Dataset
 from manygpu import Parallel
 
 kind, steps, every, out = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
-world = int(os.environ["WORLD_SIZE"])
-culprit = int(os.environ["RANK"]) == world - 1
+world, rank = int(os.environ["WORLD_SIZE"]), int(os.environ["RANK"])
+slow_compute = kind in ("compute", "mixed") and rank == world - 1
+slow_input = (kind == "input" and rank == world - 1) or (kind == "mixed" and rank == 1)
 
 
 class Blocks(nn.Module):
@@ -35,7 +37,7 @@ class Blocks(nn.Module):
         self.head = nn.Linear(width, 4)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if kind == "compute" and culprit:
+        if slow_compute:
             time.sleep(0.05)
         for block in self.blocks:
             x = x + torch.relu(block(x))
@@ -56,12 +58,12 @@ class Points(Dataset):
 
 def collate(items: list[tuple[torch.Tensor, torch.Tensor]]) -> list[torch.Tensor]:
     """The culprit's batches each take 50 ms to arrive (a slow disk or decoder)."""
-    if kind == "input" and culprit:
+    if slow_input:
         time.sleep(0.05)
     return [torch.stack(column) for column in zip(*items, strict=True)]
 
 
-width = 64 if kind in ("compute", "input") else 256
+width = 64 if kind in ("compute", "input", "mixed") else 256
 par = Parallel(strategy="ddp", stragglers=every)
 model = Blocks(width, 8 if kind == "uniform" else 4)
 opt = torch.optim.AdamW(
