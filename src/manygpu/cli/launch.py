@@ -7,6 +7,7 @@ this module adds them to argparse and builds the request back by field name.
 from __future__ import annotations
 
 import argparse
+import sys
 from typing import Any
 
 from manygpu.cli.parser import add_flags, given_flags
@@ -142,4 +143,6 @@ def launch_spec(spec: LaunchSpec) -> int:
     """Run the resolved job under torch's elastic agent; its exit code."""
     from manygpu.launch.agent import launch
 
+    if spec.note:
+        print(f"manygpu: {spec.note}", file=sys.stderr, flush=True)
     return launch(spec)

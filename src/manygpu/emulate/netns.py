@@ -18,9 +18,10 @@ import signal
 import subprocess
 import threading
 import uuid
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from contextlib import suppress
 from dataclasses import dataclass
+from pathlib import Path
 from types import FrameType
 
 from manygpu.emulate import stale
@@ -81,6 +82,7 @@ class EmulatedCluster:
         self.names = [f"mgh{self.tag}-{i}" for i in range(hosts)]
         self.addresses = [str(self.network.network_address + i + 1) for i in range(hosts)]
         self._created: list[str] = []
+        self._etc: list[Path] = []  # /etc/netns/<host>: files `ip netns exec` mounts over /etc
 
     # -- life cycle -------------------------------------------------------------
     def __enter__(self) -> EmulatedCluster:
@@ -110,6 +112,9 @@ class EmulatedCluster:
         for name in reversed(self._created):
             _sh(["ip", "netns", "del", name], check=False)
         self._created.clear()
+        for where in self._etc:
+            shutil.rmtree(where, ignore_errors=True)
+        self._etc.clear()
         stale.release(self.tag)
         for sig, handler in getattr(self, "_old_handlers", {}).items():
             signal.signal(sig, handler)
@@ -139,6 +144,19 @@ class EmulatedCluster:
         _sh(["ip", "netns", "add", name])
         self._created.append(name)
         self._in(name, "ip", "link", "set", "lo", "up")
+
+    def name_hosts(self, names: Mapping[str, int]) -> None:
+        """Make ``names`` resolve to hosts' addresses inside every host, as a cluster's DNS
+        would (a Kubernetes headless service's pod names): ``{"pod-0.svc": 0, ...}``.
+
+        ``ip netns exec`` mounts ``/etc/netns/<namespace>/hosts`` over ``/etc/hosts``.
+        """
+        lines = ["127.0.0.1 localhost", *(f"{self.addresses[i]} {n}" for n, i in names.items())]
+        for ns in self.names:
+            where = Path("/etc/netns") / ns
+            where.mkdir(parents=True, exist_ok=True)
+            self._etc.append(where)
+            (where / "hosts").write_text("\n".join(lines) + "\n")
 
     def reshape(self, host: int, shape: LinkShape) -> None:
         """Shape host ``host``'s link alone, both ways (a slow NIC or a congested port)."""

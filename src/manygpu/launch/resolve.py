@@ -15,6 +15,8 @@ from dataclasses import fields
 from typing import Any
 
 from manygpu.errors import UsageError
+from manygpu.launch import engines
+from manygpu.launch.engines import OuterJob
 from manygpu.launch.netcheck import split_endpoint
 from manygpu.launch.spec import AGREED_ID, JobOptions, LaunchRequest, LaunchSpec, parse_nnodes
 from manygpu.runtime import env as envmod
@@ -110,21 +112,30 @@ def _mpi_nodes(env: Environ, master_addr: str | None) -> tuple[int, int, str, in
     return size, rank, addr, mpi_port(env)
 
 
-def _outer_nodes(req: LaunchRequest, env: Environ) -> tuple[int, int, str, int] | None:
-    """The nodes of a launcher started once per node by Slurm (srun) or by mpirun."""
-    if req.nnodes is not None:
+def outer_job(req: LaunchRequest, env: Environ) -> OuterJob | None:
+    """The job an engine started this launcher in, once per node (:mod:`~manygpu.launch.engines`
+    first, then Slurm's srun and mpirun); flags given still win over what it says."""
+    found = engines.detect(env, req.nnodes, req.master_addr)
+    if found is not None or req.nnodes is not None:
+        return found
+    engine, nodes = "Slurm", _slurm_nodes(env)
+    if nodes is None:  # only then: mpirun's checks must not fire under srun
+        engine, nodes = "mpirun", _mpi_nodes(env, req.master_addr)
+    if nodes is None:
         return None
-    return _slurm_nodes(env) or _mpi_nodes(env, req.master_addr)
+    count, rank, addr, port = nodes
+    return OuterJob(engine, count, count, rank, addr, port)
 
 
 def _rendezvous(
-    req: LaunchRequest, env: Environ, multi: bool, elastic: bool
+    req: LaunchRequest, outer: OuterJob | None, multi: bool, elastic: bool
 ) -> tuple[str, str, int]:
     """(backend, endpoint, node_rank) for the request."""
-    outer = _outer_nodes(req, env)
-    addr = req.master_addr or (outer[2] if outer else None)
-    port = req.master_port if req.master_port is not None else (outer[3] if outer else None)
-    node_rank = req.node_rank if req.node_rank is not None else (outer[1] if outer else 0)
+    addr = req.master_addr or (outer.master_addr if outer else None)
+    port = req.master_port if req.master_port is not None else (outer and outer.master_port)
+    node_rank = req.node_rank if req.node_rank is not None else (outer and outer.node_rank) or 0
+    if outer is not None and outer.rdzv_endpoint and not req.rdzv_endpoint:
+        return outer.rdzv_backend or "c10d", outer.rdzv_endpoint, node_rank
     if elastic and req.rdzv_backend == "static":
         raise UsageError(
             "--nnodes MIN:MAX needs the c10d rendezvous (static waits for MAX nodes); "
@@ -162,12 +173,15 @@ def resolve(req: LaunchRequest, env: Environ, cuda_count: int) -> LaunchSpec:
         nproc = len(gpus)
     else:
         nproc = cuda_count or CPU_DEFAULT_PROCS
-    if (outer := _outer_nodes(req, env)) is not None:
-        min_nodes = max_nodes = outer[0]
+    outer = outer_job(req, env)
+    if req.nproc_per_node is None and gpus is None and outer and outer.nproc_per_node:
+        nproc = outer.nproc_per_node
+    if req.nnodes is None and outer is not None:
+        min_nodes, max_nodes = outer.min_nodes, outer.max_nodes
     else:
         min_nodes, max_nodes = parse_nnodes(req.nnodes)
     backend, endpoint, node_rank = _rendezvous(
-        req, env, multi=max_nodes > 1, elastic=min_nodes != max_nodes
+        req, outer, multi=max_nodes > 1, elastic=min_nodes != max_nodes
     )
     return LaunchSpec(
         **_as_given(req),
@@ -178,10 +192,13 @@ def resolve(req: LaunchRequest, env: Environ, cuda_count: int) -> LaunchSpec:
         node_rank=node_rank,
         rdzv_backend=backend,
         rdzv_endpoint=endpoint,
-        rdzv_id=req.rdzv_id or _default_run_id(env, multi_node=max_nodes > 1),
+        rdzv_id=req.rdzv_id
+        or (outer and outer.rdzv_id)
+        or _default_run_id(env, multi_node=max_nodes > 1),
         local_addr=req.local_addr or ("127.0.0.1" if max_nodes == 1 else None),
         rdzv_conf=parse_rdzv_conf(req.rdzv_conf),
         extra_env=_worker_env(env, nproc, gpus, single_node=max_nodes == 1) | req.worker_env,
+        note=outer.note if outer is not None else None,
     )
 
 

@@ -255,6 +255,9 @@ class LaunchSpec(JobOptions):
     """Extra rendezvous settings, as torchrun's ``--rdzv-conf`` (e.g. last_call_timeout)."""
     extra_env: dict[str, str] = field(default_factory=dict)
     """Variables set for the workers (e.g. ``OMP_NUM_THREADS``)."""
+    note: str | None = None
+    """Said once on start: how the cluster engine's variables were read, where they
+    could be misread (:mod:`manygpu.launch.engines`)."""
 
     def __post_init__(self) -> None:
         if self.nproc_per_node < 1:

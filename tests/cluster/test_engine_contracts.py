@@ -1,0 +1,139 @@
+"""Cluster engines by their contract: emulated hosts play the pods (or the nodes) an engine
+started, each runs ``manygpu launch SCRIPT`` with no flags and exactly the engine's
+environment, and the job over 2 hosts x 2 processes trains as one process would
+(ddp and fsdp, max |difference| < 1e-5, fp32 SGD).
+
+- Kubeflow Trainer v2 (a TrainJob's torch plugin): ``PET_*`` only, node 0 named by
+  its headless-service DNS name (``train-node-0-0.train``), resolved through the
+  hosts' ``/etc/hosts`` as the cluster's DNS would; ``PET_NPROC_PER_NODE=auto``.
+- Kubeflow PyTorchJob before training-operator 1.7: ``MASTER_ADDR`` (the master
+  pod's service name), ``MASTER_PORT``, ``RANK`` = the pod's index and
+  ``WORLD_SIZE`` = the number of pods, which must not be read as processes.
+- SkyPilot: ``SKYPILOT_NODE_RANK``, ``SKYPILOT_NODE_IPS``, ``SKYPILOT_NUM_NODES``.
+
+No API server runs here: what is tested is each operator's environment contract
+(the variables it injects, from its source), not the operator. The job's secret
+comes from the environment, as a Kubernetes Secret mounted as a variable gives it.
+The three jobs run at once on one cluster (different ports).
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+from jobs import subprocess_env
+from reference import reference_train
+
+from manygpu.emulate import EmulatedCluster, LinkShape, netns_available
+
+OK, WHY = netns_available()
+pytestmark = pytest.mark.skipif(not OK, reason=f"emulated cluster unavailable: {WHY}")
+
+SCRIPT = Path(__file__).parent / "scripts" / "strategy_equivalence.py"
+STEPS, BATCH = 4, 12
+STRATEGIES = ("ddp", "fsdp")
+POD = "10.96.0.1"  # KUBERNETES_SERVICE_HOST: every pod has it
+
+
+def _trainer_v2(node: int) -> dict[str, str]:
+    """What Kubeflow Trainer's torch plugin injects into node ``node`` of TrainJob ``train``."""
+    return {
+        "PET_NNODES": "2",
+        "PET_NPROC_PER_NODE": "auto",
+        "PET_NODE_RANK": str(node),
+        "PET_MASTER_ADDR": "train-node-0-0.train",
+        "PET_MASTER_PORT": "29521",
+        "JOB_COMPLETION_INDEX": str(node),
+        "KUBERNETES_SERVICE_HOST": POD,
+    }
+
+
+def _pytorchjob_v1(node: int) -> dict[str, str]:
+    """What training-operator v1 (< 1.7) injects into pod ``node`` of PyTorchJob ``pj``."""
+    return {
+        "MASTER_ADDR": "pj-master-0",
+        "MASTER_PORT": "23456",
+        "RANK": str(node),
+        "WORLD_SIZE": "2",
+        "PYTHONUNBUFFERED": "0",
+        "KUBERNETES_SERVICE_HOST": POD,
+    }
+
+
+def _skypilot(node: int, addresses: list[str]) -> dict[str, str]:
+    """What SkyPilot gives node ``node``'s ``run`` commands."""
+    return {
+        "SKYPILOT_NODE_RANK": str(node),
+        "SKYPILOT_NODE_IPS": "\n".join(addresses[:2]),
+        "SKYPILOT_NUM_NODES": "2",
+        "SKYPILOT_NUM_GPUS_PER_NODE": "0",
+        "MASTER_PORT": "29523",
+    }
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, tuple[Path, list]]]:
+    """engine -> (its output directory, each host's completed launcher)."""
+    with EmulatedCluster(2, LinkShape(rate="1gbit")) as cluster:
+        cluster.name_hosts({"train-node-0-0.train": 0, "train-node-0-1.train": 1, "pj-master-0": 0})
+        envs = {
+            "trainer-v2": _trainer_v2,
+            "pytorchjob-v1": _pytorchjob_v1,
+            "skypilot": lambda node: _skypilot(node, cluster.addresses),
+        }
+        started = {}
+        for engine, env_of in envs.items():
+            out = tmp_path_factory.mktemp(engine)
+            argv = [sys.executable, "-m", "manygpu", "launch", str(SCRIPT), str(out)]
+            argv += [str(STEPS), str(BATCH), ",".join(STRATEGIES)]
+            procs = [
+                cluster.popen(
+                    node,
+                    argv,
+                    stdout=subprocess.PIPE,
+                    stderr=subprocess.PIPE,
+                    env=subprocess_env(namespace=True) | env_of(node),
+                    start_new_session=True,
+                )
+                for node in range(2)
+            ]
+            started[engine] = (out, procs)
+        done = {}
+        try:
+            for engine, (out, procs) in started.items():
+                done[engine] = (out, [(p.communicate(timeout=300), p.returncode) for p in procs])
+        finally:
+            for _, procs in started.values():
+                for proc in procs:
+                    proc.kill()
+        yield done
+
+
+@pytest.mark.timeout(420)
+@pytest.mark.parametrize("engine", ["trainer-v2", "pytorchjob-v1", "skypilot"])
+def test_no_flags_under_the_engine_trains_as_one_process(
+    runs: dict[str, tuple[Path, list]], engine: str
+) -> None:
+    out, hosts = runs[engine]
+    for node, ((_, err), code) in enumerate(hosts):
+        assert code == 0, f"node {node}:\n{err[-3000:]}"
+    ref = reference_train(STEPS, BATCH)
+    for strategy in STRATEGIES:
+        for rank in range(4):
+            rec = torch.load(out / f"{strategy}-rank{rank}.pt", weights_only=True)
+            assert rec["world"] == 4 and rec["node"] == rank // 2, rec
+            assert (rec["params"] - ref).abs().max().item() < 1e-5, (strategy, rank)
+
+
+def test_a_pytorchjob_says_world_size_counts_pods(runs: dict[str, tuple[Path, list]]) -> None:
+    _, hosts = runs["pytorchjob-v1"]
+    (_, err), _ = hosts[1]
+    assert (
+        "manygpu: Kubeflow PyTorchJob: WORLD_SIZE=2 counts pods, not processes; "
+        "this is pod 1 of 2, each starting its own processes"
+    ) in err, err[-2000:]
