@@ -112,9 +112,10 @@ def _verdict_delay(job: Job) -> float:
     """Seconds from when the store's host's ranks began to wait (their watchers'
     record of it) to the verdict (verdict.json written)."""
     where = _evidence(job)
-    began = [
-        json.loads(p.read_text())["waiting"]["since"] for p in where.glob("progress-rank*.json")
-    ]
+    docs = [json.loads(p.read_text()) for p in where.glob("progress-rank*.json")]
+    # A rank stopped after the verdict may have written that its wait ended.
+    waits = [d["waiting"] or d.get("waited") for d in docs]
+    began = [w["since"] for w in waits if w]
     return (where / "verdict.json").stat().st_mtime - min(began)
 
 

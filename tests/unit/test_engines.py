@@ -85,7 +85,7 @@ CASES = [
     ("trainer-int-nproc", TRAINER_V2 | {"PET_NPROC_PER_NODE": "2"}, 4, {}, "Kubeflow Trainer",
      (3, 3, 1, "static", "tj-node-0-0.tj:29500", 2), None),
     ("trainer-one-node", TRAINER_V2 | {"PET_NNODES": "1", "PET_NODE_RANK": "0"}, 1, {},
-     "Kubeflow Trainer", (1, 1, 0, "static", "tj-node-0-0.tj:29500", 1), None),
+     "Kubeflow Trainer", (1, 1, 0, "c10d", "127.0.0.1:0", 1), None),
     ("v1-new", V1_NEW, 4, {}, "training-operator v1",
      (3, 3, 2, "static", "pj-master-0:23456", 4), ["WORLD_SIZE=12", "RANK=2", "PET_*"]),
     ("v1-elastic", V1_ELASTIC, 0, {}, "Kubeflow",
@@ -249,14 +249,17 @@ def test_jobset_missing_names_only_what_is_missing() -> None:
     assert "NNODES (--nnodes):" not in str(err.value)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=UsageError,
-    reason="engines.jobset demands MASTER_ADDR and uses JOB_COMPLETION_INDEX as the node rank "
-    "even when --nnodes 1 says one node (kubeflow() only checks when nnodes > 1)",
-)
 @pytest.mark.parametrize("kw", [{"nnodes": "1"}, {"nnodes": "1", "master_addr": "js-0"}])
 def test_indexed_job_pod_with_nnodes_1_is_one_node(script: str, kw: dict[str, object]) -> None:
     # An Indexed Job used as a sweep: each pod its own one-node job, pod 3 here.
     spec = _resolve(script, K8S | {"JOB_COMPLETION_INDEX": "3"}, 0, **kw)
     assert (spec.max_nodes, spec.node_rank) == (1, 0)
+
+
+def test_a_one_node_engine_job_meets_privately_on_loopback(script: str) -> None:
+    """One node needs no shared address: a free loopback port, as without an engine
+    (a fixed port would clash with a second launch on the same node)."""
+    sky = {"SKYPILOT_NODE_RANK": "0", "SKYPILOT_NODE_IPS": "10.0.0.5", "SKYPILOT_NUM_NODES": "1"}
+    for env in (sky, TRAINER_V2 | {"PET_NNODES": "1", "PET_NODE_RANK": "0"}):
+        spec = _resolve(script, env, 0)
+        assert (spec.max_nodes, spec.rdzv_endpoint, spec.node_rank) == (1, "127.0.0.1:0", 0)

@@ -118,8 +118,9 @@ def kubeflow(env: Environ) -> OuterJob | None:
             envmod.get_str(env, "PET_RDZV_ID"), note,
         )  # fmt: skip
     rank, addr = envmod.get_str(env, "PET_NODE_RANK"), envmod.get_str(env, "PET_MASTER_ADDR")
-    if hi > 1:
-        _missing(engine, {"PET_NNODES": nnodes, "PET_NODE_RANK": rank, "PET_MASTER_ADDR": addr})
+    if hi == 1:  # one node: a private rendezvous on loopback, as without an engine
+        return OuterJob(engine, 1, 1, 0, None, None, nproc, note=note)
+    _missing(engine, {"PET_NNODES": nnodes, "PET_NODE_RANK": rank, "PET_MASTER_ADDR": addr})
     port = envmod.get_int(env, "PET_MASTER_PORT") or DEFAULT_PORT
     node = envmod.get_int(env, "PET_NODE_RANK") or 0
     return OuterJob(engine, lo, hi, node, addr, port, nproc, note=note)
@@ -152,6 +153,8 @@ def jobset(env: Environ, nnodes: str | None, master_addr: str | None) -> OuterJo
     count = nnodes or envmod.get_str(env, "NNODES")
     addr = master_addr or envmod.get_str(env, "MASTER_ADDR")
     engine = "an indexed Job (JobSet)"
+    if count is not None and _nnodes(count, "NNODES") == (1, 1):
+        return OuterJob(engine, 1, 1, 0, addr, envmod.get_int(env, "MASTER_PORT"))  # a sweep's pod
     _missing(
         engine,
         {"JOB_COMPLETION_INDEX": str(index), "NNODES (--nnodes)": count,
@@ -179,6 +182,8 @@ def skypilot(env: Environ) -> OuterJob | None:
             f"{len(nodes)} SKYPILOT_NODE_IPS disagree"
         )
     gpus = envmod.get_int(env, "SKYPILOT_NUM_GPUS_PER_NODE")
+    if count == 1:  # one node: a private rendezvous on loopback, as without an engine
+        return OuterJob("SkyPilot", 1, 1, 0, None, None, gpus or None)
     port = envmod.get_int(env, "MASTER_PORT") or DEFAULT_PORT
     return OuterJob("SkyPilot", count, count, rank, nodes[0], port, gpus or None)
 

@@ -138,6 +138,8 @@ class _Watcher:
         if now is not None:
             doc["waiting"] = {"pg": now[0], "seq": now[1], "since": self.since}
             doc["timeout_s"] = timeout
+        elif self.waiting is not None:  # the wait that just ended (a verdict may still read it)
+            doc["waited"] = {"pg": self.waiting[0], "seq": self.waiting[1], "since": self.since}
         _write(self.out / f"progress-rank{self.rank}.json", doc)
         self.published = now is not None
 
