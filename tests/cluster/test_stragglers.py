@@ -10,7 +10,7 @@ One 3-host cluster serves every case:
   on its veth and its switch port) while the others run at 1 Gbit/s: host 2 is
   named with "network", and no rank is named for compute or input.
 
-The three jobs run one after the other.
+The uniform job runs alone; the other two at once.
 """
 
 from __future__ import annotations
@@ -90,10 +90,14 @@ def jobs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Job]]:
     with EmulatedCluster(3, LinkShape(rate="1gbit")) as cluster:
         out = tmp_path_factory.mktemp
         done: dict[str, Job] = {}
-        done["mixed"] = Job(cluster, "mixed", 2, 2, 160, out("mixed")).wait()
         done["uniform"] = Job(cluster, "uniform", 2, 2, 200, out("uniform")).wait()
+        # The culprits' 50 ms and the throttled link dwarf the noise of sharing the cores.
         cluster.reshape(2, LinkShape(rate="100mbit"))
-        done["network"] = Job(cluster, "network", 3, 1, 70, out("network")).wait()
+        both = [
+            Job(cluster, "mixed", 2, 2, 160, out("mixed")),
+            Job(cluster, "network", 3, 1, 70, out("network")),
+        ]
+        done.update({job.kind: job.wait() for job in both})
         yield done
 
 
