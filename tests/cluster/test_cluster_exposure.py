@@ -8,6 +8,7 @@ import json
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from subprocess import CompletedProcess
 
@@ -127,9 +128,12 @@ def test_a_stranger_on_the_network_cannot_join_read_or_run_code(tmp_path: Path) 
         nodes = [_launch_ddp(cluster, 0, tmp_path)]
         try:
             _wait_listening(cluster, 0, f"{cluster.addresses[0]}:{PORT}", nodes[0])
-            no_secret = _stranger(cluster, join)
-            wrong_secret = _stranger(cluster, join, MANYGPU_JOB_SECRET="a-guess-" * 4)
-            at_start = _probe(cluster, 0, [PORT], marker)
+            # The stranger's three attempts at once: each is a Python start-up.
+            with ThreadPoolExecutor(3) as pool:
+                none = pool.submit(_stranger, cluster, join)
+                wrong = pool.submit(_stranger, cluster, join, MANYGPU_JOB_SECRET="a-guess-" * 4)
+                probed = pool.submit(_probe, cluster, 0, [PORT], marker)
+                no_secret, wrong_secret, at_start = none.result(), wrong.result(), probed.result()
             nodes.append(_launch_ddp(cluster, 1, tmp_path))
             _wait_for([tmp_path / "ready0", tmp_path / "ready1"], nodes)
             ports = _own_ports(cluster, 0, nodes[0].pid)
