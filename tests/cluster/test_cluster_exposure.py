@@ -152,8 +152,8 @@ def test_a_stranger_on_the_network_cannot_join_read_or_run_code(tmp_path: Path) 
         stray = [a for a in listening if not a.startswith((f"{own}:", "127.0.0.1:"))]
         assert listening and not stray, f"host {host} listens beyond {own}: {stray}"
     assert f"{cluster.addresses[0]}:{PORT}" in seen[0]
-    for seen in [*at_start, *running]:
-        assert not seen["connected"] and not seen["keys"], seen
+    for attempt in [*at_start, *running]:
+        assert not attempt["connected"] and not attempt["keys"], attempt
     assert not marker.exists(), "code a stranger wrote ran in the job"
     for node, (_, err) in zip(nodes, results, strict=True):
         assert node.returncode == 0, err[-3000:]
