@@ -526,7 +526,10 @@ class Parallel:
     def _device(self, strategy_cls: type[Strategy], options: StrategyOptions) -> torch.device:
         """This rank's device: the strategy's slot among this node's GPUs (none: the CPU)."""
         slot = strategy_cls.device_slot(self.cluster, options)
-        return torch.device("cpu") if slot is None else choose_device(slot, self.config.device)
+        if slot is None:
+            return torch.device("cpu")
+        bound = envmod.gpus_bound_per_task(envmod.current())
+        return choose_device(slot, self.config.device, bound_per_task=bound)
 
     def _strategy_options(self, launched_servers: int | None, precision: str) -> StrategyOptions:
         cfg = self.config

@@ -22,8 +22,14 @@ def cpu_count() -> int:
         return os.cpu_count() or 1
 
 
-def choose_device(local_rank: int, requested: str | None = None) -> torch.device:
-    """``cuda:LOCAL_RANK`` when CUDA is there, else CPU; ``requested`` overrides."""
+def choose_device(
+    local_rank: int, requested: str | None = None, bound_per_task: bool = False
+) -> torch.device:
+    """``cuda:LOCAL_RANK`` when CUDA is there, else CPU; ``requested`` overrides.
+
+    ``bound_per_task``: the scheduler gave each task its own GPUs (Slurm's
+    ``--gpus-per-task`` / ``--gpu-bind``), so this process sees only its own.
+    """
     if requested is not None:
         device = torch.device(requested)
         if device.type == "cuda" and not torch.cuda.is_available():
@@ -31,14 +37,27 @@ def choose_device(local_rank: int, requested: str | None = None) -> torch.device
         if device.type != "cuda" or device.index is not None:
             return device
     if torch.cuda.is_available():
-        count = torch.cuda.device_count()
-        if local_rank >= count:
-            raise UsageError(
-                f"local rank {local_rank} has no GPU: this node runs more processes than its "
-                f"{count} visible GPU(s); use --nproc-per-node {count} or fewer"
-            )
-        return torch.device("cuda", local_rank)
+        index = cuda_index(local_rank, torch.cuda.device_count(), bound_per_task)
+        return torch.device("cuda", index)
     return torch.device("cpu")
+
+
+def cuda_index(local_rank: int, visible: int, bound_per_task: bool) -> int:
+    """Which visible GPU is this process's.
+
+    Normally its local rank's. A task Slurm bound to one GPU sees only that one,
+    as GPU 0, whatever its local rank: ``cuda:LOCAL_RANK`` would not exist.
+    """
+    if bound_per_task and visible == 1:
+        return 0
+    if local_rank >= visible:
+        bound = " (Slurm bound GPUs to tasks: give each task one, --gpus-per-task=1)"
+        raise UsageError(
+            f"local rank {local_rank} has no GPU: this node runs more processes than its "
+            f"{visible} visible GPU(s); use --nproc-per-node {visible} or fewer"
+            + (bound if bound_per_task else "")
+        )
+    return local_rank
 
 
 def choose_backend(device: torch.device, requested: str | None = None) -> str:

@@ -226,3 +226,10 @@ def straggler_every(env: Environ) -> int | None:
 def restart_count(env: Environ) -> int:
     """How many times torch elastic has restarted this job's workers (0 at first)."""
     return get_int(env, "TORCHELASTIC_RESTART_COUNT") or 0
+
+
+def gpus_bound_per_task(env: Environ) -> bool:
+    """Whether Slurm bound GPUs to each task (``--gpus-per-task``, ``--gpu-bind``): then a
+    task sees only its own GPUs (``SLURM_GPUS_PER_TASK``, ``SLURM_GPU_BIND``)."""
+    bind = (env.get("SLURM_GPU_BIND") or "").strip().lower()
+    return bool(env.get("SLURM_GPUS_PER_TASK")) or (bind not in ("", "none"))
