@@ -117,6 +117,44 @@ def test_slurm_heterogeneous_tasks_per_node() -> None:
     assert detect_cluster(env).local_world_size == 4
 
 
+def test_a_step_smaller_than_its_allocation_counts_its_own_tasks_and_nodes() -> None:
+    """`srun -N1 -n2` inside `sbatch -N2 -n8`: the allocation's counts are not the job's."""
+    env = {
+        "SLURM_PROCID": "1",
+        "SLURM_LOCALID": "1",
+        "SLURM_NODEID": "0",
+        "SLURM_NTASKS": "8",
+        "SLURM_NNODES": "2",
+        "SLURM_STEP_NUM_TASKS": "2",
+        "SLURM_STEP_NUM_NODES": "1",
+        "SLURM_TASKS_PER_NODE": "4(x2)",
+        "SLURM_STEP_TASKS_PER_NODE": "2",
+        "SLURM_JOB_NODELIST": "gpu[01-02]",
+        "SLURM_STEP_NODELIST": "gpu02",
+        "SLURM_JOB_ID": "78",
+        "SLURM_STEP_ID": "1",
+    }
+    info = detect_cluster(env)
+    assert (info.world_size, info.local_world_size, info.master_addr) == (2, 2, "gpu02")
+
+
+def test_slurm_tasks_per_node_repeats_and_mixes() -> None:
+    """``2(x3),1``: three nodes of 2 tasks, then one of 1 (the last node's local world is 1)."""
+    env = {
+        "SLURM_PROCID": "6",
+        "SLURM_NTASKS": "7",
+        "SLURM_LOCALID": "0",
+        "SLURM_NODEID": "3",
+        "SLURM_NNODES": "4",
+        "SLURM_JOB_NODELIST": "n[1-4]",
+        "SLURM_JOB_ID": "79",
+        "SLURM_STEP_ID": "0",
+        "SLURM_TASKS_PER_NODE": "2(x3),1",
+    }
+    assert detect_cluster(env).local_world_size == 1
+    assert detect_cluster(env | {"SLURM_NODEID": "2", "SLURM_PROCID": "4"}).local_world_size == 2
+
+
 def test_openmpi() -> None:
     info = detect_cluster(OPENMPI)
     assert info.source == "mpi"

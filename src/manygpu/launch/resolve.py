@@ -80,8 +80,8 @@ def _slurm_nodes(env: Environ) -> tuple[int, int, str, int] | None:
     """(nnodes, node_rank, master_addr, port) when run by srun once per node."""
     if envmod.get_str(env, "SLURM_JOB_ID") is None or envmod.get_str(env, "SLURM_STEP_ID") is None:
         return None
-    nnodes = envmod.get_int(env, "SLURM_NNODES", "SLURM_JOB_NUM_NODES") or 1
-    ntasks = envmod.get_int(env, "SLURM_NTASKS") or nnodes
+    nnodes = envmod.get_int(env, "SLURM_STEP_NUM_NODES", "SLURM_NNODES", "SLURM_JOB_NUM_NODES") or 1
+    ntasks = envmod.get_int(env, "SLURM_STEP_NUM_TASKS", "SLURM_NTASKS") or nnodes
     if nnodes <= 1 or ntasks != nnodes:
         return None
     addr, port = slurm_master(env)

@@ -102,8 +102,9 @@ def _from_slurm(env: Environ) -> ClusterInfo | None:
     # SLURM_NTASKS=N; only trust it when srun started this step.
     if envmod.get_str(env, "SLURM_STEP_ID", "SLURM_STEPID") is None:
         return None
-    world = envmod.get_int(env, "SLURM_NTASKS") or 1
-    nnodes = envmod.get_int(env, "SLURM_NNODES", "SLURM_JOB_NUM_NODES") or 1
+    # The step's counts first: `srun -N1 -n2` inside a 2-node allocation is a job of 2.
+    world = envmod.get_int(env, "SLURM_STEP_NUM_TASKS", "SLURM_NTASKS") or 1
+    nnodes = envmod.get_int(env, "SLURM_STEP_NUM_NODES", "SLURM_NNODES", "SLURM_JOB_NUM_NODES") or 1
     per_node = envmod.get_str(
         env, "SLURM_STEP_TASKS_PER_NODE", "SLURM_TASKS_PER_NODE", "SLURM_NTASKS_PER_NODE"
     )
