@@ -5,7 +5,7 @@ from __future__ import annotations
 import sys
 
 from manygpu._version import __version__
-from manygpu.cli import bench, checkpoint, demo, doctor, launch, plan
+from manygpu.cli import bench, checkpoint, demo, doctor, k8s, launch, plan
 from manygpu.cli.parser import OneLineParser
 from manygpu.errors import UsageError
 
@@ -14,7 +14,7 @@ def build_parser() -> OneLineParser:
     parser = OneLineParser(prog="manygpu", description="From one GPU to all of them.")
     parser.add_argument("--version", action="version", version=f"manygpu {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=OneLineParser)
-    for module in (launch, demo, bench, plan, checkpoint, doctor):
+    for module in (launch, demo, bench, plan, checkpoint, doctor, k8s):
         module.add_parser(sub)
     return parser
 

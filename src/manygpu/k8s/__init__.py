@@ -1,0 +1,1 @@
+"""Kubernetes manifests for manygpu jobs, by the Kubeflow operators' contract (no client)."""
