@@ -13,9 +13,10 @@ Slurm itself gives a task (nothing is written by hand):
   ``GROUP_RANK``: variables a launcher sets and srun does not.)
 
 The 2 nodes x 2 processes must train exactly as one process (max |difference|
-< 1e-5, fp32 SGD). A third test, xfail, pins what real Slurm does to the
-README's ``srun --ntasks-per-node=1 manygpu launch`` inside an allocation of
-several tasks per node. Slurm's packages are installed with apt-get when
+< 1e-5, fp32 SGD). A third test: ``srun --ntasks-per-node=1 manygpu launch``
+inside an allocation of several tasks per node, where Slurm ignores the flag and
+starts several launchers per node, is refused in one line (not run as separate
+jobs). Slurm's packages are installed with apt-get when
 missing (the module skips, saying why, when that fails).
 """
 
@@ -168,20 +169,6 @@ def test_srun_once_per_rank_matches_one_process(slurm: SlurmHosts, tmp_path: Pat
         assert (rec["params"] - ref).abs().max().item() < 1e-5, rank
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason=(
-        "an allocation of 2 tasks per node (#SBATCH --ntasks-per-node=2) exports "
-        "SLURM_NTASKS=4, so srun --ntasks-per-node=1 ignores the flag ('can't honor "
-        "--ntasks-per-node set to 1 which doesn't match the requested tasks 4 with the "
-        "number of requested nodes 2. Ignoring --ntasks-per-node') and starts 2 launchers "
-        "per node (SLURM_STEP_NUM_TASKS=4, SLURM_STEP_TASKS_PER_NODE=2(x2)); manygpu "
-        "launch sees SLURM_NTASKS=4 != SLURM_NNODES=2, does not take Slurm's nodes, and "
-        "each of the 4 launchers runs its own one-node job (world 1 here), exit 0: 4 "
-        "separate jobs instead of one, silently (mpirun's several launchers per node are "
-        "refused in one line)"
-    ),
-)
 @pytest.mark.timeout(300)
 def test_srun_one_launcher_per_node_in_an_allocation_of_several_tasks_per_node(
     slurm: SlurmHosts, tmp_path: Path
@@ -206,10 +193,15 @@ def test_srun_one_launcher_per_node_in_an_allocation_of_several_tasks_per_node(
         check=False,
     )
     job_out = _job_output(tmp_path)
-    # Either one job of 2 nodes x 1 process, or a one-line refusal: never separate jobs.
-    refused = res.returncode != 0 and "per node" in job_out
-    if not refused:
-        assert res.returncode == 0, job_out[-4000:]
-        files = sorted(p.name for p in out.glob("ddp-rank*.pt"))
-        seen = [(rec["world"], rec["node"]) for rec in _records(out, "ddp", len(files))]
-        assert seen == [(2, 0), (2, 1)], f"(world, node) per rank: {seen}\n{job_out[-3000:]}"
+    # An allocation of 2 tasks per node exports SLURM_NTASKS=4, so srun ignores
+    # --ntasks-per-node=1 (it only warns) and starts 2 launchers per node: each would
+    # run a job of its own, silently. Each launcher refuses in one line instead.
+    assert res.returncode != 0, job_out[-4000:]
+    refusal = (
+        "manygpu launch: error: srun started 4 launchers on 2 node(s); manygpu launch "
+        "starts each node's processes itself, so start one per node: srun --ntasks=$SLURM_NNODES "
+        "--ntasks-per-node=1 manygpu launch ..., or srun the script itself (one task per GPU)"
+    )
+    assert refusal in job_out.splitlines(), job_out[-3000:]
+    assert "Traceback" not in job_out, job_out[-3000:]
+    assert not list(out.glob("ddp-rank*.pt"))

@@ -45,6 +45,7 @@ LAYERS: dict[str, int] = {
     "manygpu.doctor": 7,
     "manygpu.demo": 7,
     "manygpu.bench": 7,
+    "manygpu.k8s": 7,  # manifests for Kubernetes operators: plain data, beside launch/
     "manygpu.horovod": 7,  # Horovod's API on runtime/ and comm/, imported only when asked
     "manygpu.cli": 8,
     "manygpu.__main__": 8,

@@ -144,10 +144,15 @@ def test_slurm_one_task_per_node(script: str) -> None:
     assert spec.rdzv_id == "98765"
 
 
-def test_slurm_with_one_task_per_gpu_is_not_per_node(script: str) -> None:
-    # srun started 8 tasks on 2 nodes: these are workers, not agents; no multi-node launch.
-    spec = _resolve(script, env=SLURM_PER_NODE | {"SLURM_NTASKS": "8"})
-    assert spec.max_nodes == 1
+def test_several_launchers_per_node_from_srun_are_refused_in_one_line(script: str) -> None:
+    # srun started 8 launchers on 2 nodes (an allocation of 4 tasks per node exports
+    # SLURM_NTASKS=8, which overrides srun --ntasks-per-node=1): each would run a job
+    # of its own, silently. Refused, saying how to start one per node.
+    with pytest.raises(UsageError) as err:
+        _resolve(script, env=SLURM_PER_NODE | {"SLURM_NTASKS": "8"})
+    text = str(err.value)
+    assert "srun started 8 launchers on 2 node(s)" in text and "--ntasks=$SLURM_NNODES" in text
+    assert "\n" not in text
 
 
 def test_elastic_node_range(script: str) -> None:

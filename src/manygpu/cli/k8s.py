@@ -43,6 +43,21 @@ def add_parser(sub: Any) -> None:
         formatter_class=argparse.RawDescriptionHelpFormatter,
         allow_abbrev=False,
     )
+    _job_options(r)
+    _pod_options(r)
+    r.add_argument("-o", "--output", metavar="FILE", help="write here instead of stdout")
+    # Not dest "command": main.py names the subcommand by ns.command in its errors.
+    r.add_argument(
+        "user_command",
+        nargs="*",
+        metavar="-- COMMAND",
+        help="the training command, e.g. -- python train.py --lr 0.1",
+    )
+    r.set_defaults(run=run_render)
+
+
+def _job_options(r: argparse.ArgumentParser) -> None:
+    """What the job is: its kind, image, name, size."""
     r.add_argument(
         "--kind",
         choices=KINDS,
@@ -64,6 +79,15 @@ def add_parser(sub: Any) -> None:
         metavar="K|auto",
         help="processes per pod (default: --gpus-per-pod, or auto on CPU pods)",
     )
+    r.add_argument(
+        "--runtime",
+        default="torch-distributed",
+        help="TrainJob: the ClusterTrainingRuntime (default torch-distributed)",
+    )
+
+
+def _pod_options(r: argparse.ArgumentParser) -> None:
+    """What each pod gets: GPUs, the secret, the grace period, /dev/shm, the preflight."""
     r.add_argument(
         "--gpus-per-pod",
         type=int,
@@ -88,20 +112,6 @@ def add_parser(sub: Any) -> None:
         default=True,
         help="run manygpu doctor --json in each pod before training (default on)",
     )
-    r.add_argument(
-        "--runtime",
-        default="torch-distributed",
-        help="TrainJob: the ClusterTrainingRuntime (default torch-distributed)",
-    )
-    r.add_argument("-o", "--output", metavar="FILE", help="write here instead of stdout")
-    # Not dest "command": main.py names the subcommand by ns.command in its errors.
-    r.add_argument(
-        "user_command",
-        nargs="*",
-        metavar="-- COMMAND",
-        help="the training command, e.g. -- python train.py --lr 0.1",
-    )
-    r.set_defaults(run=run_render)
 
 
 def dump(manifest: dict[str, Any]) -> str:

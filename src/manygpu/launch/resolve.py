@@ -82,7 +82,16 @@ def _slurm_nodes(env: Environ) -> tuple[int, int, str, int] | None:
         return None
     nnodes = envmod.get_int(env, "SLURM_STEP_NUM_NODES", "SLURM_NNODES", "SLURM_JOB_NUM_NODES") or 1
     ntasks = envmod.get_int(env, "SLURM_STEP_NUM_TASKS", "SLURM_NTASKS") or nnodes
-    if nnodes <= 1 or ntasks != nnodes:
+    if ntasks > nnodes:
+        # Several launchers per node would each run a job of their own, silently. (An
+        # allocation of N tasks per node exports SLURM_NTASKS, which overrides a later
+        # `srun --ntasks-per-node=1`: srun only warns that it ignores it.)
+        raise UsageError(
+            f"srun started {ntasks} launchers on {nnodes} node(s); manygpu launch starts "
+            "each node's processes itself, so start one per node: srun --ntasks=$SLURM_NNODES "
+            "--ntasks-per-node=1 manygpu launch ..., or srun the script itself (one task per GPU)"
+        )
+    if nnodes <= 1:
         return None
     addr, port = slurm_master(env)
     return nnodes, envmod.get_int(env, "SLURM_NODEID") or 0, addr, port
