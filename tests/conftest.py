@@ -23,6 +23,7 @@ def pytest_itemcollected(item: pytest.Item) -> None:
 
     A cluster module builds its emulated cluster (and often runs its jobs) in a
     module fixture; its tests spread over workers would build it once per worker.
+    A module whose every test builds its own sets ``CLUSTER_PER_TEST = True``.
     Different modules' clusters are separate namespaces and may run at once.
     Marked as each item is collected, before pytest-xdist's --dist loadgroup
     reads the marks (see constraints.txt for the pytest pin it needs).
@@ -31,7 +32,10 @@ def pytest_itemcollected(item: pytest.Item) -> None:
     where = path.relative_to(TESTS).parts[0] if path.is_relative_to(TESTS) else ""
     if where in SLOW_DIRS:
         item.add_marker(pytest.mark.slow)
-    if where == "cluster":
+    # A module whose tests each build their own cluster says so (CLUSTER_PER_TEST):
+    # its tests may spread over the workers.
+    spread = getattr(getattr(item, "module", None), "CLUSTER_PER_TEST", False)
+    if where == "cluster" and not spread:
         item.add_marker(pytest.mark.xdist_group(f"cluster-{path.stem}"))
 
 

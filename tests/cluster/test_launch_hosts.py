@@ -32,6 +32,8 @@ pytestmark = pytest.mark.skipif(not OK, reason=f"emulated cluster unavailable: {
 
 SCRIPTS = Path(__file__).parent / "scripts"
 TOL = 1e-5
+CLUSTER_PER_TEST = True
+"""Each test builds its own hosts (the ``hosts`` fixture): they may run on any worker."""
 
 
 @pytest.fixture(scope="module")
