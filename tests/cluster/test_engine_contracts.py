@@ -1,7 +1,10 @@
 """Cluster engines by their contract: emulated hosts play the pods (or the nodes) an engine
 started, each runs ``manygpu launch SCRIPT`` with no flags and exactly the engine's
-environment, and the job over 2 hosts x 2 processes trains as one process would
-(ddp and fsdp, max |difference| < 1e-5, fp32 SGD).
+environment, and the job over 2 hosts x 2 processes trains as one process would:
+the real recipe of tests/helpers/recipes.py (a GPT with a ModuleList of blocks and
+a tied head, AdamW groups, warmup + cosine, clipping, uneven data) under ddp and
+fsdp, every parameter within 1e-4 of one plain process (AdamW's tolerance, as in
+tests/distributed/test_real_models.py).
 
 - Kubeflow Trainer v2 (a TrainJob's torch plugin): ``PET_*`` only, node 0 named by
   its headless-service DNS name (``train-node-0-0.train``), resolved through the
@@ -27,15 +30,15 @@ from pathlib import Path
 import pytest
 import torch
 from jobs import subprocess_env
-from reference import reference_train
+from recipes import Recipe, max_diff, reference_train
 
 from manygpu.emulate import EmulatedCluster, LinkShape, netns_available
 
 OK, WHY = netns_available()
 pytestmark = pytest.mark.skipif(not OK, reason=f"emulated cluster unavailable: {WHY}")
 
-SCRIPT = Path(__file__).parent / "scripts" / "strategy_equivalence.py"
-STEPS, BATCH = 4, 12
+SCRIPT = Path(__file__).parent / "scripts" / "recipe_equivalence.py"
+ADAM_TOL = 1e-4
 STRATEGIES = ("ddp", "fsdp")
 POD = "10.96.0.1"  # KUBERNETES_SERVICE_HOST: every pod has it
 
@@ -90,7 +93,7 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, tuple[P
         for engine, env_of in envs.items():
             out = tmp_path_factory.mktemp(engine)
             argv = [sys.executable, "-m", "manygpu", "launch", str(SCRIPT), str(out)]
-            argv += [str(STEPS), str(BATCH), ",".join(STRATEGIES)]
+            argv += [",".join(STRATEGIES)]
             procs = [
                 cluster.popen(
                     node,
@@ -122,12 +125,14 @@ def test_no_flags_under_the_engine_trains_as_one_process(
     out, hosts = runs[engine]
     for node, ((_, err), code) in enumerate(hosts):
         assert code == 0, f"node {node}:\n{err[-3000:]}"
-    ref = reference_train(STEPS, BATCH)
+    ref = reference_train(Recipe("gpt"), data_world=4)
     for strategy in STRATEGIES:
         for rank in range(4):
             rec = torch.load(out / f"{strategy}-rank{rank}.pt", weights_only=True)
+            assert rec["error"] is None, (strategy, rank, rec["error"])
             assert rec["world"] == 4 and rec["node"] == rank // 2, rec
-            assert (rec["params"] - ref).abs().max().item() < 1e-5, (strategy, rank)
+            assert rec["data_world"] == 4
+            assert max_diff(rec["params"], ref["params"]) < ADAM_TOL, (strategy, rank)
 
 
 def test_a_pytorchjob_says_world_size_counts_pods(runs: dict[str, tuple[Path, list]]) -> None:
