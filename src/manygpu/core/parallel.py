@@ -110,7 +110,7 @@ class Parallel:
         strategy_cls = get_strategy(self.strategy_name)
         _check_served(strategy_cls, launched_servers)
         options = self._strategy_options(launched_servers, "fp32")  # precision: below
-        device = self._device(strategy_cls, options)
+        device = self._device(strategy_cls, options, environ)
         capability, self._device_name = cuda_facts(device)
         self.precision_choice: PrecisionChoice = resolve_precision(
             self.config.precision, device_type=device.type, capability=capability,
@@ -437,11 +437,8 @@ class Parallel:
 
     @property
     def step_times(self) -> list[dict[str, Any]]:
-        """Every rank's latest step split (ms: step, input, compute, exposed comm, link).
-
-        On the main rank, once a report window is complete; empty elsewhere or
-        with ``stragglers=False``. What the straggler verdicts are judged on.
-        """
+        """Every rank's latest step split (ms: step, input, compute, exposed comm, link), on
+        the main rank once a report is complete (what straggler verdicts judge); else empty."""
         return self._steps.table() if self._steps is not None else []
 
     def seed_everything(self, seed: int) -> None:
@@ -523,13 +520,14 @@ class Parallel:
             is_main=self.is_main,
         )
 
-    def _device(self, strategy_cls: type[Strategy], options: StrategyOptions) -> torch.device:
+    def _device(
+        self, strategy_cls: type[Strategy], options: StrategyOptions, environ: envmod.Environ
+    ) -> torch.device:
         """This rank's device: the strategy's slot among this node's GPUs (none: the CPU)."""
         slot = strategy_cls.device_slot(self.cluster, options)
         if slot is None:
             return torch.device("cpu")
-        bound = envmod.gpus_bound_per_task(envmod.current())
-        return choose_device(slot, self.config.device, bound_per_task=bound)
+        return choose_device(slot, self.config.device, envmod.gpus_bound_per_task(environ))
 
     def _strategy_options(self, launched_servers: int | None, precision: str) -> StrategyOptions:
         cfg = self.config

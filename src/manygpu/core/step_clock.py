@@ -60,7 +60,6 @@ class StepClock:
         self._probe_every = max(1, every // 10)  # about ten samples per window
         self._last: float | None = None
         self._input = 0.0
-        self._busy: list[float] = []  # per step: step - input
         self._walls: list[float] = []
         self._inputs: list[float] = []
         self._comms: list[float] = []
@@ -92,8 +91,7 @@ class StepClock:
             wall = now - self._last
             self._walls.append(wall)
             self._inputs.append(self._input)
-            self._busy.append(max(0.0, wall - self._input))
-            self._recent.append((self._last_ns, now_ns, self._busy[-1]))
+            self._recent.append((self._last_ns, now_ns, max(0.0, wall - self._input)))
         self._last, self._last_ns, self._input = now, now_ns, 0.0
         self._steps += 1
         if self._probe is not None and self._steps % self._probe_every == 0:
@@ -121,7 +119,9 @@ class StepClock:
 
     def _flush(self) -> StepSplit:
         comm = statistics.median(self._comms) if self._comms else None
-        busy = statistics.median(self._busy)
+        busy = statistics.median(
+            max(0.0, w - i) for w, i in zip(self._walls, self._inputs, strict=True)
+        )
         compute = (
             statistics.median(self._computes) if self._computes else max(0.0, busy - (comm or 0.0))
         )
@@ -137,7 +137,7 @@ class StepClock:
             peers=self.peers,
         )
         self._window += 1
-        self._walls, self._inputs, self._busy, self._comms, self._computes = [], [], [], [], []
+        self._walls, self._inputs, self._comms, self._computes = [], [], [], []
         return split
 
 

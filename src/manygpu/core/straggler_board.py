@@ -22,7 +22,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from typing import Any
 
 from manygpu.core.step_clock import DEFAULT_EVERY, StepClock, StepSplit
@@ -79,7 +79,7 @@ class Board:
         try:
             while (split := self._queue.get()) is not None:
                 if self._probes_link:
-                    split = _with_link(split, self._link_ms())
+                    split = replace(split, link_ms=self._link_ms())
                 self._store.set(self._key(split.window, self._rank), json.dumps(asdict(split)))
                 if self._say is not None:
                     self._pending.append(split.window)
@@ -116,12 +116,6 @@ class Board:
             assert self._say is not None
             for line in self._judge.window(splits):
                 self._say(f"manygpu: straggler: {line}")
-
-
-def _with_link(split: StepSplit, link_ms: float) -> StepSplit:
-    fields = asdict(split)
-    fields["link_ms"] = link_ms
-    return StepSplit(**fields)
 
 
 def steps_every(configured: bool | int, env: envmod.Environ) -> int | None:

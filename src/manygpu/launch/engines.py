@@ -153,15 +153,16 @@ def jobset(env: Environ, nnodes: str | None, master_addr: str | None) -> OuterJo
     count = nnodes or envmod.get_str(env, "NNODES")
     addr = master_addr or envmod.get_str(env, "MASTER_ADDR")
     engine = "an indexed Job (JobSet)"
-    if count is not None and _nnodes(count, "NNODES") == (1, 1):
+    bounds = _nnodes(count, "NNODES") if count is not None else None
+    if bounds == (1, 1):
         return OuterJob(engine, 1, 1, 0, addr, envmod.get_int(env, "MASTER_PORT"))  # a sweep's pod
     _missing(
         engine,
         {"JOB_COMPLETION_INDEX": str(index), "NNODES (--nnodes)": count,
          "MASTER_ADDR (--master-addr)": addr},
     )  # fmt: skip
-    assert count is not None
-    lo, hi = _nnodes(count, "NNODES")
+    assert bounds is not None
+    lo, hi = bounds
     if lo != hi:
         return OuterJob(engine, lo, hi, None, addr, envmod.get_int(env, "MASTER_PORT"))
     return OuterJob(engine, lo, hi, index, addr, envmod.get_int(env, "MASTER_PORT"))
