@@ -130,6 +130,9 @@ class BenchConfig:
     """Also time saving and loading the largest model's state."""
     ckpt_dir: str
     run_timeout_s: float
+    budget_s: float | None = None
+    """Start no run after this many seconds (a lent GPU is time-boxed): the rounds done
+    so far are summarised and written, the runs left out are listed."""
     threads: int | None = None
     """``OMP_NUM_THREADS`` of every run; ``None``: torch's default (all cores). On a
     shared machine, 1 keeps OpenMP's barriers from waiting on descheduled threads
@@ -265,13 +268,17 @@ def round_order(variants: list[str], rnd: int) -> list[str]:
 def run_rounds(cfg: BenchConfig, variants: list[str], console: Console) -> list[RunRecord]:
     """Round after round: every model with every variant (rotated), then the checkpoint."""
     records: list[RunRecord] = []
+    deadline = None if cfg.budget_s is None else time.monotonic() + cfg.budget_s
     ckpt_model = CPU_MODELS[0] if cfg.cpu else "gpt-355m"
     with tempfile.TemporaryDirectory(prefix="gpu_defaults-") as tmp:
         for rnd in range(1, cfg.rounds + 1):
             jobs = [(m, v) for m in cfg.models for v in round_order(variants, rnd - 1)]
             if cfg.checkpoint:
-                jobs.append((ckpt_model, "checkpoint"))
+                jobs.insert(0, (ckpt_model, "checkpoint"))  # first: a spent budget keeps it
             for pos, (model, variant) in enumerate(jobs):
+                if deadline is not None and time.monotonic() > deadline:
+                    console.print(f"--budget-s {cfg.budget_s:g} spent: round {rnd} stops here")
+                    return records
                 record = run_once(cfg, model, variant, rnd, pos, Path(tmp))
                 records.append(record)
                 console.print(progress_line(cfg, record), highlight=False)
@@ -478,6 +485,7 @@ def parse_args(argv: list[str] | None = None) -> tuple[BenchConfig, Path]:
     p.add_argument("--no-checkpoint", action="store_true", help="skip the checkpoint row")
     p.add_argument("--ckpt-dir", default="", help="where checkpoints are written (default: TMPDIR)")
     p.add_argument("--run-timeout", type=float, default=900.0, help="seconds per run")
+    p.add_argument("--budget-s", type=float, help="start no run after this many seconds")
     p.add_argument("--threads", type=int, help="OMP_NUM_THREADS of every run (default: torch's)")
     p.add_argument("--out", type=Path, help="JSON (default: bench/results/gpu_defaults[_cpu].json)")
     ns = p.parse_args(argv)
@@ -500,6 +508,7 @@ def parse_args(argv: list[str] | None = None) -> tuple[BenchConfig, Path]:
             checkpoint=not ns.no_checkpoint,
             ckpt_dir=ns.ckpt_dir,
             run_timeout_s=ns.run_timeout,
+            budget_s=ns.budget_s,
             threads=ns.threads,
         )
     except ValueError as exc:
