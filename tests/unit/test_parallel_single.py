@@ -95,14 +95,20 @@ def test_sync_gradients_follows_accumulation() -> None:
     assert synced == [False, True, False, True]
 
 
-def test_bf16_forward_is_bfloat16() -> None:
+def test_bf16_layers_run_in_bf16_and_the_output_is_fp32() -> None:
+    """The layers compute in bf16; the user's loss, outside autocast, gets fp32
+    (on CUDA a bf16 output broke ``mse_loss(out, fp32_target)`` in backward)."""
     with Parallel(strategy="single", device="cpu", precision="bf16") as par:
         model, opt = _model_and_opt(par)
+        inner: list[torch.dtype] = []
+        first = next(m for m in model.modules() if isinstance(m, nn.Linear))
+        first.register_forward_hook(lambda _m, _i, o: inner.append(o.dtype))
         x, y = make_data(BATCH)
         out = model(x)
-        assert out.dtype == torch.bfloat16
+        assert inner == [torch.bfloat16]
+        assert out.dtype == torch.float32
         before = flat_params(model)
-        par.backward(nn.functional.mse_loss(out.float(), y))
+        par.backward(nn.functional.mse_loss(out, y))
         opt.step()
         assert all(p.dtype == torch.float32 for p in model.parameters())
         assert not torch.equal(before, flat_params(model))

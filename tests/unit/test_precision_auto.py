@@ -178,3 +178,35 @@ def test_compile_options_are_exported_and_validated() -> None:
         ParallelConfig(compile="yes")  # type: ignore[arg-type]
     with pytest.raises(UsageError, match="channels_last takes True, False or None"):
         ParallelConfig(channels_last=1)  # type: ignore[arg-type]
+
+
+def test_outputs_to_fp32_keeps_structure_and_other_dtypes() -> None:
+    """Tuples, dicts and named tuples keep their shape; only the autocast dtype moves."""
+    from collections import namedtuple
+
+    from manygpu.core.precision import outputs_to_fp32
+
+    Pair = namedtuple("Pair", "logits ids")
+    low = torch.ones(2, dtype=torch.bfloat16, requires_grad=True)
+    out = outputs_to_fp32(
+        {"a": (low, torch.arange(3)), "b": Pair(low * 2, torch.zeros(1, dtype=torch.float16))},
+        torch.bfloat16,
+    )
+    assert out["a"][0].dtype == torch.float32 and out["a"][0].requires_grad
+    assert out["a"][1].dtype == torch.int64
+    assert isinstance(out["b"], Pair) and out["b"].logits.dtype == torch.float32
+    assert out["b"].ids.dtype == torch.float16  # not the autocast dtype: left alone
+
+
+def test_hf_model_output_comes_back_fp32_with_its_type() -> None:
+    """A ``transformers`` model's ``ModelOutput`` under bf16: same class, fp32 logits,
+    the loss HF computed inside autocast (fp32 there) unchanged."""
+    transformers = pytest.importorskip("transformers")
+    config = transformers.GPT2Config(vocab_size=64, n_positions=16, n_embd=16, n_layer=1, n_head=2)
+    with Parallel(strategy="single", device="cpu", precision="bf16") as par:
+        model = par.prepare(transformers.GPT2LMHeadModel(config))
+        ids = torch.randint(0, 64, (2, 8))
+        out = model(input_ids=ids, labels=ids)
+        assert type(out).__name__ == "CausalLMOutputWithCrossAttentions"
+        assert out.logits.dtype == torch.float32 and out.loss.dtype == torch.float32
+        par.backward(out.loss)

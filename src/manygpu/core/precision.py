@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 import torch
+from torch.utils import _pytree as pytree
 
 _DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -151,6 +152,16 @@ def apply_tf32(choice: PrecisionChoice) -> Callable[[], None]:
     return restore
 
 
+def outputs_to_fp32(out: Any, low: torch.dtype) -> Any:
+    """``out`` with every tensor of dtype ``low`` cast to fp32, structure kept (tuples,
+    dicts, named tuples, HF ``ModelOutput``: pytree nodes); other tensors untouched."""
+
+    def cast(t: torch.Tensor) -> torch.Tensor:
+        return t.float() if t.dtype == low else t
+
+    return pytree.tree_map_only(torch.Tensor, cast, out)
+
+
 class PrecisionPlugin:
     """Owns the autocast dtype and, for fp16, the loss scaler."""
 
@@ -176,15 +187,21 @@ class PrecisionPlugin:
         """Make ``module(...)`` run under autocast without the user writing it.
 
         Patched on the instance (like Accelerate) so state-dict keys stay the same.
+        Outputs in the autocast dtype come back as fp32: the user's loss runs
+        outside autocast, where ``mse_loss(bf16_out, fp32_target)`` fails on CUDA
+        in backward and a bf16 ``cross_entropy`` loses precision; autocast itself
+        computes those losses in fp32 (Accelerate casts outputs the same way).
         """
         if self.dtype is None:
             return
         forward: Callable[..., Any] = module.forward
+        low = self.dtype
 
         @functools.wraps(forward)
         def autocast_forward(*args: Any, **kwargs: Any) -> Any:
             with self.autocast():
-                return forward(*args, **kwargs)
+                out = forward(*args, **kwargs)
+            return outputs_to_fp32(out, low)
 
         module.forward = autocast_forward
 
