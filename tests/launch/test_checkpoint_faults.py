@@ -10,6 +10,7 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
 import torch
 from ckpt_job import train
 from dist_harness import run_ranks
@@ -73,7 +74,15 @@ def test_kill_9_restarts_and_ends_bit_identical(tmp_path: Path) -> None:
     assert torch.equal(torch.load(tmp_path / "run" / "params.pt"), ref_params)
 
 
-def test_sigterm_saves_and_exits_cleanly(tmp_path: Path) -> None:
+@pytest.mark.parametrize(
+    ("signum", "to"),
+    [(signal.SIGTERM, "workers"), (signal.SIGUSR1, "launcher")],
+    ids=["sigterm-to-every-worker", "sigusr1-to-the-launcher"],
+)
+def test_a_notice_saves_and_exits_cleanly(signum: int, to: str, tmp_path: Path) -> None:
+    """SIGTERM to every worker (as Slurm's preemption and Kubernetes do), or SIGUSR1
+    to the launcher only (``srun manygpu launch`` with ``--signal=USR1@N``: the
+    launchers are Slurm's tasks, and pass it on): a save, then exit code 0."""
     out, ckpt = tmp_path / "run", tmp_path / "ck"
     job = _launch(out, ckpt, total=100_000, every=0, sleep_s=0.05)
     deadline = time.monotonic() + 60
@@ -81,10 +90,12 @@ def test_sigterm_saves_and_exits_cleanly(tmp_path: Path) -> None:
         assert time.monotonic() < deadline and job.poll() is None, job.stderr
         time.sleep(0.2)
     time.sleep(0.5)
-    for pid_file in out.glob("pid*"):  # as Slurm does: every task gets the signal
-        os.kill(int(pid_file.read_text()), signal.SIGTERM)
-    _, err = job.communicate(timeout=60)
+    pids = [int(p.read_text()) for p in out.glob("pid*")] if to == "workers" else [job.pid]
+    for pid in pids:
+        os.kill(pid, signum)
+    said, err = job.communicate(timeout=60)
     assert job.returncode == 0, err
+    assert f"manygpu: {signal.Signals(signum).name}: saved step" in said + err, said + err
     steps = sorted(p.name for p in ckpt.iterdir())
     assert len(steps) == 1 and steps[0].startswith("step-")
     meta = inspect(ckpt)  # what `manygpu checkpoint inspect --json` prints (test_checkpoint_cli)

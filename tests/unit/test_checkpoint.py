@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -17,8 +18,9 @@ from ckpt_job import build, train
 from manygpu import Parallel
 from manygpu.checkpoint import CheckpointError, TrainState, formats, layout, writer
 from manygpu.checkpoint.export import export_safetensors, inspect
-from manygpu.checkpoint.preemption import PreemptionNotice
+from manygpu.checkpoint.preemption import PreemptionNotice, wants_requeue
 from manygpu.errors import UsageError
+from manygpu.runtime import notice
 
 
 def _run(
@@ -161,13 +163,63 @@ def test_saving_leaves_the_state_alone(tmp_path: Path) -> None:
         assert ckpt.resume().epoch == 3
 
 
-def test_a_sigterm_is_remembered_until_the_step_boundary() -> None:
-    notice = PreemptionNotice()
-    previous = signal.getsignal(signal.SIGTERM)
+@pytest.fixture
+def clean_notices() -> Iterator[None]:
+    """Signals and their record are process-wide: restore both."""
+    previous = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGUSR1)}
+    notice.forget()
     try:
-        notice.listen()
-        assert not notice.agreed(device=torch.device("cpu"), world_size=1, timeout_s=5.0)
-        os.kill(os.getpid(), signal.SIGTERM)  # handled: the process goes on
-        assert notice.agreed(device=torch.device("cpu"), world_size=1, timeout_s=5.0)
+        yield
     finally:
-        signal.signal(signal.SIGTERM, previous)
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+        notice.forget()
+
+
+@pytest.mark.usefixtures("clean_notices")
+def test_a_sigterm_is_remembered_until_the_step_boundary() -> None:
+    cpu = {"device": torch.device("cpu"), "world_size": 1, "timeout_s": 5.0}
+    preemption = PreemptionNotice()
+    preemption.listen()
+    assert preemption.agreed(**cpu) is None
+    os.kill(os.getpid(), signal.SIGTERM)  # handled: the process goes on
+    assert preemption.agreed(**cpu) == signal.SIGTERM
+
+
+@pytest.mark.usefixtures("clean_notices")
+def test_slurms_warning_signal_is_a_notice_that_outranks_sigterm() -> None:
+    """SIGUSR1 (``--signal=USR1@N``) is recorded, not fatal; with SIGTERM too, the
+    warning is what the ranks agree on (it asks for a requeue)."""
+    cpu = {"device": torch.device("cpu"), "world_size": 1, "timeout_s": 5.0}
+    assert notice.record_warnings()
+    os.kill(os.getpid(), signal.SIGUSR1)
+    preemption = PreemptionNotice()
+    preemption.listen()
+    os.kill(os.getpid(), signal.SIGTERM)
+    assert preemption.agreed(**cpu) == signal.SIGUSR1
+
+
+@pytest.mark.usefixtures("clean_notices")
+def test_a_users_own_sigusr1_handler_is_kept() -> None:
+    def mine(signum: int, frame: object) -> None: ...
+
+    signal.signal(signal.SIGUSR1, mine)
+    assert not notice.record_warnings()
+    notice.listen()
+    assert signal.getsignal(signal.SIGUSR1) is mine
+
+
+@pytest.mark.parametrize(
+    ("requeue", "signum", "env", "expected"),
+    [
+        (None, signal.SIGUSR1, {"SLURM_JOB_ID": "7"}, True),  # the time limit is near
+        (None, signal.SIGTERM, {"SLURM_JOB_ID": "7"}, False),  # scancel: stop
+        (None, signal.SIGUSR1, {}, False),  # not under Slurm: nothing to requeue
+        (True, signal.SIGTERM, {"SLURM_JOB_ID": "7"}, True),  # asked
+        (False, signal.SIGUSR1, {"SLURM_JOB_ID": "7"}, False),  # refused
+    ],
+)
+def test_when_a_notice_requeues_the_slurm_job(
+    requeue: bool | None, signum: int, env: dict[str, str], expected: bool
+) -> None:
+    assert wants_requeue(requeue, signum, env) is expected

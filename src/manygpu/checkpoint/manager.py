@@ -3,9 +3,9 @@
 Saves model, optimizer, LR scheduler, grad scaler, step, the data loader's
 position inside its epoch, and every rank's RNGs; resume is exact (the same
 losses and final parameters as an uninterrupted run, bitwise on CPU fp32).
-Saves every ``every`` steps, keeps the newest ``keep``, and on SIGTERM (a
-preemption, see :mod:`.preemption`) saves at the next step boundary and exits
-cleanly. What to save comes from :meth:`manygpu.Parallel.checkpoint_parts`;
+Saves every ``every`` steps, keeps the newest ``keep``, and on SIGTERM or
+Slurm's warning SIGUSR1 (a preemption, see :mod:`.preemption`) saves at the next
+step boundary and exits cleanly (requeueing the Slurm job on the warning). What to save comes from :meth:`manygpu.Parallel.checkpoint_parts`;
 how to write it, from the parts' :class:`~.formats.Format`.
 """
 
@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import shutil
+import signal
 import threading
 import warnings
 from collections.abc import Callable
@@ -25,10 +26,16 @@ import torch
 import torch.distributed as dist
 
 from manygpu.checkpoint import corrupt, formats, layout, rng, writer
-from manygpu.checkpoint.preemption import PreemptionNotice, exit_now, requeue_slurm_job
+from manygpu.checkpoint.preemption import (
+    PreemptionNotice,
+    exit_now,
+    requeue_slurm_job,
+    wants_requeue,
+)
 from manygpu.checkpoint.staging import Staging, pin_wanted
 from manygpu.comm.objects import all_gather_json, broadcast_json, parse_each
 from manygpu.errors import CheckpointError, UsageError
+from manygpu.runtime import env as envmod
 
 if TYPE_CHECKING:
     from manygpu.core.data import PreparedLoader
@@ -61,8 +68,11 @@ class Checkpointer:
             allocated at the first save and reused by every later one (pinned
             on CUDA machines); ``dcp`` saves go through torch's
             ``dcp.async_save`` and its stager.
-        handle_signals: on SIGTERM, save at the next :meth:`after_step` and exit 0.
-        requeue: under Slurm, also ``scontrol requeue`` the job before exiting.
+        handle_signals: on SIGTERM or SIGUSR1 (Slurm's ``--signal=USR1@N``), save
+            at the next :meth:`after_step` and exit 0.
+        requeue: ``scontrol requeue`` the Slurm job after that save; ``None`` (the
+            default): only when the notice was SIGUSR1 under Slurm (the time limit
+            is near and the work is not done).
         format: ``"full"`` or ``"dcp"``; default: what the strategy needs.
         checkpoint_timeout_s: how long ranks wait for each other inside a save
             or resume (disk work of large models takes minutes).
@@ -83,7 +93,7 @@ class Checkpointer:
         keep: int = 3,
         async_save: bool = False,
         handle_signals: bool = True,
-        requeue: bool = False,
+        requeue: bool | None = None,
         format: str | None = None,
         checkpoint_timeout_s: float = 1800.0,
     ) -> None:
@@ -349,13 +359,15 @@ class Checkpointer:
     def after_step(self, state: TrainState) -> None:
         """Call after each optimizer step: periodic saves, and save-and-exit on SIGTERM."""
         par = self.par
-        if self._preemption.agreed(
+        signum = self._preemption.agreed(
             device=par.device, world_size=par.world_size, timeout_s=par.timeout_s
-        ):
+        )
+        if signum is not None:
             self.save(state)
             self.wait()
-            par.print(f"manygpu: preempted: saved step {state.step} to {self.root}; exiting")
-            if self.requeue and par.is_main:
+            name = signal.Signals(signum).name
+            par.print(f"manygpu: {name}: saved step {state.step} to {self.root}; exiting")
+            if wants_requeue(self.requeue, signum, envmod.current()) and par.is_main:
                 requeue_slurm_job()
             par.close()
             exit_now(0)

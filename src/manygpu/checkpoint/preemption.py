@@ -1,7 +1,8 @@
-"""Preemption: a SIGTERM means "save at the next step boundary, then stop".
+"""Preemption: a SIGTERM or SIGUSR1 means "save at the next step boundary, then stop".
 
 Schedulers (Slurm, Kubernetes, spot instances) send SIGTERM some time before
-they kill a job. The handler only records the notice; the training thread acts
+they kill a job; Slurm sends the signal a job asked for (``--signal=USR1@N``)
+N seconds before its time limit. The handler only records the notice; the training thread acts
 on it at a step boundary, where the state is consistent, after every rank has
 agreed that some rank was told (ranks may see the signal at different steps).
 Saving is the checkpointer's business; this module owns the signal, the
@@ -15,46 +16,70 @@ import os
 import signal
 import subprocess
 import sys
-import threading
 
 import torch
 
 from manygpu import comm
 from manygpu.runtime import env as envmod
+from manygpu.runtime import notice
 
 
 class PreemptionNotice:
-    """Remembers a SIGTERM until the loop reaches a step boundary."""
+    """What this process's notice was, once every rank has reached a step boundary.
 
-    def __init__(self) -> None:
-        self._received = False
+    The signal itself is recorded process-wide (:mod:`manygpu.runtime.notice`):
+    SIGTERM, or SIGUSR1 (Slurm's ``--signal=USR1@N`` warning before the time limit).
+    """
 
     def listen(self) -> None:
-        """Handle SIGTERM from now on (only the main thread may install handlers)."""
-        if threading.current_thread() is not threading.main_thread():
-            return
-        signal.signal(signal.SIGTERM, self._on_sigterm)
-        # Restart interrupted system calls: a gloo/NCCL thread blocked in recv
-        # must not see EINTR (it would abort the process) just because a
-        # preemption notice arrived.
-        signal.siginterrupt(signal.SIGTERM, False)
+        """Handle SIGTERM and SIGUSR1 from now on (main thread only)."""
+        notice.listen()
 
-    def _on_sigterm(self, signum: int, frame: object) -> None:
-        self._received = True
+    def agreed(self, *, device: torch.device, world_size: int, timeout_s: float) -> int | None:
+        """The notice some rank received (collective: every rank calls it), or ``None``.
 
-    def agreed(self, *, device: torch.device, world_size: int, timeout_s: float) -> bool:
-        """Whether any rank has received the notice (collective: every rank calls it)."""
-        flag = torch.tensor([1 if self._received else 0], device=device)
+        A warning (SIGUSR1) outranks SIGTERM: it asks for a requeue under Slurm.
+        """
+        code = _CODES.get(notice.received() or 0, 0)
+        flag = torch.tensor([code], device=device)
         if world_size > 1:  # ranks may see the signal at different steps
             comm.all_reduce(flag, "max", timeout_s=timeout_s)
-        return bool(flag.item())
+        return _SIGNALS.get(int(flag.item()))
+
+
+_CODES = {int(signal.SIGTERM): 1, int(notice.WARNING): 2}
+_SIGNALS = {v: k for k, v in _CODES.items()}
+
+
+def wants_requeue(requeue: bool | None, signum: int, env: envmod.Environ) -> bool:
+    """Whether to ``scontrol requeue``: as asked, else (``None``) under Slurm on its
+    warning signal (``--signal=USR1@N``: the time limit is near, the work is not done).
+    SIGTERM alone does not: ``scancel`` means stop, and Slurm requeues by itself
+    after its own preemption or ``scontrol requeue``."""
+    if requeue is not None:
+        return requeue
+    return signum == notice.WARNING and bool(envmod.get_str(env, "SLURM_JOB_ID"))
 
 
 def requeue_slurm_job() -> None:
     """Put this Slurm job back in the queue (nothing outside Slurm)."""
     job = envmod.get_str(envmod.current(), "SLURM_JOB_ID")
-    if job:
-        subprocess.run(["scontrol", "requeue", job], check=False, timeout=30)
+    if not job:
+        return
+    try:
+        done = subprocess.run(
+            ["scontrol", "requeue", job], capture_output=True, text=True, timeout=30
+        )
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        print(f"manygpu: scontrol requeue {job} failed: {exc}", file=sys.stderr)
+        return
+    if done.returncode != 0:
+        why = (done.stderr or done.stdout).strip().splitlines() or [f"exit {done.returncode}"]
+        print(
+            f"manygpu: scontrol requeue {job} failed: {why[-1]} (a job submitted with "
+            "--no-requeue, or JobRequeue=0 in slurm.conf, cannot be requeued)",
+            file=sys.stderr,
+        )
 
 
 def exit_now(code: int) -> None:

@@ -34,7 +34,7 @@ from torch.distributed.elastic.rendezvous.api import (
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
 from manygpu.errors import UsageError
-from manygpu.launch import blame, driven, hangwatch, jobsecret, rendezvous
+from manygpu.launch import blame, driven, hangwatch, jobsecret, notices, rendezvous
 from manygpu.launch.jobsecret import JobSecret
 from manygpu.launch.netcheck import (
     check_port_free,
@@ -237,7 +237,7 @@ def _run(spec: LaunchSpec, secret: JobSecret | None, log_dir: str | None) -> int
     os.environ.update(worker_env(spec))
     config = build_config(spec, secret)
     executable, args = worker_command(spec)
-    with watching(spec, log_dir) as watch:
+    with watching(spec, log_dir) as watch, notices.forwarding():
         code = _agent(spec, config, executable, args)
         if watch.verdict is not None:
             if spec.driven:

@@ -18,6 +18,7 @@ import traceback
 
 from manygpu.launch import blame, evidence, exit_timer, ps_keeper
 from manygpu.runtime import env as envmod
+from manygpu.runtime import notice
 
 
 def _record(exc: BaseException) -> None:
@@ -179,6 +180,7 @@ def main() -> None:
     if ps_keeper.applies(envmod.current()):
         ps_keeper.keep()  # from here on, this is the child that runs the script
     _default_group_timeout()
+    notice.record_warnings()  # SIGUSR1 would end the rank before any save
     with contextlib.suppress(OSError):  # no watch is better than no job
         evidence.start(envmod.current())
     try:
