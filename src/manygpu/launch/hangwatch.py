@@ -35,6 +35,8 @@ ANSWER_S = 2.0
 GATHER_S = 6.0
 """How long the gathering host waits for the other hosts' messages."""
 POLL_S = 0.5
+STOP_WAIT_S = 5.0
+"""How long :meth:`HangWatch.stop` waits for the watch's thread to leave a store call."""
 
 
 def alarm_after(timeout_s: float) -> float:
@@ -82,8 +84,22 @@ class HangWatch:
         self._thread.start()
         return self
 
-    def stop(self) -> None:
+    def stop(self, wait_s: float = STOP_WAIT_S) -> None:
+        """Stop the watch; return once its thread has ended, or after ``wait_s``.
+
+        The thread calls the job's store, native code that releases the GIL. A
+        daemon thread that returns from such a call while the interpreter
+        finalizes is ended by Python with ``pthread_exit``, whose unwinding
+        through pybind11's GIL guard (a ``noexcept`` destructor) calls
+        ``std::terminate``: the launcher aborted at its exit (SIGABRT,
+        "terminate called without an active exception") after a good job. A
+        store call takes milliseconds; one that takes longer than ``wait_s``
+        has lost its store and returns only at the store's timeout, long after
+        this process has exited.
+        """
         self._stop.set()
+        if self._thread.is_alive() and self._thread is not threading.current_thread():
+            self._thread.join(wait_s)
 
     # -- noticing ---------------------------------------------------------------------
 

@@ -1,0 +1,70 @@
+"""``HangWatch.stop`` returns once its thread has left the job's store (or gives up).
+
+A daemon thread still inside a store call (native code that releases the GIL)
+when the interpreter finalizes aborts the process as the call returns; the
+launcher stops its watch before it returns, so that wait is what keeps its exit
+clean. The store here is a fake whose ``check`` blocks until released.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from pathlib import Path
+
+from manygpu.launch import hangwatch
+
+
+class _BlockingStore:
+    """``check`` waits until ``release`` (a store call that takes its time)."""
+
+    def __init__(self) -> None:
+        self.entered = threading.Event()
+        self.release = threading.Event()
+        self.returned = threading.Event()
+
+    def check(self, keys: list[str]) -> bool:
+        self.entered.set()
+        self.release.wait(10)
+        self.returned.set()
+        return False
+
+
+def _watching(out: Path, store: _BlockingStore) -> hangwatch.HangWatch:
+    watch = hangwatch.HangWatch(
+        out=out,
+        host="h",
+        default_timeout_s=60,
+        job_store=lambda: (store, True, "p"),
+        end_job=lambda: None,
+    ).start()
+    assert store.entered.wait(5), "the watch never called the store"
+    return watch
+
+
+def test_stop_waits_for_the_store_call_to_return(tmp_path: Path) -> None:
+    store = _BlockingStore()
+    watch = _watching(tmp_path, store)
+    releaser = threading.Timer(0.3, store.release.set)
+    releaser.start()
+    watch.stop()
+    assert store.returned.is_set()
+    assert not watch._thread.is_alive()
+    releaser.join()
+
+
+def test_stop_gives_up_on_a_store_call_that_does_not_return(tmp_path: Path) -> None:
+    store = _BlockingStore()
+    watch = _watching(tmp_path, store)
+    start = time.monotonic()
+    watch.stop(wait_s=0.3)
+    waited = time.monotonic() - start
+    assert 0.25 < waited < 3, waited
+    assert not store.returned.is_set()
+    store.release.set()
+    watch._thread.join(5)
+
+
+def test_stop_before_start_returns_at_once(tmp_path: Path) -> None:
+    watch = hangwatch.HangWatch(out=tmp_path, host="h", default_timeout_s=60)
+    watch.stop()
