@@ -22,14 +22,19 @@ missing (the module skips, saying why, when that fails).
 
 from __future__ import annotations
 
+import itertools
+import json
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
+from dist_harness import run_ranks
 from jobs import subprocess_env
+from preempt_job import train_to
 from reference import reference_train
 from slurm_hosts import SlurmHosts, ensure_slurm
 
@@ -205,3 +210,99 @@ def test_srun_one_launcher_per_node_in_an_allocation_of_several_tasks_per_node(
     assert refusal in job_out.splitlines(), job_out[-3000:]
     assert "Traceback" not in job_out, job_out[-3000:]
     assert not list(out.glob("ddp-rank*.pt"))
+
+
+PREEMPT = Path(__file__).parent / "scripts" / "preempt_recipe.py"
+PREEMPT_STEPS, PREEMPT_SLEEP_S = 24, 0.4
+
+
+def _progress(out: Path, attempt: int) -> int:
+    path = out / f"progress-{attempt}"
+    return int(path.read_text() or 0) if path.exists() else 0
+
+
+def _wait_for(what: str, ready: Any, slurm: SlurmHosts, tmp_path: Path, timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not ready():
+        if time.monotonic() > deadline:
+            queue = slurm.run(["squeue", "-h", "-o", "%i %T %r"], check=False).stdout
+            pytest.fail(f"{what} not within {timeout_s}s; squeue: {queue}\n{_job_output(tmp_path)}")
+        time.sleep(0.3)
+
+
+def _start_requeued_now(slurm: SlurmHosts, job: str, tmp_path: Path) -> None:
+    """Once the job is pending again, start it now: Slurm holds a requeued job for
+    ~2 minutes (its begin time), which an administrator may move, as here."""
+
+    def pending() -> bool:
+        state = slurm.run(["squeue", "-h", "-j", job, "-o", "%T"], check=False).stdout
+        return state.strip() == "PENDING"
+
+    _wait_for("the requeue", pending, slurm, tmp_path, 60)
+    slurm.run(["scontrol", "update", f"JobId={job}", "StartTime=now"])
+
+
+@pytest.mark.timeout(300)
+def test_warned_then_requeued_job_resumes_bit_identically(
+    slurm: SlurmHosts, tmp_path: Path
+) -> None:
+    """A batch job of ``srun manygpu launch`` on 2 nodes x 2 ranks, the recipe's GPT
+    under fsdp with a Checkpointer: Slurm's warning signal (``scancel --signal=USR1``, what
+    ``--signal=USR1@N`` sends N seconds before the time limit) makes it save and
+    requeue itself; ``scontrol requeue`` (SIGTERM to every process, SIGKILL after
+    KillWait=5 s) makes it save again; the third run finishes. Every step's loss and
+    the final parameters equal an uninterrupted run's bit for bit."""
+    ckpt, out = tmp_path / "ck", tmp_path / "out"
+    out.mkdir()
+    launch = [sys.executable, "-m", "manygpu", "launch", "--nproc-per-node", "2", "--timeout", "60"]
+    args = [str(PREEMPT), str(ckpt), str(out), str(PREEMPT_STEPS), str(PREEMPT_SLEEP_S)]
+    script = tmp_path / "job.sbatch"
+    script.write_text(
+        "#!/bin/sh\n"
+        "#SBATCH --nodes=2\n"
+        "#SBATCH --ntasks-per-node=1\n"
+        "#SBATCH --time=6\n"
+        "#SBATCH --requeue\n"
+        "#SBATCH --signal=USR1@90\n"
+        "#SBATCH --open-mode=append\n"
+        f"#SBATCH --output={tmp_path / 'slurm-%j.out'}\n"
+        f"srun {' '.join([*launch, *args])}\n"
+    )
+    env = _job_env() | {"OMP_NUM_THREADS": "1"}
+    sbatch = ["sbatch", "--parsable", "--export=ALL", f"--chdir={tmp_path}", str(script)]
+    job = slurm.run(sbatch, env=env).stdout.strip().split(";")[0]
+    try:
+        _wait_for("3 steps", lambda: _progress(out, 0) >= 3, slurm, tmp_path, 90)
+        slurm.run(["scancel", "--signal=USR1", job])
+        _start_requeued_now(slurm, job, tmp_path)
+        _wait_for("the requeued run", lambda: _progress(out, 1) >= 2, slurm, tmp_path, 90)
+        first = min(int(s) for s in json.loads((out / "losses-1.json").read_text()))
+        _wait_for("2 more steps", lambda: _progress(out, 1) >= first + 1, slurm, tmp_path, 60)
+        slurm.run(["scontrol", "requeue", job])
+        _start_requeued_now(slurm, job, tmp_path)
+        _wait_for("the end", lambda: (out / "params.pt").exists(), slurm, tmp_path, 90)
+    finally:
+        slurm.run(["scancel", job], check=False)
+    said = _job_output(tmp_path)
+    assert "manygpu: SIGUSR1: saved step" in said and "manygpu: SIGTERM: saved step" in said, said
+    runs = [json.loads((out / f"losses-{a}.json").read_text()) for a in range(3)]
+    steps = [sorted(int(s) for s in run) for run in runs]
+    assert steps[0][0] == 1 and steps[2][-1] == PREEMPT_STEPS, steps
+    for before, after in itertools.pairwise(steps):
+        assert after[0] == before[-1] + 1, steps  # resumed right after the saved step
+    (tmp_path / "ref").mkdir()
+    ref = run_ranks(
+        train_to,
+        4,
+        str(tmp_path / "ref-ck"),
+        str(tmp_path / "ref"),
+        PREEMPT_STEPS,
+        0.0,
+        extra_env={"OMP_NUM_THREADS": "1"},
+        timeout=180,
+    )[0]
+    ref_losses = json.loads((tmp_path / "ref" / "losses-0.json").read_text())
+    for run in runs:
+        assert all(loss == ref_losses[s] for s, loss in run.items()), (run, ref_losses)
+    params = torch.load(out / "params.pt", weights_only=True)
+    assert all(torch.equal(params[k], ref[k]) for k in ref), "parameters differ from the reference"

@@ -2,11 +2,16 @@
 
 Saves model, optimizer, LR scheduler, grad scaler, step, the data loader's
 position inside its epoch, and every rank's RNGs; resume is exact (the same
-losses and final parameters as an uninterrupted run, bitwise on CPU fp32).
+losses and final parameters as an uninterrupted run, bitwise on CPU fp32), with
+one exception: torch's DDP rebuilds its gradient buckets after each process's
+first backward (in the order gradients became ready), so under ddp the first
+step after a resume may sum gradients in another order: last-bit differences
+(2.4e-7 after 24 steps of a small GPT resumed twice; fsdp's resume is bitwise).
 Saves every ``every`` steps, keeps the newest ``keep``, and on SIGTERM or
 Slurm's warning SIGUSR1 (a preemption, see :mod:`.preemption`) saves at the next
-step boundary and exits cleanly (requeueing the Slurm job on the warning). What to save comes from :meth:`manygpu.Parallel.checkpoint_parts`;
-how to write it, from the parts' :class:`~.formats.Format`.
+step boundary and exits cleanly (requeueing the Slurm job on the warning).
+What to save comes from :meth:`manygpu.Parallel.checkpoint_parts`; how to write
+it, from the parts' :class:`~.formats.Format`.
 """
 
 from __future__ import annotations
