@@ -78,6 +78,7 @@ class HangWatch:
         self.alarm_ns = 0
         """When the alarm went off here (the verdict's time in a report)."""
         self._stop = threading.Event()
+        self._lock = threading.Lock()
         self._thread = threading.Thread(target=self._run, name="manygpu-hangwatch", daemon=True)
 
     def start(self) -> HangWatch:
@@ -96,9 +97,15 @@ class HangWatch:
         store call takes milliseconds; one that takes longer than ``wait_s``
         has lost its store and returns only at the store's timeout, long after
         this process has exited.
+
+        A watch that has raised the alarm is not waited for: it is judging, and
+        ends the job with a signal (``end_job``), which would interrupt the wait.
         """
-        self._stop.set()
-        if self._thread.is_alive() and self._thread is not threading.current_thread():
+        with self._lock:
+            self._stop.set()
+            judging = self.alarm_ns != 0
+        alive = self._thread.is_alive() and self._thread is not threading.current_thread()
+        if alive and not judging:
             self._thread.join(wait_s)
 
     # -- noticing ---------------------------------------------------------------------
@@ -110,7 +117,10 @@ class HangWatch:
             except Exception:  # a watch that fails must not end a healthy job
                 continue
             if alarm is not None:
-                self.alarm_ns = time.time_ns()
+                with self._lock:
+                    if self._stop.is_set():  # the job has ended: nothing to judge
+                        return
+                    self.alarm_ns = time.time_ns()
                 try:
                     self._judge(alarm)
                 except Exception as exc:  # the store's host ended first, or worse
