@@ -336,6 +336,20 @@ class SlurmHosts:
                     left.append(f"{pid} {' '.join(proc.cmdline())[:120]}")
         return left
 
+    def kill_job_processes(self, host: int) -> list[int]:
+        """SIGKILL every process of a job on node ``host`` (its ``manygpu`` launcher and
+        ranks), as a crash or the OOM killer would; Slurm's daemons live on."""
+        res = subprocess.run(
+            ["ip", "netns", "pids", self.cluster.names[host]], capture_output=True, text=True
+        )
+        killed = []
+        for pid in (int(p) for p in res.stdout.split()):
+            with suppress(psutil.NoSuchProcess):
+                if "manygpu" in " ".join(psutil.Process(pid).cmdline()):
+                    os.kill(pid, signal.SIGKILL)
+                    killed.append(pid)
+        return killed
+
     def wait_until_clean(self, timeout_s: float = 15.0) -> list[str]:
         """:meth:`processes_left` once none is left (a job's steps take a moment to
         end after srun returns), or at ``timeout_s``."""

@@ -306,3 +306,47 @@ def test_warned_then_requeued_job_resumes_bit_identically(
         assert all(loss == ref_losses[s] for s, loss in run.items()), (run, ref_losses)
     params = torch.load(out / "params.pt", weights_only=True)
     assert all(torch.equal(params[k], ref[k]) for k in ref), "parameters differ from the reference"
+
+
+def _job_gone(slurm: SlurmHosts, job: str) -> bool:
+    return not slurm.run(["squeue", "-h", "-j", job], check=False).stdout.strip()
+
+
+@pytest.mark.timeout(300)
+def test_a_node_whose_processes_die_is_named(slurm: SlurmHosts, tmp_path: Path) -> None:
+    """node1's launcher and ranks SIGKILLed mid-training (what an OOM kill or a
+    crashed node leaves behind; slurmd lives on): the job ends on its own, failed,
+    with a verdict naming node1, and leaves no process behind."""
+    ckpt, out = tmp_path / "ck", tmp_path / "out"
+    out.mkdir()
+    launch = [sys.executable, "-m", "manygpu", "launch", "--nproc-per-node", "2", "--timeout", "30"]
+    args = [str(PREEMPT), str(ckpt), str(out), "100000", "0.2"]
+    script = tmp_path / "job.sbatch"
+    script.write_text(
+        "#!/bin/sh\n"
+        "#SBATCH --nodes=2\n"
+        "#SBATCH --ntasks-per-node=1\n"
+        "#SBATCH --time=4\n"
+        f"#SBATCH --output={tmp_path / 'slurm-%j.out'}\n"
+        f"srun {' '.join([*launch, *args])}\n"
+    )
+    sbatch = ["sbatch", "--parsable", "--export=ALL", f"--chdir={tmp_path}", str(script)]
+    job = slurm.run(sbatch, env=_job_env()).stdout.strip().split(";")[0]
+    try:
+        _wait_for("2 steps", lambda: _progress(out, 0) >= 2, slurm, tmp_path, 90)
+        killed = slurm.kill_job_processes(1)
+        assert killed, "no process of the job found on node1"
+        _wait_for("the job's end", lambda: _job_gone(slurm, job), slurm, tmp_path, 120)
+    finally:
+        slurm.run(["scancel", job], check=False)
+    said = _job_output(tmp_path).splitlines()
+    ours = [line for line in said if line.startswith("manygpu:")]
+    node1 = slurm.cluster.addresses[1]
+    lead = (
+        f"manygpu: the first failure was on the host(s) at {node1} (node1), not here: ranks 0,1 of "
+        "this node lost their connections to it"
+    )
+    assert ours and ours[0].startswith(lead), "\n".join(said[-60:])
+    assert all("(a consequence) rank" in line for line in ours[1:]), ours
+    assert "srun: error: node1: task 1: Killed" in said  # Slurm's own line names the node
+    assert not slurm.wait_until_clean(), "the job left processes behind"

@@ -32,6 +32,25 @@ def test_exit_code_comes_from_the_note() -> None:
 def test_peer_failures_are_recognised() -> None:
     assert blame.is_peer_failure(CollectiveTimeoutError(0, "all_reduce", 5.0))
     assert not blame.is_peer_failure(ValueError("connection closed by peer"))  # user code
+    assert not blame.is_peer_failure(RuntimeError("connection closed by peer"))  # user code
+
+
+GLOO_LOST = (
+    "[/__w/pytorch/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:553] Connection "
+    "closed by peer [10.213.0.2]:41639. This is typically caused by a remote worker crashing."
+)
+
+
+def test_gloos_lost_connection_as_a_plain_runtime_error_is_a_peer_failure() -> None:
+    """gloo raises RuntimeError (FSDP's all-gather, a raw collective): still a peer's failure."""
+    assert blame.is_peer_failure(RuntimeError(GLOO_LOST))
+
+
+def test_the_lost_peers_addresses_are_read_from_the_errors() -> None:
+    other = "Connection reset by peer [fd00::3]:29500"
+    read = "[/x/gloo/transport/tcp/pair.cc:537] Read error [10.0.0.7]:21173: Connection reset"
+    texts = [GLOO_LOST, GLOO_LOST.replace("41639", "5290"), other, read, "no address here"]
+    assert blame.peer_addresses(texts) == ["10.213.0.2", "fd00::3", "10.0.0.7"]
 
 
 def test_a_lost_peer_is_not_called_a_timeout() -> None:
@@ -39,3 +58,9 @@ def test_a_lost_peer_is_not_called_a_timeout() -> None:
     assert "did not complete within" not in msg and "another rank exited" in msg
     msg = str(CollectiveTimeoutError(0, "all_reduce", 5.0, "Timed out waiting"))
     assert "did not complete within 5s" in msg
+
+
+def test_a_lost_peer_is_named_from_the_hosts_file_only() -> None:
+    hosts = "127.0.0.1 localhost\n# 10.213.0.2 old\n10.213.0.2\tnode1 node1.cluster  # ours\n"
+    assert blame.hosts_file_names("10.213.0.2", hosts) == ["node1", "node1.cluster"]
+    assert blame.hosts_file_names("10.213.0.9", hosts) == []

@@ -153,12 +153,15 @@ def exit_code_of(failure: ProcessFailure) -> int:
     return 128 - failure.exitcode if failure.exitcode < 0 else failure.exitcode
 
 
-def _recorded_message(failure: ProcessFailure) -> str:
+def _recorded_message(failure: ProcessFailure, whole: bool = False) -> str:
+    """The rank's recorded error: its first line, cut at 300 characters (``whole``: all)."""
     if not os.path.isfile(failure.error_file):
         return ""
     message = failure.message
     text = str(message.get("message", "") if isinstance(message, Mapping) else message)
-    return text.splitlines()[0][:300] if text else ""
+    if whole or not text:
+        return text
+    return text.splitlines()[0][:300]
 
 
 def _outcomes(err: ChildFailedError) -> list[blame.Outcome]:
@@ -177,6 +180,26 @@ def _describe(o: blame.Outcome, failure: ProcessFailure) -> str:
     return f"rank {o.rank} {o.how}{pid}{detail}"
 
 
+def _lost_peers(outcomes: list[blame.Outcome], err: ChildFailedError) -> str:
+    """The lead line when no rank of this node failed on its own: whom they lost."""
+    ranks = ",".join(str(o.rank) for o in sorted(outcomes, key=lambda o: o.rank))
+    texts = [_recorded_message(err.failures[o.rank], whole=True) for o in outcomes]
+    try:
+        hosts = Path("/etc/hosts").read_text()
+    except OSError:
+        hosts = ""
+    peers = []
+    for address in blame.peer_addresses(texts):
+        names = blame.hosts_file_names(address, hosts)
+        peers.append(f"{address} ({names[0]})" if names else address)
+    where = f"the host(s) at {', '.join(peers)}" if peers else "another host"
+    return (
+        f"the first failure was on {where}, not here: ranks {ranks} of this node lost "
+        "their connections to it (its ranks or launcher ended, or the host went down); "
+        "that host's own output says why"
+    )
+
+
 def report_failure(err: ChildFailedError, to_driver: bool = False) -> int:
     """Print the root cause (the first failure in time), then its consequences.
 
@@ -190,9 +213,12 @@ def report_failure(err: ChildFailedError, to_driver: bool = False) -> int:
             driven.report(o, _describe(o, err.failures[o.rank]))
         return blame.root_cause(outcomes).exit_code
     root = blame.root_cause(outcomes)
-    print(f"manygpu: {_describe(root, err.failures[root.rank])}", file=sys.stderr)
+    if root.consequence:  # every rank here failed because of a rank elsewhere
+        print(f"manygpu: {_lost_peers(outcomes, err)}", file=sys.stderr)
+    else:
+        print(f"manygpu: {_describe(root, err.failures[root.rank])}", file=sys.stderr)
     for o in sorted(outcomes, key=lambda o: (o.time_ns, o.rank)):
-        if o.rank != root.rank:
+        if o.rank != root.rank or root.consequence:
             print(
                 f"manygpu:   then (a consequence) {_describe(o, err.failures[o.rank])}",
                 file=sys.stderr,

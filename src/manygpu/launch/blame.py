@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import time
 from dataclasses import dataclass
@@ -36,6 +37,13 @@ _PEER_HINTS = (
 )
 
 
+# Marks of a backend's own error raised as a plain RuntimeError (gloo's source
+# path, NCCL's words), so a user's RuntimeError with similar words is not one.
+_BACKEND_MARKS = ("/gloo/", "nccl")
+
+_PEER_ADDRESS = re.compile(r"\[([0-9a-fA-F.:]+)\]:\d+|peer ([0-9.]+):\d+")
+
+
 def is_peer_failure(exc: BaseException) -> bool:
     """Whether ``exc`` reports a peer's failure rather than this rank's own."""
     from manygpu.errors import CollectiveTimeoutError
@@ -43,7 +51,21 @@ def is_peer_failure(exc: BaseException) -> bool:
     if isinstance(exc, CollectiveTimeoutError):
         return True
     text = str(exc).lower()
-    return type(exc).__module__.startswith("torch") and any(h in text for h in _PEER_HINTS)
+    from_backend = type(exc).__module__.startswith("torch") or (
+        type(exc) is RuntimeError and any(m in text for m in _BACKEND_MARKS)
+    )
+    return from_backend and any(h in text for h in _PEER_HINTS)
+
+
+def peer_addresses(messages: list[str]) -> list[str]:
+    """The peers' addresses that errors name ("Connection closed by peer [10.0.0.2]:41639",
+    "Read error [10.0.0.2]:21173: Connection reset by peer"),
+    in order of first mention: where the first failure happened, when no rank here has it."""
+    seen: dict[str, None] = {}
+    for text in messages:
+        for match in _PEER_ADDRESS.finditer(text):
+            seen.setdefault(match.group(1) or match.group(2), None)
+    return list(seen)
 
 
 def write(*, kind: str, code: int, consequence: bool) -> None:
@@ -96,6 +118,16 @@ def outcome(rank: int, exitcode: int, timestamp_s: int, note: dict[str, Any] | N
         return Outcome(rank, 128 - exitcode, timestamp_s * 10**9, stopped, f"was killed by {name}")
     how = f"failed with exit code {exitcode}"
     return Outcome(rank, exitcode, timestamp_s * 10**9, False, how)
+
+
+def hosts_file_names(address: str, hosts_text: str) -> list[str]:
+    """The names ``/etc/hosts`` (``hosts_text``) gives ``address``: a lost peer named
+    without a DNS query, which could hang the report of a job already failing."""
+    for line in hosts_text.splitlines():
+        fields = line.split("#", 1)[0].split()
+        if len(fields) > 1 and fields[0] == address:
+            return fields[1:]
+    return []
 
 
 def root_cause(outcomes: list[Outcome]) -> Outcome:
