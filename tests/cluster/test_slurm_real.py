@@ -350,3 +350,22 @@ def test_a_node_whose_processes_die_is_named(slurm: SlurmHosts, tmp_path: Path) 
     assert all("(a consequence) rank" in line for line in ours[1:]), ours
     assert "srun: error: node1: task 1: Killed" in said  # Slurm's own line names the node
     assert not slurm.wait_until_clean(), "the job left processes behind"
+
+
+@pytest.mark.timeout(240)
+def test_srun_doctor_all_ranks_checks_every_node(slurm: SlurmHosts, tmp_path: Path) -> None:
+    """``srun --ntasks-per-node=1 manygpu doctor --all-ranks`` inside an allocation: one
+    report (printed once, not once per node) over both nodes, with the live all-reduce
+    and every rank pair's transfer across the hosts; exit 0 (warnings: no GPU here)."""
+    argv = [sys.executable, "-m", "manygpu", "doctor", "--all-ranks", "--json"]
+    srun = ["srun", "--nodes=2", "--ntasks-per-node=1", "--export=ALL", f"--chdir={tmp_path}"]
+    res = slurm.run([*srun, *argv], env=_job_env(), timeout=180, check=False)
+    assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-3000:]
+    report = json.loads(res.stdout)  # one document: node 0's launcher prints it
+    assert report["counts"]["fail"] == 0, report["checks"]
+    assert sorted(n["system"]["hostname"] for n in report["nodes"]) == ["node0", "node1"]
+    live = report["live"]
+    assert live["world_size"] == 4 and live["hosts"] == ["node0", "node0", "node1", "node1"]
+    assert live["all_reduce_error"] is None
+    pairs = {(p["a"], p["b"]) for p in live["pairs"] if p["error"] is None}
+    assert pairs == {(a, b) for a in range(4) for b in range(a + 1, 4)}, live["pairs"]
