@@ -143,7 +143,7 @@ class SlurmHosts:
         self._daemon("slurmctld", 0, [SLURMCTLD, "-D", "-c", "-f", str(self.conf)])
         for i, name in enumerate(self.names):
             self._daemon(f"slurmd-{name}", i, [SLURMD, "-D", "-N", name, "-f", str(self.conf)])
-        self._wait_idle()
+        self.wait_idle()
 
     def _start_munge(self) -> None:
         where = self.socket.parent
@@ -245,7 +245,7 @@ class SlurmHosts:
         base = dict(os.environ) if env is None else dict(env)
         return base | self.env
 
-    def _wait_idle(self, timeout_s: float = 60.0) -> None:
+    def wait_idle(self, timeout_s: float = 60.0) -> None:
         deadline = time.monotonic() + timeout_s
         states: list[str] = []
         while time.monotonic() < deadline:
@@ -345,7 +345,10 @@ class SlurmHosts:
         killed = []
         for pid in (int(p) for p in res.stdout.split()):
             with suppress(psutil.NoSuchProcess):
-                if "manygpu" in " ".join(psutil.Process(pid).cmdline()):
+                proc = psutil.Process(pid)
+                argv = proc.cmdline()
+                # "manygpu" alone would also match the daemons (their files' paths).
+                if any(a == "manygpu" or a.startswith("manygpu.") for a in argv):
                     os.kill(pid, signal.SIGKILL)
                     killed.append(pid)
         return killed
