@@ -27,11 +27,17 @@ SAMPLES, BATCH, CLIP = 22, 2, 0.3
 
 
 def train_to(
-    ckpt_dir: str, out: str, total: int, sleep_s: float, strategy: str = "fsdp"
+    ckpt_dir: str,
+    out: str,
+    total: int,
+    sleep_s: float,
+    strategy: str = "fsdp",
+    every: int = 0,
 ) -> dict[str, torch.Tensor]:
     """Train (resuming) to ``total`` steps under ``strategy``; rank 0 writes
     ``out``/losses-A.json and progress-A (A: Slurm's restart count) as it goes, and
-    params.pt at the end.
+    params.pt at the end. ``every``: also save every this many steps (0: only on a
+    notice).
 
     fsdp by default: its resume is bitwise. Under ddp the first step after a resume
     sums gradients in another order (torch's DDP rebuilds its buckets after each
@@ -47,7 +53,13 @@ def train_to(
         loader = par.prepare(data)
         sched = warmup_cosine(opt, total)
         ckpt = Checkpointer(
-            par, ckpt_dir, model=model, optimizer=opt, scheduler=sched, loader=loader
+            par,
+            ckpt_dir,
+            model=model,
+            optimizer=opt,
+            scheduler=sched,
+            loader=loader,
+            every=every,
         )
         state = ckpt.resume()
         losses: dict[int, float] = {}
