@@ -71,15 +71,19 @@ def test_slurm_srun_step() -> None:
     assert (info.rank, info.world_size, info.local_rank, info.node_rank) == (6, 16, 2, 1)
     assert info.local_world_size == 4
     assert info.master_addr == "gpu01"
-    assert info.master_port == 20000 + zlib.crc32(b"123456") % 10000
+    assert info.master_port == 20000 + zlib.crc32(b"123456.0") % 10000
 
 
-def test_slurm_port_is_deterministic_per_job() -> None:
+def test_slurm_port_is_deterministic_per_job_step() -> None:
+    """Every task of a step meets on one port; other jobs and other steps of this job
+    (two ``srun`` at once on a node) on others."""
     other_task = SLURM_STEP | {"SLURM_PROCID": "0", "SLURM_LOCALID": "0", "SLURM_NODEID": "0"}
     other_job = SLURM_STEP | {"SLURM_JOB_ID": "123457"}
     port = detect_cluster(SLURM_STEP).master_port
     assert detect_cluster(other_task).master_port == port
     assert detect_cluster(other_job).master_port != port
+    steps = {detect_cluster(SLURM_STEP | {"SLURM_STEP_ID": str(s)}).master_port for s in range(8)}
+    assert len(steps) == 8
     assert 20000 <= port < 30000
 
 

@@ -65,7 +65,7 @@ SLURM = {
     "SLURM_NODEID": "1",
     "SLURM_JOB_NODELIST": "gpu[07-08]",
 }
-SLURM_PORT = 20000 + zlib.crc32(b"98765") % 10000
+SLURM_PORT = 20000 + zlib.crc32(b"98765.0") % 10000  # job.step
 OPEN_MPI = {
     "OMPI_COMM_WORLD_RANK": "1",
     "OMPI_COMM_WORLD_SIZE": "3",

@@ -138,7 +138,7 @@ def test_single_node_default_is_standalone(script: str) -> None:
 
 def test_slurm_one_task_per_node(script: str) -> None:
     spec = _resolve(script, env=SLURM_PER_NODE)
-    port = 20000 + zlib.crc32(b"98765") % 10000
+    port = 20000 + zlib.crc32(b"98765.0") % 10000
     assert (spec.min_nodes, spec.max_nodes, spec.node_rank) == (2, 2, 1)
     assert spec.rdzv_endpoint == f"gpu07:{port}"
     assert spec.rdzv_id == "98765"

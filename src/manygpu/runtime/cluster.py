@@ -79,7 +79,7 @@ def _from_torchelastic(env: Environ) -> ClusterInfo | None:
 
 
 def slurm_master(env: Environ) -> tuple[str, int]:
-    """Master address (first host of the allocation) and a port from the job id."""
+    """Master address (the step's first host) and a port from the job and step ids."""
     # The step's nodes first: `srun -w b,c` inside an allocation of a,b,c must
     # meet on b, where a task runs, not on the allocation's first node.
     nodelist = envmod.get_str(env, "SLURM_STEP_NODELIST", "SLURM_JOB_NODELIST", "SLURM_NODELIST")
@@ -88,10 +88,14 @@ def slurm_master(env: Environ) -> tuple[str, int]:
     )
     port = envmod.get_int(env, "MASTER_PORT")
     if port is None:
-        # Same job id -> same port on every node, spread over 10000 ports so
-        # two jobs sharing a node rarely collide.
+        # Same job and step -> same port on every node of the step, spread over
+        # 10000 ports so two jobs sharing a node rarely collide; the step id keeps
+        # steps of one job apart (`srun ... &` twice, a sweep of steps on one
+        # node, a step right after one whose port is still in TIME_WAIT).
         job = envmod.get_str(env, "SLURM_JOB_ID", "SLURM_JOBID") or "0"
-        port = 20000 + zlib.crc32(job.encode()) % 10000
+        step = envmod.get_str(env, "SLURM_STEP_ID", "SLURM_STEPID")
+        key = job if step is None else f"{job}.{step}"
+        port = 20000 + zlib.crc32(key.encode()) % 10000
     return addr, port
 
 
