@@ -188,10 +188,21 @@ def _lost_peers(outcomes: list[blame.Outcome], err: ChildFailedError) -> str:
         hosts = Path("/etc/hosts").read_text()
     except OSError:
         hosts = ""
+    named = blame.peer_addresses(texts)
+    # This host's own address: ranks gone from here (an earlier run's, whose
+    # addresses a restarted launcher read from a store that still held them).
+    remote = [a for a in named if not is_local_address(a)]
     peers = []
-    for address in blame.peer_addresses(texts):
+    for address in remote:
         names = blame.hosts_file_names(address, hosts)
         peers.append(f"{address} ({names[0]})" if names else address)
+    if named and not remote:
+        return (
+            f"ranks {ranks} of this node could not reach ranks that no longer run: an earlier "
+            "run of this job on this host, whose addresses the job's store still held (a "
+            "restarted launcher met the previous rendezvous); starting again once every "
+            "node has stopped clears it"
+        )
     where = f"the host(s) at {', '.join(peers)}" if peers else "another host"
     return (
         f"the first failure was on {where}, not here: ranks {ranks} of this node lost "
