@@ -64,3 +64,15 @@ def test_a_lost_peer_is_named_from_the_hosts_file_only() -> None:
     hosts = "127.0.0.1 localhost\n# 10.213.0.2 old\n10.213.0.2\tnode1 node1.cluster  # ours\n"
     assert blame.hosts_file_names("10.213.0.2", hosts) == ["node1", "node1.cluster"]
     assert blame.hosts_file_names("10.213.0.9", hosts) == []
+
+
+def test_the_lost_peers_line_names_remote_hosts_never_this_one() -> None:
+    hosts = "10.213.0.2 node1\n"
+    here = {"10.213.0.1"}.__contains__
+    line = blame.lost_peers_line([1, 0], [GLOO_LOST], here, hosts)
+    assert line.startswith("the first failure was on the host(s) at 10.213.0.2 (node1), not here")
+    assert "ranks 0,1 of this node" in line
+    own = blame.lost_peers_line([0], [GLOO_LOST.replace("10.213.0.2", "10.213.0.1")], here, "")
+    assert own.startswith("ranks 0 of this node could not reach ranks that no longer run")
+    unnamed = blame.lost_peers_line([0], ["Timed out"], here, hosts)
+    assert unnamed.startswith("the first failure was on another host, not here")

@@ -182,33 +182,12 @@ def _describe(o: blame.Outcome, failure: ProcessFailure) -> str:
 
 def _lost_peers(outcomes: list[blame.Outcome], err: ChildFailedError) -> str:
     """The lead line when no rank of this node failed on its own: whom they lost."""
-    ranks = ",".join(str(o.rank) for o in sorted(outcomes, key=lambda o: o.rank))
     texts = [_recorded_message(err.failures[o.rank], whole=True) for o in outcomes]
     try:
         hosts = Path("/etc/hosts").read_text()
     except OSError:
         hosts = ""
-    named = blame.peer_addresses(texts)
-    # This host's own address: ranks gone from here (an earlier run's, whose
-    # addresses a restarted launcher read from a store that still held them).
-    remote = [a for a in named if not is_local_address(a)]
-    peers = []
-    for address in remote:
-        names = blame.hosts_file_names(address, hosts)
-        peers.append(f"{address} ({names[0]})" if names else address)
-    if named and not remote:
-        return (
-            f"ranks {ranks} of this node could not reach ranks that no longer run: an earlier "
-            "run of this job on this host, whose addresses the job's store still held (a "
-            "restarted launcher met the previous rendezvous); starting again once every "
-            "node has stopped clears it"
-        )
-    where = f"the host(s) at {', '.join(peers)}" if peers else "another host"
-    return (
-        f"the first failure was on {where}, not here: ranks {ranks} of this node lost "
-        "their connections to it (its ranks or launcher ended, or the host went down); "
-        "that host's own output says why"
-    )
+    return blame.lost_peers_line([o.rank for o in outcomes], texts, is_local_address, hosts)
 
 
 def report_failure(err: ChildFailedError, to_driver: bool = False) -> int:

@@ -17,6 +17,7 @@ import os
 import re
 import signal
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -128,6 +129,35 @@ def hosts_file_names(address: str, hosts_text: str) -> list[str]:
         if len(fields) > 1 and fields[0] == address:
             return fields[1:]
     return []
+
+
+def lost_peers_line(
+    ranks: list[int], texts: list[str], is_local: Callable[[str], bool], hosts_text: str
+) -> str:
+    """What a node says when all its ``ranks`` failed because of peers elsewhere: the
+    addresses their errors (``texts``) name, with ``/etc/hosts`` names; never this
+    host's own (``is_local``): those are an earlier run's ranks, whose addresses a
+    restarted launcher read from a rendezvous that still held them."""
+    listed = ",".join(str(r) for r in sorted(ranks))
+    named = peer_addresses(texts)
+    remote = [a for a in named if not is_local(a)]
+    if named and not remote:
+        return (
+            f"ranks {listed} of this node could not reach ranks that no longer run: an "
+            "earlier run of this job on this host, whose addresses the job's store still "
+            "held (a restarted launcher met the previous rendezvous); starting again once "
+            "every node has stopped clears it"
+        )
+    peers = []
+    for address in remote:
+        names = hosts_file_names(address, hosts_text)
+        peers.append(f"{address} ({names[0]})" if names else address)
+    where = f"the host(s) at {', '.join(peers)}" if peers else "another host"
+    return (
+        f"the first failure was on {where}, not here: ranks {listed} of this node lost "
+        "their connections to it (its ranks or launcher ended, or the host went down); "
+        "that host's own output says why"
+    )
 
 
 def root_cause(outcomes: list[Outcome]) -> Outcome:
