@@ -72,7 +72,10 @@ def test_the_lost_peers_line_names_remote_hosts_never_this_one() -> None:
     line = blame.lost_peers_line([1, 0], [GLOO_LOST], here, hosts)
     assert line.startswith("the first failure was on the host(s) at 10.213.0.2 (node1), not here")
     assert "ranks 0,1 of this node" in line
-    own = blame.lost_peers_line([0], [GLOO_LOST.replace("10.213.0.2", "10.213.0.1")], here, "")
-    assert own.startswith("ranks 0 of this node could not reach ranks that no longer run")
+    local = GLOO_LOST.replace("10.213.0.2", "10.213.0.1")  # rank 1 here closed after failing
+    both = blame.lost_peers_line([0, 1], [local, GLOO_LOST], here, hosts)
+    assert both.startswith("the first failure was on the host(s) at 10.213.0.2 (node1), not")
+    own = blame.lost_peers_line([0], [local], here, "")
+    assert own.startswith("the first failure was not here: ranks 0 of this node lost")
     unnamed = blame.lost_peers_line([0], ["Timed out"], here, hosts)
-    assert unnamed.startswith("the first failure was on another host, not here")
+    assert unnamed.startswith("the first failure was not here")

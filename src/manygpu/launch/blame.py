@@ -136,27 +136,26 @@ def lost_peers_line(
 ) -> str:
     """What a node says when all its ``ranks`` failed because of peers elsewhere: the
     addresses their errors (``texts``) name, with ``/etc/hosts`` names; never this
-    host's own (``is_local``): those are an earlier run's ranks, whose addresses a
-    restarted launcher read from a rendezvous that still held them."""
+    host's own (``is_local``): a local rank that failed after the first, or, after a
+    restart, an earlier run's ranks whose addresses the old rendezvous still held."""
     listed = ",".join(str(r) for r in sorted(ranks))
-    named = peer_addresses(texts)
-    remote = [a for a in named if not is_local(a)]
-    if named and not remote:
-        return (
-            f"ranks {listed} of this node could not reach ranks that no longer run: an "
-            "earlier run of this job on this host, whose addresses the job's store still "
-            "held (a restarted launcher met the previous rendezvous); starting again once "
-            "every node has stopped clears it"
-        )
     peers = []
-    for address in remote:
+    for address in peer_addresses(texts):
+        if is_local(address):  # a local rank that failed after the first one
+            continue
         names = hosts_file_names(address, hosts_text)
         peers.append(f"{address} ({names[0]})" if names else address)
-    where = f"the host(s) at {', '.join(peers)}" if peers else "another host"
+    if not peers:
+        return (
+            f"the first failure was not here: ranks {listed} of this node lost their "
+            "connections to ranks elsewhere (another host's ranks or launcher ended, or the "
+            "host went down; after a restart, possibly ranks of the job's earlier run); the "
+            "other hosts' output says why"
+        )
     return (
-        f"the first failure was on {where}, not here: ranks {listed} of this node lost "
-        "their connections to it (its ranks or launcher ended, or the host went down); "
-        "that host's own output says why"
+        f"the first failure was on the host(s) at {', '.join(peers)}, not here: ranks "
+        f"{listed} of this node lost their connections to it (its ranks or launcher ended, "
+        "or the host went down); that host's own output says why"
     )
 
 
