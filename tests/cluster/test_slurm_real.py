@@ -206,7 +206,7 @@ def test_srun_one_launcher_per_node_in_an_allocation_of_several_tasks_per_node(
 
 
 PREEMPT = Path(__file__).parent / "scripts" / "preempt_recipe.py"
-PREEMPT_STEPS, PREEMPT_SLEEP_S = 24, 0.4
+PREEMPT_STEPS, PREEMPT_SLEEP_S = 15, 0.3
 
 
 def _progress(out: Path, attempt: int) -> int:
