@@ -92,8 +92,9 @@ def jobs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Job]]:
         done: dict[str, Job] = {}
         done["uniform"] = Job(cluster, "uniform", 2, 2, 200, out("uniform")).wait()
         done["mixed"] = Job(cluster, "mixed", 2, 2, 160, out("mixed")).wait()
-        # Alone: run beside the mixed job, host 0's launcher once aborted at its exit
-        # (SIGABRT, "terminate called without an active exception") after a good job.
+        # One after the other: each job's timings are judged, and a job beside it
+        # would add its own CPU load. (Run beside the mixed job, host 0's launcher
+        # once aborted at its exit: the hang watch's store call, fixed in f5b6bf9.)
         cluster.reshape(2, LinkShape(rate="100mbit"))
         done["network"] = Job(cluster, "network", 3, 1, 70, out("network")).wait()
         yield done
