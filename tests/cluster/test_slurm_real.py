@@ -99,6 +99,21 @@ def _job_output(where: Path) -> str:
     return "\n".join(p.read_text(errors="replace") for p in where.glob("slurm-*.out"))
 
 
+def _sbatch_file(tmp_path: Path, lines: list[str], per_node: int = 1, minutes: int = 4) -> Path:
+    """A batch script for 2 nodes x ``per_node`` tasks: ``lines`` after the directives
+    (more ``#SBATCH`` lines, then the commands); its output in tmp_path/slurm-JOB.out."""
+    head = [
+        "#!/bin/sh",
+        "#SBATCH --nodes=2",
+        f"#SBATCH --ntasks-per-node={per_node}",
+        f"#SBATCH --time={minutes}",
+        f"#SBATCH --output={tmp_path / 'slurm-%j.out'}",
+    ]
+    script = tmp_path / "job.sbatch"
+    script.write_text("\n".join([*head, *lines]) + "\n")
+    return script
+
+
 def _records(out: Path, strategy: str, world: int) -> list[dict[str, Any]]:
     return [torch.load(out / f"{strategy}-rank{r}.pt", weights_only=True) for r in range(world)]
 
@@ -111,15 +126,9 @@ def test_sbatch_srun_manygpu_launch_per_node_matches_one_process(
     out.mkdir()
     launch = [sys.executable, "-m", "manygpu", "launch", "--nproc-per-node", "2"]
     job = [*launch, "--timeout", "60", str(SCRIPT), str(out), "ddp,fsdp"]
-    script = tmp_path / "job.sbatch"
-    script.write_text(
-        "#!/bin/sh\n"
-        "#SBATCH --nodes=2\n"
-        "#SBATCH --ntasks-per-node=1\n"
-        "#SBATCH --time=4\n"
-        f"#SBATCH --output={tmp_path / 'slurm-%j.out'}\n"
-        f"env | grep '^SLURM_' | sort > {tmp_path / 'batch-env.txt'}\n"
-        f"srun {' '.join(job)}\n"
+    script = _sbatch_file(
+        tmp_path,
+        [f"env | grep '^SLURM_' | sort > {tmp_path / 'batch-env.txt'}", f"srun {' '.join(job)}"],
     )
     res = slurm.run(
         ["sbatch", "--wait", "--export=ALL", f"--chdir={tmp_path}", str(script)],
@@ -175,15 +184,8 @@ def test_srun_one_launcher_per_node_in_an_allocation_of_several_tasks_per_node(
     out.mkdir()
     launch = [sys.executable, "-m", "manygpu", "launch", "--nproc-per-node", "1"]
     job = [*launch, "--timeout", "60", str(SCRIPT), str(out), "ddp"]
-    script = tmp_path / "job.sbatch"
-    script.write_text(
-        "#!/bin/sh\n"
-        "#SBATCH --nodes=2\n"
-        "#SBATCH --ntasks-per-node=2\n"  # one task per GPU: the usual allocation
-        "#SBATCH --time=4\n"
-        f"#SBATCH --output={tmp_path / 'slurm-%j.out'}\n"
-        f"srun --ntasks-per-node=1 {' '.join(job)}\n"  # the README's recipe
-    )
+    # 2 tasks per node (one per GPU: the usual allocation), the README's recipe in it
+    script = _sbatch_file(tmp_path, [f"srun --ntasks-per-node=1 {' '.join(job)}"], per_node=2)
     res = slurm.run(
         ["sbatch", "--wait", "--export=ALL", f"--chdir={tmp_path}", str(script)],
         env=_job_env(),
@@ -249,18 +251,8 @@ def test_warned_then_requeued_job_resumes_bit_identically(
     out.mkdir()
     launch = [sys.executable, "-m", "manygpu", "launch", "--nproc-per-node", "2", "--timeout", "60"]
     args = [str(PREEMPT), str(ckpt), str(out), str(PREEMPT_STEPS), str(PREEMPT_SLEEP_S)]
-    script = tmp_path / "job.sbatch"
-    script.write_text(
-        "#!/bin/sh\n"
-        "#SBATCH --nodes=2\n"
-        "#SBATCH --ntasks-per-node=1\n"
-        "#SBATCH --time=6\n"
-        "#SBATCH --requeue\n"
-        "#SBATCH --signal=USR1@90\n"
-        "#SBATCH --open-mode=append\n"
-        f"#SBATCH --output={tmp_path / 'slurm-%j.out'}\n"
-        f"srun {' '.join([*launch, *args])}\n"
-    )
+    directives = ["#SBATCH --requeue", "#SBATCH --signal=USR1@90", "#SBATCH --open-mode=append"]
+    script = _sbatch_file(tmp_path, [*directives, f"srun {' '.join([*launch, *args])}"], minutes=6)
     env = _job_env() | {"OMP_NUM_THREADS": "1"}
     sbatch = ["sbatch", "--parsable", "--export=ALL", f"--chdir={tmp_path}", str(script)]
     job = slurm.run(sbatch, env=env).stdout.strip().split(";")[0]
@@ -333,15 +325,7 @@ def test_a_node_whose_processes_die_is_named(slurm: SlurmHosts, tmp_path: Path) 
     out.mkdir()
     launch = [sys.executable, "-m", "manygpu", "launch", "--nproc-per-node", "2", "--timeout", "30"]
     args = [str(PREEMPT), str(ckpt), str(out), "100000", "0.2"]
-    script = tmp_path / "job.sbatch"
-    script.write_text(
-        "#!/bin/sh\n"
-        "#SBATCH --nodes=2\n"
-        "#SBATCH --ntasks-per-node=1\n"
-        "#SBATCH --time=4\n"
-        f"#SBATCH --output={tmp_path / 'slurm-%j.out'}\n"
-        f"srun {' '.join([*launch, *args])}\n"
-    )
+    script = _sbatch_file(tmp_path, [f"srun {' '.join([*launch, *args])}"])
     sbatch = ["sbatch", "--parsable", "--export=ALL", f"--chdir={tmp_path}", str(script)]
     job = slurm.run(sbatch, env=_job_env()).stdout.strip().split(";")[0]
     try:

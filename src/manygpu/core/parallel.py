@@ -582,10 +582,7 @@ class Parallel:
         self._set_grad_sync(True)
 
     def _raise_if_peer_failure(self, exc: RuntimeError, operation: str) -> None:
-        if isinstance(exc, CollectiveTimeoutError):
-            # Already named (rank, operation, and whether a peer was lost or late):
-            # wrapping it again would cut the backend's words and call a lost peer
-            # a timeout.
+        if isinstance(exc, CollectiveTimeoutError):  # named already: keep the backend's words
             raise exc
         text = str(exc).lower()
         if self.world_size > 1 and any(hint in text for hint in _PEER_FAILURE_HINTS):
