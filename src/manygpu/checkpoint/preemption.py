@@ -2,9 +2,10 @@
 
 Schedulers (Slurm, Kubernetes, spot instances) send SIGTERM some time before
 they kill a job; Slurm sends the signal a job asked for (``--signal=USR1@N``)
-N seconds before its time limit. The handler only records the notice; the training thread acts
-on it at a step boundary, where the state is consistent, after every rank has
-agreed that some rank was told (ranks may see the signal at different steps).
+N seconds before its time limit. The handler only records the notice; the
+training thread acts on it at a step boundary, where the state is consistent,
+after every rank has agreed that some rank was told (ranks may see the signal
+at different steps).
 Saving is the checkpointer's business; this module owns the signal, the
 agreement, the Slurm requeue and the exit.
 """
