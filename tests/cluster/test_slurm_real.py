@@ -347,3 +347,37 @@ def test_a_node_whose_processes_die_is_named(slurm: SlurmHosts, tmp_path: Path) 
     assert "srun: error: node1: task 1: Killed" in said  # Slurm's own line names the node
     assert not slurm.wait_until_clean(), "the job left processes behind"
     slurm.wait_idle()  # node1 back in service for whatever runs next
+
+
+@pytest.mark.timeout(300)
+def test_an_elastic_job_goes_on_without_a_lost_node(slurm: SlurmHosts, tmp_path: Path) -> None:
+    """``srun --kill-on-bad-exit=0 manygpu launch --nnodes 1:2 --max-restarts 2`` in a
+    ``--no-kill`` batch job, checkpointing every 2 steps: node1's processes SIGKILLed
+    mid-training; node0's launcher restarts its ranks, the rendezvous closes with the
+    one node left (meeting where Slurm says), and the job resumes from the newest
+    checkpoint and finishes (node0's launcher exits 0; srun reports node1's kill)."""
+    ckpt, out = tmp_path / "ck", tmp_path / "out"
+    out.mkdir()
+    launch = [sys.executable, "-m", "manygpu", "launch", "--nproc-per-node", "2"]
+    launch += ["--nnodes", "1:2", "--max-restarts", "2", "--timeout", "60"]
+    launch += ["--rdzv-conf", "last_call_timeout=2,keep_alive_interval=1,keep_alive_max_attempt=2"]
+    total = 16
+    args = [str(PREEMPT), str(ckpt), str(out), str(total), "0.3", "2"]
+    srun = f"srun --kill-on-bad-exit=0 {' '.join([*launch, *args])}"
+    script = _sbatch_file(tmp_path, ["#SBATCH --no-kill", srun])
+    sbatch = ["sbatch", "--parsable", "--export=ALL", f"--chdir={tmp_path}", str(script)]
+    job = slurm.run(sbatch, env=_job_env()).stdout.strip().split(";")[0]
+    try:
+        _wait_for("4 steps", lambda: _progress(out, 0) >= 4, slurm, tmp_path, 90)
+        assert slurm.kill_job_processes(1), "no process of the job found on node1"
+        _wait_for("the job's end", lambda: _job_gone(slurm, job), slurm, tmp_path, 150)
+    finally:
+        slurm.run(["scancel", job], check=False)
+    said = _job_output(tmp_path)
+    assert "srun: error: node1: task 1: Killed" in said, said[-3000:]
+    assert "node0: task 0: Exited" not in said, said[-3000:]  # node0's launcher ended well
+    assert (out / "params.pt").exists(), said[-3000:]
+    losses = json.loads((out / "losses-0.json").read_text())
+    assert max(int(s) for s in losses) == total, sorted(losses)
+    assert not slurm.wait_until_clean(), "the job left processes behind"
+    slurm.wait_idle()

@@ -144,6 +144,17 @@ def test_slurm_one_task_per_node(script: str) -> None:
     assert spec.rdzv_id == "98765"
 
 
+def test_srun_with_an_elastic_range_meets_where_slurm_says(script: str) -> None:
+    """``srun manygpu launch --nnodes 1:2``: the range is the user's, the meeting point
+    (the step's first node, the step's port) and each node's rank are Slurm's."""
+    spec = _resolve(script, env=SLURM_PER_NODE, nnodes="1:2", max_restarts=2)
+    port = 20000 + zlib.crc32(b"98765.0") % 10000
+    assert (spec.min_nodes, spec.max_nodes, spec.node_rank) == (1, 2, 1)
+    assert (spec.rdzv_backend, spec.rdzv_endpoint) == ("c10d", f"gpu07:{port}")
+    with pytest.raises(UsageError, match="needs to know where to meet"):
+        _resolve(script, env=SLURM_PER_NODE, nnodes="2")  # a fixed count given: flags only
+
+
 def test_several_launchers_per_node_from_srun_are_refused_in_one_line(script: str) -> None:
     # srun started 8 launchers on 2 nodes (an allocation of 4 tasks per node exports
     # SLURM_NTASKS=8, which overrides srun --ntasks-per-node=1): each would run a job

@@ -125,8 +125,12 @@ def outer_job(req: LaunchRequest, env: Environ) -> OuterJob | None:
     """The job an engine started this launcher in, once per node (:mod:`~manygpu.launch.engines`
     first, then Slurm's srun and mpirun); flags given still win over what it says."""
     found = engines.detect(env, req.nnodes, req.master_addr)
-    if found is not None or req.nnodes is not None:
+    if found is not None:
         return found
+    if req.nnodes is not None:
+        # A node count given wins; an elastic range under srun still meets where
+        # Slurm says (the step's first node, its port), each node with its rank.
+        return _slurm_meeting(env) if ":" in req.nnodes else None
     engine, nodes = "Slurm", _slurm_nodes(env)
     if nodes is None:  # only then: mpirun's checks must not fire under srun
         engine, nodes = "mpirun", _mpi_nodes(env, req.master_addr)
@@ -134,6 +138,15 @@ def outer_job(req: LaunchRequest, env: Environ) -> OuterJob | None:
         return None
     count, rank, addr, port = nodes
     return OuterJob(engine, count, count, rank, addr, port)
+
+
+def _slurm_meeting(env: Environ) -> OuterJob | None:
+    """Where Slurm's nodes meet, for ``srun manygpu launch --nnodes MIN:MAX``."""
+    nodes = _slurm_nodes(env)
+    if nodes is None:
+        return None
+    count, rank, addr, port = nodes
+    return OuterJob("Slurm", count, count, rank, addr, port)
 
 
 def _rendezvous(
