@@ -114,6 +114,17 @@ def _sbatch_file(tmp_path: Path, lines: list[str], per_node: int = 1, minutes: i
     return script
 
 
+def _launch(nproc: str) -> list[str]:
+    """``manygpu launch --nproc-per-node NPROC`` as this interpreter runs it."""
+    return [sys.executable, "-m", "manygpu", "launch", "--nproc-per-node", nproc]
+
+
+def _submit(slurm: SlurmHosts, script: Path, tmp_path: Path, env: dict[str, str]) -> str:
+    """``sbatch`` without waiting; the job's id."""
+    sbatch = ["sbatch", "--parsable", "--export=ALL", f"--chdir={tmp_path}", str(script)]
+    return slurm.run(sbatch, env=env).stdout.strip().split(";")[0]
+
+
 def _records(out: Path, strategy: str, world: int) -> list[dict[str, Any]]:
     return [torch.load(out / f"{strategy}-rank{r}.pt", weights_only=True) for r in range(world)]
 
@@ -124,7 +135,7 @@ def test_sbatch_srun_manygpu_launch_per_node_matches_one_process(
 ) -> None:
     out = tmp_path / "out"
     out.mkdir()
-    launch = [sys.executable, "-m", "manygpu", "launch", "--nproc-per-node", "2"]
+    launch = _launch("2")
     job = [*launch, "--timeout", "60", str(SCRIPT), str(out), "ddp,fsdp"]
     script = _sbatch_file(
         tmp_path,
@@ -182,7 +193,7 @@ def test_srun_one_launcher_per_node_in_an_allocation_of_several_tasks_per_node(
 ) -> None:
     out = tmp_path / "out"
     out.mkdir()
-    launch = [sys.executable, "-m", "manygpu", "launch", "--nproc-per-node", "1"]
+    launch = _launch("1")
     job = [*launch, "--timeout", "60", str(SCRIPT), str(out), "ddp"]
     # 2 tasks per node (one per GPU: the usual allocation), the README's recipe in it
     script = _sbatch_file(tmp_path, [f"srun --ntasks-per-node=1 {' '.join(job)}"], per_node=2)
@@ -249,13 +260,12 @@ def test_warned_then_requeued_job_resumes_bit_identically(
     the final parameters equal an uninterrupted run's bit for bit."""
     ckpt, out = tmp_path / "ck", tmp_path / "out"
     out.mkdir()
-    launch = [sys.executable, "-m", "manygpu", "launch", "--nproc-per-node", "2", "--timeout", "60"]
+    launch = [*_launch("2"), "--timeout", "60"]
     args = [str(PREEMPT), str(ckpt), str(out), str(PREEMPT_STEPS), str(PREEMPT_SLEEP_S)]
     directives = ["#SBATCH --requeue", "#SBATCH --signal=USR1@90", "#SBATCH --open-mode=append"]
     script = _sbatch_file(tmp_path, [*directives, f"srun {' '.join([*launch, *args])}"], minutes=6)
     env = _job_env() | {"OMP_NUM_THREADS": "1"}
-    sbatch = ["sbatch", "--parsable", "--export=ALL", f"--chdir={tmp_path}", str(script)]
-    job = slurm.run(sbatch, env=env).stdout.strip().split(";")[0]
+    job = _submit(slurm, script, tmp_path, env)
     try:
         _wait_for("3 steps", lambda: _progress(out, 0) >= 3, slurm, tmp_path, 90)
         slurm.run(["scancel", "--signal=USR1", job])
@@ -323,11 +333,10 @@ def test_a_node_whose_processes_die_is_named(slurm: SlurmHosts, tmp_path: Path) 
     with a verdict naming node1, and leaves no process behind."""
     ckpt, out = tmp_path / "ck", tmp_path / "out"
     out.mkdir()
-    launch = [sys.executable, "-m", "manygpu", "launch", "--nproc-per-node", "2", "--timeout", "30"]
+    launch = [*_launch("2"), "--timeout", "30"]
     args = [str(PREEMPT), str(ckpt), str(out), "100000", "0.2"]
     script = _sbatch_file(tmp_path, [f"srun {' '.join([*launch, *args])}"])
-    sbatch = ["sbatch", "--parsable", "--export=ALL", f"--chdir={tmp_path}", str(script)]
-    job = slurm.run(sbatch, env=_job_env()).stdout.strip().split(";")[0]
+    job = _submit(slurm, script, tmp_path, _job_env())
     try:
         _wait_for("2 steps", lambda: _progress(out, 0) >= 2, slurm, tmp_path, 90)
         killed = slurm.kill_job_processes(1)
@@ -358,15 +367,14 @@ def test_an_elastic_job_goes_on_without_a_lost_node(slurm: SlurmHosts, tmp_path:
     checkpoint and finishes (node0's launcher exits 0; srun reports node1's kill)."""
     ckpt, out = tmp_path / "ck", tmp_path / "out"
     out.mkdir()
-    launch = [sys.executable, "-m", "manygpu", "launch", "--nproc-per-node", "2"]
+    launch = _launch("2")
     launch += ["--nnodes", "1:2", "--max-restarts", "2", "--timeout", "60"]
     launch += ["--rdzv-conf", "last_call_timeout=2,keep_alive_interval=1,keep_alive_max_attempt=2"]
     total = 16
     args = [str(PREEMPT), str(ckpt), str(out), str(total), "0.3", "2"]
     srun = f"srun --kill-on-bad-exit=0 {' '.join([*launch, *args])}"
     script = _sbatch_file(tmp_path, ["#SBATCH --no-kill", srun])
-    sbatch = ["sbatch", "--parsable", "--export=ALL", f"--chdir={tmp_path}", str(script)]
-    job = slurm.run(sbatch, env=_job_env()).stdout.strip().split(";")[0]
+    job = _submit(slurm, script, tmp_path, _job_env())
     try:
         _wait_for("4 steps", lambda: _progress(out, 0) >= 4, slurm, tmp_path, 90)
         assert slurm.kill_job_processes(1), "no process of the job found on node1"
