@@ -77,6 +77,7 @@ class HangWatch:
         self.verdict: tuple[str, int] | None = None
         self.alarm_ns = 0
         """When the alarm went off here (the verdict's time in a report)."""
+        self._store_lost = False
         self._stop = threading.Event()
         self._lock = threading.Lock()
         self._thread = threading.Thread(target=self._run, name="manygpu-hangwatch", daemon=True)
@@ -115,6 +116,7 @@ class HangWatch:
             try:
                 alarm = self._alarm()
             except Exception:  # a watch that fails must not end a healthy job
+                self._forget_store()
                 continue
             if alarm is not None:
                 with self._lock:
@@ -131,7 +133,7 @@ class HangWatch:
 
     def _alarm(self) -> str | None:
         """The alarm's id once raised, here (a local wait too long) or by another host."""
-        if self.store is None and (found := self.job_store()) is not None:
+        if self.store is None and not self._store_lost and (found := self.job_store()):
             self.store, self.gathers, self.prefix = found
         if self.store is not None and self.store.check([self._key("alarm")]):
             return str(self.store.get(self._key("alarm")).decode())
@@ -144,6 +146,15 @@ class HangWatch:
             if now - float(waiting["since"]) >= alarm_after(float(limit)):
                 return self._raise_alarm()
         return None
+
+    def _forget_store(self) -> None:
+        """After the job's store failed (its host has ended: the job is ending), leave it.
+
+        Asking it again every poll would fail again, and each failure prints a
+        native stack trace on this host's stderr.
+        """
+        if self.store is not None:
+            self.store, self._store_lost = None, True
 
     def _raise_alarm(self) -> str:
         ask = uuid.uuid4().hex

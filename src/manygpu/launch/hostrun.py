@@ -45,6 +45,12 @@ PROBE_SLACK_S = 60.0
 """How long a host may take, once logged in, to start Python for the preflight."""
 KILL_AFTER_S = 15.0
 """After --term-timeout, how long stopped hosts get before their ssh is ended."""
+SETTLE_S = 10.0
+"""Once a host has failed, how long the others get to end and report on their own.
+
+The host whose rank failed first may notice it after a host whose ranks only
+lost that peer (both agents poll their workers); stopping it at once would
+lose the cause, and the job would blame a consequence."""
 _RANK_LINE = re.compile(r"\[rank(\d+)\]:(.*)", re.DOTALL)
 
 
@@ -315,7 +321,17 @@ class Job:
                 if node.ended_ns is None and node.proc.poll() is not None:
                     node.ended_ns = time.time_ns()
                     if node.proc.returncode != 0 and not self._survives():
+                        self._settle()
                         return
+            time.sleep(0.05)
+
+    def _settle(self) -> None:
+        """Until each other host has ended or reported a rank's end, or SETTLE_S."""
+        deadline = time.monotonic() + SETTLE_S
+        while time.monotonic() < deadline:
+            with self._lock:
+                if all(n.proc.poll() is not None or n.outcomes for n in self.nodes):
+                    return
             time.sleep(0.05)
 
     def _survives(self) -> bool:
