@@ -16,6 +16,8 @@ fsdp (tests/helpers/preempt_job.py) on a checkpoint directory both pods share.
   and the job resumes from the newest periodic checkpoint (every :data:`EVERY` steps).
   The launchers keep their default ``--max-restarts 0``: a launcher whose job broke
   exits, and the restarted pods meet in a fresh static rendezvous.
+- A pod restarted before node 0 has noticed (node 0 still serves the run it left) waits
+  for node 0's next rendezvous instead of joining the old one.
 
 No API server and no kubelet run here: the test itself signals the processes and
 restarts a pod's command as kubelet would (at once, each at most :data:`MAX_RESTARTS`
@@ -339,4 +341,44 @@ def test_a_killed_pod_restarted_on_failure_resumes_bit_identically(
     resumed = min(last) - 1
     assert resumed % EVERY == 0 and newest <= resumed <= max(first), (resumed, newest, job.runs)
     assert max(last) == TOTAL, job.runs
+    _same_as_reference(job, reference)
+
+
+def _workers(pod: Pod) -> list[psutil.Process]:
+    return psutil.Process(pod.launcher.pid).children(recursive=True)
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("job", [(29533, EVERY)], indirect=True)
+def test_a_pod_restarted_before_node_0_noticed_waits_for_its_next_rendezvous(
+    job: Job, reference: tuple[dict[int, float], dict[str, Any]]
+) -> None:
+    """Pod 1 restarted while pod 0 still serves the run it left (pod 0's ranks frozen,
+    so they cannot notice): the new pod must not join that old store, where its workers
+    would meet the old run's keys, but wait for pod 0's next one, then resume with it."""
+    for pod in job.pods:
+        pod.start()
+    job.wait_for(f"{EVERY + 1} steps", lambda: job.progress() >= EVERY + 1, 120)
+    frozen = _workers(job.pods[0])
+    for proc in frozen:
+        proc.suspend()
+    try:
+        job.pods[1].kill_container()
+        job.pods[1].launcher.wait(timeout=30)
+        job.pods[1].start()
+        stale = "manygpu: node 1: the rendezvous store at train-node-0-0.train:29533 is still"
+        deadline = time.monotonic() + 60
+        while stale not in job.pods[1].output(1):
+            assert job.pods[1].launcher.poll() is None, job.said()
+            assert time.monotonic() < deadline, job.said()
+            time.sleep(0.2)
+        assert not _workers(job.pods[1]), "the restarted pod started workers on the old store"
+    finally:
+        for proc in frozen:
+            with contextlib.suppress(psutil.NoSuchProcess):
+                proc.resume()
+    ended = _run_to_the_end(job, 240, starts=1 + MAX_RESTARTS)
+    print(f"pod 1 waited for pod 0's next rendezvous; launchers ended: {ended}")
+    assert [n for n, _, _ in ended].count(1) == 1 and ended[-1][2] == 0, (ended, job.said())
+    assert max(job.runs[-1]) == TOTAL, job.runs
     _same_as_reference(job, reference)

@@ -21,6 +21,7 @@ import hmac
 import re
 import secrets
 import sys
+import time
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, cast
@@ -52,6 +53,9 @@ from manygpu.launch.spec import AGREED_ID
 from manygpu.runtime import store_gate
 
 RUN_ID_KEY = "manygpu.run_id"
+JOINED_KEY = "manygpu.joined"
+"""``{JOINED_KEY}.{run_id}.{node rank}``: how many times that node has joined this store."""
+STALE_POLL_S = 1.0
 _RUN_ID = re.compile(r"manygpu-[0-9a-f]{16}")
 C10D = "manygpu-c10d"
 STATIC = "manygpu-static"
@@ -390,12 +394,55 @@ class _StaticHandler(StaticTCPRendezvous):
             kwargs: dict[str, Any] = {"world_size": self.world_size, "multi_tenant": True}
             if self.rank == 0:
                 self._store = _host(self.master_addr, self.master_port, self.timeout, **kwargs)[0]
+                run_id = agree_run_id(self._store, self.run_id, hosting=True)
             else:
-                self._store = _client(self.master_addr, self.master_port, self.timeout, **kwargs)
-            run_id = agree_run_id(self._store, self.run_id, hosting=self.rank == 0)
+                self._store, run_id = self._join_fresh(kwargs)
             self.run_id = _joined(self._store, self.rank == 0, run_id)
             self._doors = _Doors()
         return self._doors.through(super().next_rendezvous(), self.timeout)
+
+
+    def _join_fresh(self, kwargs: dict[str, Any]) -> tuple[Store, str]:
+        """Node 0's store, and the run id, once it is a store this node has not joined before.
+
+        A node restarted on its own (a pod's container restarted by kubelet, a
+        node requeued alone) can reach node 0's store of the run it left while
+        node 0 has not yet noticed: its workers would then meet the old run's
+        keys. A static store counts each node's joins; a second join here means
+        the store is that old run's, and this node waits for node 0's next one.
+        """
+        deadline = time.monotonic() + self.timeout.total_seconds()
+        told = False
+        while True:
+            store = _client(self.master_addr, self.master_port, self.timeout, **kwargs)
+            run_id = agree_run_id(store, self.run_id, hosting=False)
+            if store.add(f"{JOINED_KEY}.{run_id}.{self.rank}", 1) == 1:
+                return store, run_id
+            where = f"{self.master_addr}:{self.master_port}"
+            if not told:
+                told = True
+                print(
+                    f"manygpu: node {self.rank}: the rendezvous store at {where} is still the "
+                    "previous run's (node 0 has not restarted yet); waiting for its next one "
+                    f"(up to {self.timeout.total_seconds():.0f} s)",
+                    file=sys.stderr,
+                    flush=True,
+                )
+            _wait_gone(store, deadline, where)
+
+
+def _wait_gone(store: Store, deadline: float, where: str) -> None:
+    """Until ``store`` fails (its host ended); a one-line error at ``deadline``."""
+    while time.monotonic() < deadline:
+        try:
+            store.check([RUN_ID_KEY])
+        except (RuntimeError, ValueError, TimeoutError):
+            return
+        time.sleep(STALE_POLL_S)
+    raise RendezvousConnectionError(  # printed as it is, one line
+        f"the rendezvous store at {where} is still the previous run's: node 0 has not "
+        "restarted; restart it (or the whole job)"
+    )
 
 
 def create_static(params: RendezvousParameters) -> RendezvousHandler:
