@@ -401,7 +401,6 @@ class _StaticHandler(StaticTCPRendezvous):
             self._doors = _Doors()
         return self._doors.through(super().next_rendezvous(), self.timeout)
 
-
     def _join_fresh(self, kwargs: dict[str, Any]) -> tuple[Store, str]:
         """Node 0's store, and the run id, once it is a store this node has not joined before.
 
