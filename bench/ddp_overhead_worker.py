@@ -151,7 +151,7 @@ def setup_manygpu(cfg: WorkerConfig) -> Trainer:
     """manygpu's ``ddp`` strategy with its defaults, forced onto the CPU.
 
     Those defaults are part of what is measured: e.g. ``gradient_as_bucket_view``
-    is on in manygpu's ``DDPOptions`` and off in a bare ``DistributedDataParallel``.
+    is on in manygpu's ``DDP`` and off in a bare ``DistributedDataParallel``.
     """
     from manygpu import Parallel
 

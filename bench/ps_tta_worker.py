@@ -31,7 +31,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils.data import DataLoader
 
-from manygpu import Parallel, PSOptions
+from manygpu import PS, Parallel
 from manygpu.demo.data import digits
 from manygpu.demo.model import SimpleCNN
 
@@ -71,8 +71,8 @@ def trained_samples(par: Parallel, steps: int, batch: int, mode: str) -> int:
 
 def main() -> None:
     args = parse()
-    ps = PSOptions(mode=args.mode, max_staleness=args.max_staleness)
-    with Parallel(strategy=args.strategy, ps=ps) as par:
+    ps = PS(mode=args.mode, max_staleness=args.max_staleness)
+    with Parallel(strategy=ps if args.strategy == ps.name else args.strategy) as par:
         train, test = digits(16)
         images, labels = test.tensors
         model = SimpleCNN(16)

@@ -44,7 +44,7 @@ from manygpu import Parallel
 from manygpu.demo.config import DemoConfig
 from manygpu.demo.data import digits
 from manygpu.demo.model import SimpleCNN
-from manygpu.strategies.ddp import _ReducerTimes
+from manygpu.strategies.ddp.strategy import _ReducerTimes
 
 DEMO = DemoConfig()
 """The demo's defaults: image size, global batch and learning rate come from here."""

@@ -44,10 +44,11 @@ def worker(strategy: str, steps: int, out: str) -> None:
     from torch import nn
 
     from manygpu import Parallel
-    from manygpu.strategies import PipelineOptions
+    from manygpu.strategies import Pipeline
 
     loss_fn = nn.functional.mse_loss
-    par = Parallel(strategy=strategy, timeout_s=300, pipeline=PipelineOptions(loss_fn=loss_fn))
+    pipeline = Pipeline(loss_fn=loss_fn)
+    par = Parallel(strategy=pipeline if strategy == pipeline.name else strategy, timeout_s=300)
     torch.manual_seed(0)
     layers: list[nn.Module] = []
     for _ in range(8):

@@ -14,13 +14,23 @@ if TYPE_CHECKING:
     from manygpu.core import Parallel, ParallelConfig
     from manygpu.errors import CollectiveTimeoutError, LaunchError, ManyGPUError, UsageError
     from manygpu.strategies import (
+        DDP,
+        FSDP,
+        PS,
         CompileOptions,
+        DataParallel,
         DDPOptions,
         FSDPOptions,
         MeshSpec,
+        ModelParallel,
+        Pipeline,
         PipelineOptions,
         PSOptions,
+        Single,
+        Tensor,
         TensorOptions,
+        Zero1,
+        Zero2,
     )
     from manygpu.strategies import available as available_strategies
 
@@ -32,11 +42,22 @@ _WHERE = {
     "ManyGPUError": "manygpu.errors",
     "UsageError": "manygpu.errors",
     "CompileOptions": "manygpu.strategies.options",
-    "DDPOptions": "manygpu.strategies.options",
-    "FSDPOptions": "manygpu.strategies.options",
-    "PipelineOptions": "manygpu.strategies.options",
-    "PSOptions": "manygpu.strategies.options",
-    "TensorOptions": "manygpu.strategies.options",
+    "DDP": "manygpu.strategies.ddp",
+    "Zero1": "manygpu.strategies.ddp",
+    "FSDP": "manygpu.strategies.fsdp",
+    "Zero2": "manygpu.strategies.fsdp",
+    "Tensor": "manygpu.strategies.tensor",
+    "Pipeline": "manygpu.strategies.pipeline",
+    "PS": "manygpu.strategies.ps",
+    "ModelParallel": "manygpu.strategies.model",
+    "DataParallel": "manygpu.strategies.dp",
+    "Single": "manygpu.strategies.single",
+    # Deprecated names of the same objects (the options before strategies carried them).
+    "DDPOptions": "manygpu.strategies",
+    "FSDPOptions": "manygpu.strategies",
+    "PipelineOptions": "manygpu.strategies",
+    "PSOptions": "manygpu.strategies",
+    "TensorOptions": "manygpu.strategies",
     "MeshSpec": "manygpu.strategies.mesh",
 }
 _getattr, _dir = _lazy.exports(__name__, _WHERE)
@@ -55,19 +76,29 @@ def __dir__() -> list[str]:
 
 
 __all__ = [
+    "DDP",
+    "FSDP",
+    "PS",
     "CollectiveTimeoutError",
     "CompileOptions",
     "DDPOptions",
+    "DataParallel",
     "FSDPOptions",
     "LaunchError",
     "ManyGPUError",
     "MeshSpec",
+    "ModelParallel",
     "PSOptions",
     "Parallel",
     "ParallelConfig",
+    "Pipeline",
     "PipelineOptions",
+    "Single",
+    "Tensor",
     "TensorOptions",
     "UsageError",
+    "Zero1",
+    "Zero2",
     "__version__",
     "available_strategies",
 ]

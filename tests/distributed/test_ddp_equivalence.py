@@ -153,9 +153,9 @@ def test_reduce_gather_barrier() -> None:
 
 
 def _compressed(kind: str) -> torch.Tensor:
-    from manygpu import DDPOptions
+    from manygpu import DDP
 
-    par = Parallel(strategy="ddp", ddp=DDPOptions(grad_compression=kind, bucket_cap_mb=1))
+    par = Parallel(strategy=DDP(grad_compression=kind, bucket_cap_mb=1))
     try:
         model = make_model()
         model, opt = par.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1))

@@ -14,7 +14,7 @@ from dist_harness import run_ranks
 from torch import nn
 
 from manygpu import Parallel, UsageError
-from manygpu.strategies import PipelineOptions
+from manygpu.strategies import Pipeline
 
 TOL = 1e-5
 STEPS, BATCH, MICRO = 3, 8, 4
@@ -60,10 +60,10 @@ def reference(data_shards: int) -> dict[str, object]:
 
 
 def _train(mesh: dict[str, int], schedule: str, options: dict[str, object]) -> dict[str, object]:
-    opts = PipelineOptions(
+    opts = Pipeline(
         loss_fn=nn.functional.mse_loss, microbatches=MICRO, schedule=schedule, **options
     )
-    par = Parallel(strategy="pipeline", mesh=mesh, pipeline=opts)
+    par = Parallel(strategy=opts, mesh=mesh)
     try:
         model = par.prepare(make_deep_model())
         opt = par.prepare(torch.optim.SGD(model.parameters(), lr=0.1))
@@ -129,8 +129,8 @@ def test_dp2_x_pp2_matches_the_global_batch() -> None:
 
 
 def _bad_pipelines() -> list[str]:
-    opts = PipelineOptions(loss_fn=nn.functional.mse_loss, microbatches=MICRO)
-    par = Parallel(strategy="pipeline", pipeline=opts)
+    opts = Pipeline(loss_fn=nn.functional.mse_loss, microbatches=MICRO)
+    par = Parallel(strategy=opts)
     messages = []
     try:
         for model in (nn.Sequential(nn.Linear(2, 2)), nn.Linear(2, 2)):

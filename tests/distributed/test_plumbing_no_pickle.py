@@ -24,7 +24,7 @@ from dist_harness import run_ranks
 from torch import nn
 
 from manygpu import Parallel
-from manygpu.strategies import PipelineOptions
+from manygpu.strategies import Pipeline
 
 _LOADERS = [
     (pickle, "loads"),
@@ -79,8 +79,7 @@ def _checkpoint(directory: str) -> dict[str, Any]:
 
 
 def _pipeline() -> dict[str, Any]:
-    opts = PipelineOptions(loss_fn=nn.functional.mse_loss, microbatches=2)
-    par = Parallel(strategy="pipeline", pipeline=opts)
+    par = Parallel(strategy=Pipeline(loss_fn=nn.functional.mse_loss, microbatches=2))
     try:
         torch.manual_seed(0)
         model = par.prepare(nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 3)))

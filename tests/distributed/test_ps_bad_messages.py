@@ -29,10 +29,10 @@ import torch
 from dist_harness import preload, run_ranks
 from torch import nn
 
-from manygpu import Parallel, PSOptions
+from manygpu import PS, Parallel
 from manygpu.runtime import env as envmod
 from manygpu.runtime.cluster import detect_cluster
-from manygpu.strategies.ps_protocol import (
+from manygpu.strategies.ps.protocol import (
     GONE,
     INIT,
     LOAD,
@@ -41,9 +41,9 @@ from manygpu.strategies.ps_protocol import (
     ParameterServerError,
     to_bytes,
 )
-from manygpu.strategies.ps_server import ServingDone
+from manygpu.strategies.ps.server import ServingDone
 
-preload("manygpu.strategies.ps")
+preload("manygpu.strategies.ps.strategy")
 
 STEPS = 6
 HUGE = 10**12
@@ -147,7 +147,7 @@ def _rogue_first(par: Parallel, size: float) -> str:
 
 def _job(mode: str, rogue_rank: int, kind: float, size: float | str) -> Any:
     """This rank's part: what the server recorded or said, or what a worker saw."""
-    par = Parallel(strategy="ps", timeout_s=30, ps=PSOptions(mode=mode))
+    par = Parallel(strategy=PS(mode=mode), timeout_s=30)
     err = io.StringIO()
     try:
         if par.strategy.serves:
@@ -220,7 +220,7 @@ def test_a_lying_worker_is_dropped_in_async_and_the_others_train_on(
 
 @pytest.mark.parametrize("value", [math.nan, math.inf, -1.0, 2.5, float(HUGE)])
 def test_sizes_outside_the_shard_are_refused_before_any_allocation(value: float) -> None:
-    from manygpu.strategies.ps_protocol import count
+    from manygpu.strategies.ps.protocol import count
 
     assert count(value, 1, 1000) is None
     assert count(7.0, 1, 1000) == 7

@@ -22,13 +22,13 @@ from dist_harness import free_port, preload, run_ranks
 from recipes import Recipe, _run, max_diff, reference_train
 from torch import nn
 
-from manygpu import Parallel, PSOptions
+from manygpu import PS, Parallel
 from manygpu.checkpoint.manager import Checkpointer, TrainState
 from manygpu.runtime import env as envmod
 from manygpu.runtime.cluster import detect_cluster
-from manygpu.strategies.ps_server import ServingDone
+from manygpu.strategies.ps.server import ServingDone
 
-preload("recipes", "zoo", "manygpu.strategies.ps")
+preload("recipes", "zoo", "manygpu.strategies.ps.strategy")
 
 TOL = 1e-5
 """fp32: only the order of the sums differs from one process (as for ddp)."""
@@ -37,7 +37,7 @@ TOL = 1e-5
 def _parallel(port: int, **kwargs: Any) -> Parallel:
     """A Parallel on this rank with its own store port (several per spawn)."""
     cluster = replace(detect_cluster(envmod.current()), master_port=port)
-    return Parallel(strategy="ps", cluster=cluster, timeout_s=60, **kwargs)
+    return Parallel(cluster=cluster, timeout_s=60, **kwargs)
 
 
 def _serving(fn: Any, par: Parallel, *args: Any) -> Any:
@@ -61,7 +61,7 @@ RECIPES = [
 def _sync_recipes(servers: int, ports: list[int]) -> list[dict[str, Any]]:
     out = []
     for recipe, port in zip(RECIPES, ports, strict=True):
-        par = _parallel(port, ps=PSOptions(servers=servers), grad_accum_steps=recipe.accum)
+        par = _parallel(port, strategy=PS(servers=servers), grad_accum_steps=recipe.accum)
         out.append(_serving(_run, par, recipe))
     return out
 
@@ -129,7 +129,7 @@ RUNS: list[tuple[str, dict[str, Any], int, float]] = [
 def _async_runs(ports: list[int]) -> list[dict[str, Any]]:
     out = []
     for (mode, extra, steps, sleep_s), port in zip(RUNS, ports, strict=True):
-        par = _parallel(port, ps=PSOptions(servers=1, mode=mode, **extra))
+        par = _parallel(port, strategy=PS(servers=1, mode=mode, **extra))
         out.append(_serving(_least_squares, par, steps, 1, sleep_s))
     return out
 
@@ -214,7 +214,7 @@ def _resume_and_step(par: Parallel, directory: str, step: int) -> dict[str, Any]
 
 
 def _job(fn: Any, servers: int, *args: Any) -> Any:
-    return _serving(fn, Parallel(strategy="ps", ps=PSOptions(servers=servers), timeout_s=60), *args)
+    return _serving(fn, Parallel(strategy=PS(servers=servers), timeout_s=60), *args)
 
 
 def test_checkpoint_resumes_on_another_number_of_workers(tmp_path: Path) -> None:

@@ -28,7 +28,7 @@ from dist_harness import preload, run_ranks
 from recipes import Recipe, max_diff, reference_train, train_parallel
 from zoo import lm_loss
 
-from manygpu import PipelineOptions
+from manygpu import Pipeline
 
 pytest.importorskip("transformers")
 # Importing the three models takes ~6 s of CPU: once in the rank server, not once per rank.
@@ -48,7 +48,7 @@ OTHER_OPTIMIZERS = [
     Recipe("gpt", optimizer=o, clip=1.0) for o in ("adam", "sgd_nesterov", "adagrad", "rmsprop")
 ]
 RESNET = Recipe("resnet", optimizer="sgd_nesterov", per_shard_forward=True)
-PIPE = PipelineOptions(loss_fn=lm_loss, microbatches=2)
+PIPE = Pipeline(loss_fn=lm_loss, microbatches=2)
 
 CASES: dict[str, tuple[int, dict[str, Any], list[Recipe]]] = {
     # BatchNorm under ddp: each rank normalises by its own batch (the reference's
@@ -71,10 +71,10 @@ CASES: dict[str, tuple[int, dict[str, Any], list[Recipe]]] = {
         [Recipe("gpt"), Recipe("hf_llama"), Recipe("hf_bert")],
     ),
     "hybrid-dp2-tp2": (4, {"mesh": {"dp": 2, "tp": 2}}, [GPT_ACCUM, Recipe("hf_llama")]),
-    "pipeline-pp2": (2, {"strategy": "pipeline", "pipeline": PIPE}, [Recipe("gpt_seq")]),
+    "pipeline-pp2": (2, {"strategy": PIPE}, [Recipe("gpt_seq")]),
     "pipeline-pp2-dp2": (
         4,
-        {"strategy": "pipeline", "mesh": {"pp": 2, "dp": 2}, "pipeline": PIPE},
+        {"strategy": PIPE, "mesh": {"pp": 2, "dp": 2}},
         [Recipe("gpt_seq", samples=24)],
     ),
     "model-dp2": (2, {"strategy": "model", "mesh": {"dp": 2}}, [Recipe("gpt_seq")]),

@@ -13,7 +13,7 @@ from reference import make_data, make_model, reference_train
 from torch import nn
 
 from manygpu import Parallel, UsageError
-from manygpu.strategies import FSDPOptions
+from manygpu.strategies import FSDP
 
 TOL = 1e-5
 STEPS, BATCH = 4, 12
@@ -101,7 +101,7 @@ def test_fsdp_optimizer_built_before_sharding_is_refused() -> None:
 
 
 def _train_fsdp_options(options: dict[str, object]) -> dict[str, object]:
-    par = Parallel(strategy="fsdp", fsdp=FSDPOptions(**options))  # type: ignore[arg-type]
+    par = Parallel(strategy=FSDP(**options))  # type: ignore[arg-type]
     try:
         model = par.prepare(make_model())
         opt = par.prepare(torch.optim.SGD(model.parameters(), lr=0.1))

@@ -15,7 +15,7 @@ from dist_harness import run_ranks
 from torch import nn
 
 from manygpu import Parallel
-from manygpu.strategies import TensorOptions
+from manygpu.strategies import Tensor
 
 TOL = 1e-5
 STEPS, BATCH, SEQ, DIM, HEADS = 3, 4, 5, 16, 4
@@ -75,7 +75,8 @@ def reference(kind: str, shards: int) -> dict[str, object]:
 
 
 def _train(kind: str, strategy: str, mesh: dict[str, int], plan: object) -> dict[str, object]:
-    par = Parallel(strategy=strategy, mesh=mesh, tensor=TensorOptions(plan=plan))  # type: ignore[arg-type]
+    chosen = Tensor(plan=plan) if plan is not None else strategy  # type: ignore[arg-type]
+    par = Parallel(strategy=chosen, mesh=mesh)
     try:
         model = par.prepare(make(kind))
         opt = par.prepare(torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9))

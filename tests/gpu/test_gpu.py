@@ -85,15 +85,12 @@ def test_sync_batchnorm_matches_one_process_on_the_global_batch() -> None:
     5e-3 from the CPU's fp32 in 4 steps on an H200."""
     from recipes import Recipe, max_diff, reference_train, train_parallel
 
-    from manygpu import DDPOptions
+    from manygpu import DDP
 
     world = torch.cuda.device_count()
-    recipe = Recipe(
-        "resnet",
-        optimizer="sgd_nesterov",
-        parallel={"ddp": DDPOptions(sync_batchnorm=True), "precision": "fp32-strict"},
-    )
-    outs = [r[0] for r in run_ranks(train_parallel, world, [recipe], {"strategy": "ddp"})]
+    recipe = Recipe("resnet", optimizer="sgd_nesterov", parallel={"precision": "fp32-strict"})
+    strategy = {"strategy": DDP(sync_batchnorm=True)}
+    outs = [r[0] for r in run_ranks(train_parallel, world, [recipe], strategy)]
     assert "error" not in outs[0], outs[0]
     ref = reference_train(recipe, world)
     assert max_diff(outs[0]["params"], ref["params"]) < 1e-3

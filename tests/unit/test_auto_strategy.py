@@ -56,6 +56,6 @@ def test_the_chosen_strategy_checks_the_job_not_the_provisional_one(
 
     monkeypatch.setattr(parallel, "choose_strategy", choose)
     with Parallel(strategy="auto", device="cpu") as par:
-        with pytest.raises(UsageError, match=r"PipelineOptions\(loss_fn=\.\.\.\)"):
+        with pytest.raises(UsageError, match=r"Pipeline\(loss_fn=\.\.\.\)"):
             par.prepare(make_model())
         assert par.strategy_name == "single"  # nothing was swapped in

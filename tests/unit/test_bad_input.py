@@ -9,7 +9,7 @@ import pytest
 import torch
 from torch import nn
 
-from manygpu import DDPOptions, FSDPOptions, Parallel, PipelineOptions, UsageError
+from manygpu import DDP, FSDP, Parallel, Pipeline, UsageError
 
 
 @pytest.mark.parametrize("strategy", ["single", "ddp"])
@@ -143,13 +143,13 @@ API_BAD: list[tuple[Any, type[Exception], str]] = [
     (lambda: _parallel(mesh={"xx": 2}), UsageError, "unknown mesh dimension"),
     (lambda: _parallel(strategy="hybrid"), UsageError, "mesh"),
     (lambda: _parallel(strategy="model", mesh={"tp": 2}), UsageError, "cannot use mesh"),
-    (lambda: FSDPOptions(param_dtype="fp8"), UsageError, "param_dtype"),
-    (lambda: FSDPOptions(block_classes=(3,)), UsageError, "block_classes"),
-    (lambda: DDPOptions(bucket_cap_mb=0), UsageError, "bucket_cap_mb"),
-    (lambda: DDPOptions(grad_compression="int4"), UsageError, "grad_compression"),
-    (lambda: PipelineOptions(microbatches=0), UsageError, "microbatches"),
-    (lambda: PipelineOptions(schedule="zb"), UsageError, "schedule"),
-    (lambda: PipelineOptions(balance="time"), UsageError, "example_input"),
+    (lambda: FSDP(param_dtype="fp8"), UsageError, "param_dtype"),
+    (lambda: FSDP(block_classes=(3,)), UsageError, "block_classes"),
+    (lambda: DDP(bucket_cap_mb=0), UsageError, "bucket_cap_mb"),
+    (lambda: DDP(grad_compression="int4"), UsageError, "grad_compression"),
+    (lambda: Pipeline(microbatches=0), UsageError, "microbatches"),
+    (lambda: Pipeline(schedule="zb"), UsageError, "schedule"),
+    (lambda: Pipeline(balance="time"), UsageError, "example_input"),
 ]
 
 

@@ -23,7 +23,7 @@ from torch.utils.data import DataLoader, TensorDataset
 from zoo import OPTIMIZERS, ZOO, dataset, warmup_cosine
 
 import manygpu.core.speed as speed
-from manygpu import Parallel, PipelineOptions, UsageError
+from manygpu import Parallel, Pipeline, UsageError
 from manygpu.core.data import batch_to_channels_last
 from manygpu.core.speed import wants_channels_last
 from manygpu.strategies import get_strategy
@@ -153,8 +153,7 @@ def test_a_loader_prepared_before_its_model_follows_it() -> None:
         ({"strategy": "dp", "compile": True}, "strategy='ddp'"),
         ({"strategy": "model", "compile": True}, "strategy='pipeline'"),
         (
-            {"strategy": "pipeline", "channels_last": True,
-             "pipeline": PipelineOptions(loss_fn=nn.functional.mse_loss)},
+            {"strategy": Pipeline(loss_fn=nn.functional.mse_loss), "channels_last": True},
             "channels_last unset or False",
         ),
     ],

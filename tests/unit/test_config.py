@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from manygpu import DDPOptions, ParallelConfig, available_strategies
+from manygpu import DDP, ParallelConfig, available_strategies
 from manygpu.core.accumulation import Accumulator
 from manygpu.core.data import per_rank_batch
 from manygpu.errors import UsageError
@@ -46,12 +46,12 @@ def test_strategy_defaults_from_world_size() -> None:
 @pytest.mark.parametrize("cap", [0, -5.0])
 def test_ddp_bucket_cap_must_be_positive(cap: float) -> None:
     with pytest.raises(UsageError, match="bucket_cap_mb must be > 0"):
-        DDPOptions(bucket_cap_mb=cap)
+        DDP(bucket_cap_mb=cap)
 
 
 def test_ddp_unknown_grad_compression() -> None:
     with pytest.raises(UsageError, match="unknown grad_compression 'int8'"):
-        DDPOptions(grad_compression="int8")  # type: ignore[arg-type]
+        DDP(grad_compression="int8")  # type: ignore[arg-type]
 
 
 def test_global_batch_smaller_than_world() -> None:

@@ -9,9 +9,9 @@ from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
 from manygpu import Parallel, UsageError
 from manygpu.core.config import ParallelConfig
-from manygpu.strategies import MeshSpec, PipelineOptions
+from manygpu.strategies import MeshSpec, Pipeline
 from manygpu.strategies.splitting import balanced_cuts, starts_from_split_points
-from manygpu.strategies.tensor import check_divisible, default_plan, resolve_plan
+from manygpu.strategies.tensor.strategy import check_divisible, default_plan, resolve_plan
 
 
 def test_minus_one_is_inferred() -> None:
@@ -66,7 +66,7 @@ def test_hybrid_needs_a_mesh() -> None:
         ParallelConfig(strategy="hybrid")
 
 
-_LOSS = PipelineOptions(loss_fn=sum)
+_LOSS = Pipeline(loss_fn=sum)
 
 
 @pytest.mark.parametrize(
@@ -76,11 +76,11 @@ _LOSS = PipelineOptions(loss_fn=sum)
         ({"strategy": "fsdp", "mesh": {"tp": 2}}, "'fsdp' cannot use mesh dimension.*tp=2"),
         ({"strategy": "ddp", "mesh": {"fsdp": 2}}, "'ddp' cannot use mesh dimension.*fsdp=2"),
         ({"strategy": "single", "mesh": {"dp": 1}}, "'single' takes no mesh"),
-        ({"mesh": {"pp": 2}, "precision": "fp16", "pipeline": _LOSS}, "does not scale fp16"),
-        ({"strategy": "pipeline", "grad_accum_steps": 2, "pipeline": _LOSS}, "raise Pipeline"),
-        ({"strategy": "pipeline"}, r"give PipelineOptions\(loss_fn=...\)"),
+        ({"strategy": _LOSS, "mesh": {"pp": 2}, "precision": "fp16"}, "does not scale fp16"),
+        ({"strategy": _LOSS, "grad_accum_steps": 2}, r"raise strategy=Pipeline\(microbatches"),
+        ({"strategy": "pipeline"}, r"give strategy=Pipeline\(loss_fn=...\)"),
         (
-            {"strategy": "pipeline", "pipeline": PipelineOptions(loss_fn=sum, split_points=(1, 2))},
+            {"strategy": Pipeline(loss_fn=sum, split_points=(1, 2))},
             r"gives 3 stages but the pipeline has 2 \(mesh pp=2\)",
         ),
     ],
@@ -103,7 +103,7 @@ def test_split_points_are_validated() -> None:
 
 def test_time_balance_needs_an_example_input() -> None:
     with pytest.raises(UsageError, match="give example_input"):
-        PipelineOptions(balance="time")
+        Pipeline(balance="time")
 
 
 class _Attention(nn.Module):

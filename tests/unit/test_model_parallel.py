@@ -12,7 +12,7 @@ from jobs import two_rank_cluster
 from reference import make_data
 from torch import nn
 
-from manygpu import Parallel, UsageError
+from manygpu import ModelParallel, Parallel, UsageError
 from manygpu.strategies.splitting import balanced_cuts
 
 
@@ -37,7 +37,7 @@ def test_model_parallel_matches_one_device() -> None:
     ref = _model()
     ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
     _train(ref, ref_opt, lambda loss: loss.backward())
-    with Parallel(strategy="model", model_stages=3) as par:
+    with Parallel(strategy=ModelParallel(stages=3)) as par:
         model = _model()
         model, opt = par.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1))
         starts = par.strategy.stage_starts  # type: ignore[attr-defined]
@@ -52,7 +52,7 @@ def test_model_parallel_errors() -> None:
     with Parallel(strategy="model") as par, pytest.raises(UsageError, match=r"nn\.Sequential"):
         par.prepare(nn.Linear(2, 2))
     with (
-        Parallel(strategy="model", model_stages=9) as par,
+        Parallel(strategy=ModelParallel(stages=9)) as par,
         pytest.raises(UsageError, match="cannot split 5 layers into 9 stages"),
     ):
         par.prepare(_model())

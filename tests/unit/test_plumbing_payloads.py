@@ -18,7 +18,7 @@ from manygpu.checkpoint.manager import _message, _report, _verdict
 from manygpu.comm.objects import PayloadError, parse_each
 from manygpu.doctor.facts import Facts, GPUFacts, PairResult, SystemFacts, TorchFacts
 from manygpu.doctor.live import _exit_code, _node_and_facts, _pair_dicts
-from manygpu.strategies.pipeline import _dtype_name, _output_meta
+from manygpu.strategies.pipeline.strategy import _dtype_name, _output_meta
 
 
 def _wire(obj: Any) -> Any:

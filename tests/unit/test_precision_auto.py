@@ -153,7 +153,7 @@ def test_cpu_default_is_fp32_and_quiet(capsys: pytest.CaptureFixture[str]) -> No
 
 def test_strategies_see_the_resolved_precision() -> None:
     with Parallel(strategy="single", device="cpu", precision="fp32-strict") as par:
-        assert par.strategy.options.precision == "fp32"
+        assert par.strategy.job.precision == "fp32"
         assert par.checkpoint_parts(par.prepare(make_model())).precision == "fp32"
 
 

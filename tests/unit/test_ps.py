@@ -11,13 +11,13 @@ import torch
 from jobs import two_rank_cluster
 from torch import nn
 
-from manygpu import Parallel, ParallelConfig, PSOptions, UsageError
+from manygpu import DDP, PS, Parallel, ParallelConfig, UsageError
 from manygpu.launch import ps_keeper
 from manygpu.launch.resolve import LaunchRequest, resolve
 from manygpu.runtime import env as envmod
-from manygpu.strategies import StrategyOptions, card, get_strategy, serving_strategy
-from manygpu.strategies.ps_links import role_view
-from manygpu.strategies.ps_protocol import (
+from manygpu.strategies import JobOptions, card, get_strategy, serving_strategy
+from manygpu.strategies.ps.links import role_view
+from manygpu.strategies.ps.protocol import (
     PUSH,
     HyperLayout,
     Layout,
@@ -123,16 +123,19 @@ def test_flat_tensors_and_state_bytes_round_trip() -> None:
 )
 def test_bad_options_are_one_line(kwargs: dict[str, Any], needle: str) -> None:
     with pytest.raises(UsageError, match=needle) as info:
-        PSOptions(**kwargs)
+        PS(**kwargs)
     assert "\n" not in str(info.value)
 
 
 def test_servers_come_from_the_script_or_the_launcher_and_must_agree() -> None:
-    assert PSOptions().with_launched(None).servers == 1
-    assert PSOptions().with_launched(3).servers == 3
-    assert PSOptions(servers=2).with_launched(None).servers == 2
+    def launched(k: int | None) -> dict[str, str]:
+        return {} if k is None else {envmod.PS_SERVERS: str(k)}
+
+    assert PS().launched(launched(None)).servers == 1
+    assert PS().launched(launched(3)).servers == 3
+    assert PS(servers=2).launched(launched(None)).servers == 2
     with pytest.raises(UsageError, match="launched with --ps 1"):
-        PSOptions(servers=2).with_launched(1)
+        PS(servers=2).launched(launched(1))
 
 
 def test_roles_and_views() -> None:
@@ -158,7 +161,7 @@ def test_the_card_and_the_launcher_pick_ps() -> None:
 def test_a_job_too_small_for_its_servers_is_refused_before_any_group() -> None:
     ps = get_strategy("ps")
     with pytest.raises(UsageError, match="at least 3 processes"):
-        ps.validate_world(two_rank_cluster(), StrategyOptions(ps=PSOptions(servers=2)))
+        ps.validate_world(two_rank_cluster(), PS(servers=2), JobOptions())
     with pytest.raises(UsageError, match="at least 2 processes"):
         Parallel(strategy="ps")  # one process: no worker beside its server
 
@@ -213,7 +216,7 @@ def test_the_keeper_passes_exits_on_and_outlives_a_kill(capsys: pytest.CaptureFi
 
 def test_the_progress_bar_shows_the_loss_and_the_servers_progress() -> None:
     from manygpu.core.console import MainConsole
-    from manygpu.strategies.ps_client import PSStats
+    from manygpu.strategies.ps.client import PSStats
 
     shown: list[str] = []
 
@@ -234,11 +237,12 @@ def test_servers_use_no_gpu_and_workers_take_a_nodes_gpus_from_the_first() -> No
     from dataclasses import replace
 
     ps = get_strategy("ps")
-    options = StrategyOptions(ps=PSOptions(servers=2))
+    options, job = PS(servers=2), JobOptions()
     node = replace(two_rank_cluster(), world_size=8, local_world_size=4)
     slots = [
-        ps.device_slot(replace(node, rank=r, local_rank=r % 4, node_rank=r // 4), options)
+        ps.device_slot(replace(node, rank=r, local_rank=r % 4, node_rank=r // 4), options, job)
         for r in range(8)
     ]
     assert slots == [None, None, 0, 1, 0, 1, 2, 3]
-    assert get_strategy("ddp").device_slot(replace(node, rank=5, local_rank=1), options) == 1
+    ddp = get_strategy("ddp")
+    assert ddp.device_slot(replace(node, rank=5, local_rank=1), DDP(), job) == 1

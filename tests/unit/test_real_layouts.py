@@ -14,9 +14,9 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 from zoo import GPT, Block, gpt_sequential
 
-from manygpu import FSDPOptions, Parallel, UsageError
+from manygpu import FSDP, Parallel, UsageError
 from manygpu.cli.main import build_parser
-from manygpu.strategies.fsdp_units import shard_units
+from manygpu.strategies.fsdp.units import shard_units
 from manygpu.strategies.splitting import balanced_cuts, param_sizes
 
 
@@ -42,9 +42,9 @@ def test_fsdp_units_by_block_class_name_or_type() -> None:
 
 
 def test_fsdp_options_take_one_class_or_refuse_non_modules() -> None:
-    assert FSDPOptions(block_classes=Block).block_classes == (Block,)
+    assert FSDP(block_classes=Block).block_classes == (Block,)
     with pytest.raises(UsageError, match="block_classes"):
-        FSDPOptions(block_classes=(int,))
+        FSDP(block_classes=(int,))
 
 
 def test_param_balance_is_within_one_layer_of_even_on_a_gpt() -> None:
@@ -145,7 +145,7 @@ def test_arguments_after_the_script_belong_to_the_script(script_args: list[str])
 
 def test_model_strategy_with_several_processes_names_the_mesh_option() -> None:
     from manygpu.runtime.cluster import detect_cluster
-    from manygpu.strategies import StrategyOptions, get_strategy
+    from manygpu.strategies import JobOptions, ModelParallel, get_strategy
 
     cluster = detect_cluster(
         {
@@ -158,13 +158,13 @@ def test_model_strategy_with_several_processes_names_the_mesh_option() -> None:
         }
     )
     with pytest.raises(UsageError, match=r"mesh=\{'dp': -1\}"):
-        get_strategy("model").validate_world(cluster, StrategyOptions())
+        get_strategy("model").validate_world(cluster, ModelParallel(), JobOptions())
 
 
 def test_sync_batchnorm_on_cpu_is_refused_in_one_line() -> None:
-    from manygpu import DDPOptions
+    from manygpu import DDP
 
-    par = Parallel(strategy="ddp", device="cpu", ddp=DDPOptions(sync_batchnorm=True))
+    par = Parallel(strategy=DDP(sync_batchnorm=True), device="cpu")
     try:
         with pytest.raises(UsageError, match="needs CUDA devices"):
             par.prepare(nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4)))

@@ -77,6 +77,6 @@ def choose_strategy(
         raise UsageError(
             f"strategy='auto': only {plan.strategy!r} fits this model in {memory_gb:,.1f} GB "
             f"per device ({plan.reason}); choose it explicitly with its options, e.g. "
-            "strategy='pipeline' with PipelineOptions(loss_fn=...)"
+            "strategy=Pipeline(loss_fn=...)"
         )
     return plan.strategy

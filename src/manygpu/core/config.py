@@ -4,23 +4,21 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
-from dataclasses import dataclass, field
-from typing import Literal
+from dataclasses import dataclass
+from typing import Any, Literal
 
 from manygpu.errors import UsageError
 from manygpu.strategies import (
     CompileOptions,
-    DDPOptions,
-    FSDPOptions,
+    Legacy,
     MeshSpec,
-    PipelineOptions,
-    PSOptions,
-    TensorOptions,
-    card,
+    StrategySpec,
     default_strategy,
     serving_strategy,
+    spec_class,
     strategy_for_mesh,
 )
+from manygpu.warn import warn_user
 
 Precision = Literal["auto", "fp32", "fp32-strict", "bf16", "fp16"]
 PRECISIONS: tuple[str, ...] = ("auto", "fp32", "fp32-strict", "bf16", "fp16")
@@ -30,10 +28,12 @@ PRECISIONS: tuple[str, ...] = ("auto", "fp32", "fp32-strict", "bf16", "fp16")
 class ParallelConfig:
     """How to run: which strategy, which precision, how to accumulate."""
 
-    strategy: str | None = None
-    """Registry name, ``"hybrid"`` (the strategy that composes the mesh's
-    dimensions), or ``"auto"`` (the planner picks the simplest strategy whose
-    memory fits, when the model is prepared); ``None`` picks ``"hybrid"`` when a mesh is given, else
+    strategy: str | StrategySpec | None = None
+    """A strategy object with its options (``FSDP(param_dtype="bf16")``,
+    ``DDP(bucket_cap_mb=50)``), or a registry name for its defaults (``"fsdp"``),
+    ``"hybrid"`` (the strategy that composes the mesh's dimensions), or
+    ``"auto"`` (the planner picks the simplest strategy whose memory fits, when
+    the model is prepared); ``None`` picks ``"hybrid"`` when a mesh is given, else
     ``"ddp"`` when launched with several processes and ``"single"`` otherwise."""
     precision: Precision = "auto"
     """``"auto"``: bf16 autocast on GPUs with bf16 (compute capability >= 8.0),
@@ -56,18 +56,18 @@ class ParallelConfig:
     """Force a backend (``"gloo"``, ``"nccl"``); default from the device."""
     device: str | None = None
     """Force a device (``"cpu"``); default ``cuda:LOCAL_RANK`` or CPU."""
-    ddp: DDPOptions = field(default_factory=DDPOptions)
-    """Knobs of ``"ddp"``."""
-    fsdp: FSDPOptions = field(default_factory=FSDPOptions)
-    """Knobs of ``"fsdp"`` / ``"zero2"``."""
+    ddp: Any = None
+    """Deprecated: ``strategy=DDP(...)`` (or ``Zero1(...)``)."""
+    fsdp: Any = None
+    """Deprecated: ``strategy=FSDP(...)`` (or ``Zero2(...)``, ``Tensor(fsdp=...)``)."""
     model_stages: int | None = None
-    """``"model"``: devices to split the layers over (default: all GPUs, or 2)."""
-    pipeline: PipelineOptions = field(default_factory=PipelineOptions)
-    """Knobs of ``"pipeline"`` (loss_fn, microbatches, schedule, split points)."""
-    tensor: TensorOptions = field(default_factory=TensorOptions)
-    """Knobs of ``"tensor"`` (the plan)."""
-    ps: PSOptions = field(default_factory=PSOptions)
-    """Knobs of ``"ps"`` (servers, sync or async, max_staleness)."""
+    """Deprecated: ``strategy=ModelParallel(stages=...)``."""
+    pipeline: Any = None
+    """Deprecated: ``strategy=Pipeline(...)``."""
+    tensor: Any = None
+    """Deprecated: ``strategy=Tensor(...)``."""
+    ps: Any = None
+    """Deprecated: ``strategy=PS(...)``."""
     mesh: MeshSpec | Mapping[str, int] | None = None
     """Sizes per named dimension (``pp``, ``dp``, ``fsdp``, ``tp``), e.g.
     ``{"dp": 2, "tp": -1}``; ``-1`` is inferred from the world size."""
@@ -97,8 +97,7 @@ class ParallelConfig:
                 "strategy 'hybrid' composes the dimensions of a mesh: give one, "
                 "e.g. mesh={'dp': 2, 'tp': -1}"
             )
-        if self.strategy not in (None, "hybrid", "auto"):
-            card(self.strategy)  # raises with the list of names
+        self._check_strategy()
         if self.precision not in PRECISIONS:
             raise UsageError(
                 f"unknown precision {self.precision!r}; choose one of {', '.join(PRECISIONS)}"
@@ -125,6 +124,49 @@ class ParallelConfig:
         ):
             raise UsageError(f"timeout_s must be a finite number of seconds > 0, got {t!r}")
 
+    def _check_strategy(self) -> None:
+        given = self.legacy.given()
+        if isinstance(self.strategy, StrategySpec):
+            if given:
+                kind = type(self.strategy).__name__
+                raise UsageError(
+                    f"{', '.join(f'{k}=' for k in given)} and a strategy object both give "
+                    f"options: put them on the object, e.g. strategy={kind}(...)"
+                )
+            return
+        if isinstance(self.strategy, type) and issubclass(self.strategy, StrategySpec):
+            raise UsageError(
+                f"strategy={self.strategy.__name__} is the class: give an object, "
+                f"strategy={self.strategy.__name__}()"
+            )
+        if self.strategy is not None and not isinstance(self.strategy, str):
+            raise UsageError(
+                f"strategy takes a name ('ddp') or a strategy object (DDP(...)), "
+                f"not {self.strategy!r}"
+            )
+        if self.strategy not in (None, "hybrid", "auto"):
+            spec_class(self.strategy)  # raises with the list of names
+        if given:
+            warn_user(
+                f"Parallel({', '.join(f'{k}=...' for k in given)}) is deprecated and goes in "
+                "the next release: give the strategy object with its options, e.g. "
+                "strategy=FSDP(param_dtype='bf16'), DDP(bucket_cap_mb=50), PS(servers=2)",
+                FutureWarning,
+            )
+
+    @property
+    def legacy(self) -> Legacy:
+        """The deprecated per-strategy keywords, as given."""
+        return Legacy(ddp=self.ddp, fsdp=self.fsdp, model_stages=self.model_stages,
+                      pipeline=self.pipeline, tensor=self.tensor, ps=self.ps)  # fmt: skip
+
+    def strategy_object(self, name: str) -> StrategySpec:
+        """The object of strategy ``name``: the one given, else its defaults (and the
+        deprecated keywords' knobs)."""
+        if isinstance(self.strategy, StrategySpec) and self.strategy.name == name:
+            return self.strategy
+        return spec_class(name).from_legacy(self.legacy)
+
     @property
     def compile_options(self) -> CompileOptions | None:
         """What ``compile`` asks for as options (``True``: torch's defaults), or ``None``."""
@@ -138,6 +180,8 @@ class ParallelConfig:
         ``served``: launched with parameter servers (``manygpu launch --ps K``),
         which then is the strategy unless the script names one.
         """
+        if isinstance(self.strategy, StrategySpec):
+            return self.strategy.name
         if self.strategy not in (None, "hybrid", "auto"):
             return self.strategy
         if self.strategy != "auto" and isinstance(self.mesh, MeshSpec):

@@ -10,7 +10,6 @@ from __future__ import annotations
 import contextlib
 import random
 from collections.abc import Iterable, Iterator
-from dataclasses import replace
 from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
@@ -51,13 +50,7 @@ from manygpu.runtime import env as envmod
 from manygpu.runtime.cluster import ClusterInfo, detect_cluster
 from manygpu.runtime.device import choose_backend, choose_device, set_cpu_threads
 from manygpu.runtime.process_group import init_distributed, teardown
-from manygpu.strategies import (
-    MeshSpec,
-    Strategy,
-    StrategyOptions,
-    get_strategy,
-    serving_strategy,
-)
+from manygpu.strategies import JobOptions, MeshSpec, Strategy, StrategySpec, serving_strategy
 from manygpu.warn import warn_user
 
 if TYPE_CHECKING:
@@ -103,13 +96,11 @@ class Parallel:
         self.config = config if config is not None else ParallelConfig(**fields)
         environ = envmod.current()
         self.cluster = cluster if cluster is not None else detect_cluster(environ)
-        launched_servers = envmod.ps_servers(environ)
         self.strategy_name = self.config.resolved_strategy(
-            self.cluster.world_size, served=launched_servers is not None
+            self.cluster.world_size, served=envmod.ps_servers(environ) is not None
         )
-        strategy_cls = get_strategy(self.strategy_name)
-        _check_served(strategy_cls, launched_servers)
-        options = self._strategy_options(launched_servers, "fp32")  # precision: below
+        strategy_cls = _check_served(self.config.strategy_object(self.strategy_name), environ)
+        options = self.config.strategy_object(self.strategy_name).launched(environ)
         device = self._device(strategy_cls, options, environ)
         capability, self._device_name = cuda_facts(device)
         self.precision_choice: PrecisionChoice = resolve_precision(
@@ -117,9 +108,9 @@ class Parallel:
             refused=strategy_cls.refused_precisions,
         )  # fmt: skip
         """What ``precision=`` became on this device (``"auto"`` resolved)."""
-        options = replace(options, precision=self.precision_choice.precision)
-        strategy_cls.validate_world(self.cluster, options)
-        strategy_cls.validate_features(options)
+        job = self._job_options(self.precision_choice.precision)
+        strategy_cls.validate_world(self.cluster, options, job)
+        strategy_cls.validate_features(job)
         self.timeout_s = self.config.timeout_s or envmod.timeout_s(environ)
         if device.type == "cuda":
             torch.cuda.set_device(device)
@@ -128,6 +119,7 @@ class Parallel:
         self._ctx = strategy_cls.join(
             self.cluster,
             options,
+            job,
             device=device,
             backend=choose_backend(device, self.config.backend),
             timeout_s=self.timeout_s,
@@ -135,7 +127,7 @@ class Parallel:
         # The job as this rank's role sees it: a parameter-server job's workers
         # count workers only (the servers never run the loop).
         self.cluster = self._ctx.cluster
-        self.strategy: Strategy = strategy_cls(self._ctx, options)
+        self.strategy: Strategy[Any] = strategy_cls(self._ctx, options, job)
         self.precision = PrecisionPlugin(self.precision_choice.precision, device)
         self._restore_tf32 = apply_tf32(self.precision_choice)
         self._channels_last = False  # set when a prepared model runs channels_last
@@ -496,16 +488,17 @@ class Parallel:
         )
         if name != self.strategy_name:
             # The chosen strategy's own checks and group needs, not the provisional one's.
-            chosen = get_strategy(name)
-            options = self._strategy_options(None, self.precision_choice.precision)
-            chosen.validate_world(self.cluster, options)
-            chosen.validate_features(options)
+            options = self.config.strategy_object(name)
+            chosen = options.implementation()
+            job = self._job_options(self.precision_choice.precision)
+            chosen.validate_world(self.cluster, options, job)
+            chosen.validate_features(job)
             if chosen.needs_process_group and not self._ctx.owns_group and self.world_size == 1:
                 self._ctx = init_distributed(
                     self.cluster, device=self.device, backend=self._ctx.backend,
                     timeout_s=self.timeout_s, force=True,
                 )  # fmt: skip
-            self.strategy = chosen(self._ctx, options)
+            self.strategy = chosen(self._ctx, options, job)
             self.strategy_name = name
         self.print(f"manygpu: strategy='auto' chose {name!r}")
 
@@ -521,23 +514,17 @@ class Parallel:
         )
 
     def _device(
-        self, strategy_cls: type[Strategy], options: StrategyOptions, environ: envmod.Environ
+        self, strategy_cls: type[Strategy[Any]], options: StrategySpec, environ: envmod.Environ
     ) -> torch.device:
         """This rank's device: the strategy's slot among this node's GPUs (none: the CPU)."""
-        slot = strategy_cls.device_slot(self.cluster, options)
+        slot = strategy_cls.device_slot(self.cluster, options, self._job_options("fp32"))
         if slot is None:
             return torch.device("cpu")
         return choose_device(slot, self.config.device, envmod.gpus_bound_per_task(environ))
 
-    def _strategy_options(self, launched_servers: int | None, precision: str) -> StrategyOptions:
+    def _job_options(self, precision: str) -> JobOptions:
         cfg = self.config
-        return StrategyOptions(
-            ps=cfg.ps.with_launched(launched_servers),
-            ddp=cfg.ddp,
-            fsdp=cfg.fsdp,
-            model_stages=cfg.model_stages,
-            pipeline=cfg.pipeline,
-            tensor=cfg.tensor,
+        return JobOptions(
             mesh=cfg.mesh if isinstance(cfg.mesh, MeshSpec) else None,
             precision=precision,
             grad_accum_steps=cfg.grad_accum_steps,
@@ -590,11 +577,15 @@ class Parallel:
             raise CollectiveTimeoutError(self.rank, operation, self.timeout_s, detail) from exc
 
 
-def _check_served(strategy_cls: type[Strategy], launched_servers: int | None) -> None:
-    """``manygpu launch --ps K`` makes the first K ranks servers: only a serving strategy fits."""
+def _check_served(options: StrategySpec, environ: envmod.Environ) -> type[Strategy[Any]]:
+    """The strategy's class; ``manygpu launch --ps K`` makes the first K ranks servers, and
+    only a serving strategy fits."""
+    strategy_cls = options.implementation()
+    launched_servers = envmod.ps_servers(environ)
     if launched_servers is not None and not strategy_cls.card.serves:
         raise UsageError(
             f"launched with --ps {launched_servers} (parameter servers), but the script asks "
             f"for strategy {strategy_cls.name!r}: use strategy={serving_strategy()!r} or "
             "launch without --ps"
         )
+    return strategy_cls

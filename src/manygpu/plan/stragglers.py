@@ -103,7 +103,7 @@ def samples_per_s(
 
     ``batch``: samples per worker per step. For parameter servers the first
     ``servers`` hosts serve and the others train (as ``manygpu launch --ps``
-    places them); ``mode`` and ``max_staleness`` are :class:`~manygpu.PSOptions`'.
+    places them); ``mode`` and ``max_staleness`` are :class:`~manygpu.PS`'.
     """
     grads = card(strategy).comm.grads
     if grads == "all_reduce":

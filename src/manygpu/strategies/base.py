@@ -9,8 +9,8 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Callable
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, ClassVar
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, ClassVar, Generic, TypeVar
 
 import torch
 from torch import nn
@@ -19,15 +19,8 @@ from manygpu.errors import UsageError
 from manygpu.runtime.cluster import ClusterInfo
 from manygpu.runtime.process_group import DistContext, init_distributed
 from manygpu.strategies.mesh import MeshSpec, check_dims
-from manygpu.strategies.options import (
-    CompileOptions,
-    DDPOptions,
-    FSDPOptions,
-    PipelineOptions,
-    PSOptions,
-    TensorOptions,
-    compile_in_place,
-)
+from manygpu.strategies.options import CompileOptions, compile_in_place
+from manygpu.strategies.spec import StrategySpec
 
 if TYPE_CHECKING:
     from manygpu.checkpoint.formats import Format
@@ -38,22 +31,13 @@ CommProbe = Callable[[], "tuple[int, float] | None"]
 """See :meth:`Strategy.comm_probe`."""
 
 
-@dataclass(frozen=True, kw_only=True)
-class StrategyOptions:
-    """All strategy knobs; each strategy reads the part it owns."""
+OptionsT = TypeVar("OptionsT", bound=StrategySpec)
 
-    ddp: DDPOptions = field(default_factory=DDPOptions)
-    """Used by ``"ddp"`` and ``"zero1"``."""
-    fsdp: FSDPOptions = field(default_factory=FSDPOptions)
-    """Used by ``"fsdp"`` and ``"zero2"``."""
-    model_stages: int | None = None
-    """Used by ``"model"``: how many devices to split over (default: all GPUs, or 2)."""
-    pipeline: PipelineOptions = field(default_factory=PipelineOptions)
-    """Used by ``"pipeline"``."""
-    tensor: TensorOptions = field(default_factory=TensorOptions)
-    """Used by ``"tensor"``."""
-    ps: PSOptions = field(default_factory=PSOptions)
-    """Used by ``"ps"`` (servers decided: the script's or ``manygpu launch --ps``'s)."""
+
+@dataclass(frozen=True, kw_only=True)
+class JobOptions:
+    """What the job asks of every strategy (its own knobs are on its object)."""
+
     mesh: MeshSpec | None = None
     """Sizes per named dimension for strategies that compose (``None``: their default)."""
     precision: str = "fp32"
@@ -66,11 +50,13 @@ class StrategyOptions:
     """The job's channels_last setting (``None``: automatic), for strategies that refuse it."""
 
 
-class Strategy(ABC):
-    """How one process takes part in training."""
+class Strategy(ABC, Generic[OptionsT]):
+    """How one process takes part in training, with the options of its object ``OptionsT``."""
 
+    spec_class: ClassVar[type[StrategySpec]]
+    """The object users pick this strategy by (``DDP``); its name and card are this class's."""
     name: ClassVar[str]
-    """Registry name, e.g. ``"ddp"`` (set by :func:`~.registry.register`)."""
+    """Registry name, e.g. ``"ddp"`` (from :attr:`spec_class`)."""
     card: ClassVar[StrategyCard]
     """What the planner knows of this strategy: costs, loop, checkpoint format."""
     needs_process_group: ClassVar[bool] = False
@@ -97,46 +83,57 @@ class Strategy(ABC):
     """This process serves the others and never runs the training loop (a parameter
     server: its ``prepare`` ends the process cleanly once the workers are done)."""
 
-    def __init__(self, ctx: DistContext, options: StrategyOptions) -> None:
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        """A class naming its object takes the object's name and card (one source)."""
+        super().__init_subclass__(**kwargs)
+        spec = cls.__dict__.get("spec_class")
+        if spec is not None:
+            cls.name, cls.card = spec.name, spec.card
+            cls.checkpoint_format = spec.card.checkpoint
+            cls.multi_process = not spec.card.one_process
+
+    def __init__(self, ctx: DistContext, options: OptionsT, job: JobOptions) -> None:
         self.ctx = ctx
         self.options = options
+        """This strategy's object, as the user gave it (``DDP(bucket_cap_mb=50)``)."""
+        self.job = job
 
     @classmethod
-    def validate_world(cls, cluster: ClusterInfo, options: StrategyOptions) -> None:
+    def validate_world(cls, cluster: ClusterInfo, options: OptionsT, job: JobOptions) -> None:
         """Raise :class:`~manygpu.errors.UsageError` if this job shape cannot work.
 
         Called before any process group exists, so a bad shape fails at once
         on every rank instead of hanging in a rendezvous.
         """
-        if not cls.multi_process and cluster.world_size > 1 and options.mesh is None:
+        if not cls.multi_process and cluster.world_size > 1 and job.mesh is None:
             raise UsageError(
                 f"strategy {cls.name!r} runs one process that drives its devices, but this "
                 f"job has {cluster.world_size} processes; {cls.instead}"
             )
-        if options.mesh is not None:
+        if job.mesh is not None:
             raise UsageError(
                 f"strategy {cls.name!r} takes no mesh; meshes are for fsdp, tensor, pipeline "
                 "and hybrid"
             )
 
     @classmethod
-    def validate_features(cls, options: StrategyOptions) -> None:
+    def validate_features(cls, job: JobOptions) -> None:
         """Refuse ``compile`` / ``channels_last`` where this strategy cannot do them.
 
         Called with :meth:`validate_world`, before any process group exists.
         """
-        if options.compile is not None and cls.compile_refusal is not None:
+        if job.compile is not None and cls.compile_refusal is not None:
             raise UsageError(
                 f"compile=True does not work with strategy {cls.name!r}: {cls.compile_refusal}"
             )
-        if options.channels_last is True and cls.channels_last_refusal is not None:
+        if job.channels_last is True and cls.channels_last_refusal is not None:
             raise UsageError(
                 f"channels_last=True does not work with strategy {cls.name!r}: "
                 f"{cls.channels_last_refusal}"
             )
 
     @classmethod
-    def device_slot(cls, cluster: ClusterInfo, options: StrategyOptions) -> int | None:
+    def device_slot(cls, cluster: ClusterInfo, options: OptionsT, job: JobOptions) -> int | None:
         """Which of this node's GPUs this rank drives (``None``: none, it runs on the CPU).
 
         Default: the one of its local rank. Parameter servers compute on the CPU,
@@ -148,7 +145,8 @@ class Strategy(ABC):
     def join(
         cls,
         cluster: ClusterInfo,
-        options: StrategyOptions,
+        options: OptionsT,
+        job: JobOptions,
         *,
         device: torch.device,
         backend: str,
@@ -249,7 +247,7 @@ class Strategy(ABC):
         """Release what the strategy holds (hooks, groups)."""
 
 
-class MeshStrategy(Strategy):
+class MeshStrategy(Strategy[OptionsT]):
     """A strategy that composes over named mesh dimensions (see :mod:`.mesh`)."""
 
     mesh_dims: ClassVar[tuple[str, ...]] = ("dp", "fsdp")
@@ -257,20 +255,20 @@ class MeshStrategy(Strategy):
     default_mesh: ClassVar[dict[str, int]] = {"fsdp": -1}
     """The mesh used when the user gives none."""
 
-    def __init__(self, ctx: DistContext, options: StrategyOptions) -> None:
-        super().__init__(ctx, options)
-        self.spec = self.resolve_mesh(ctx.world_size, options)
+    def __init__(self, ctx: DistContext, options: OptionsT, job: JobOptions) -> None:
+        super().__init__(ctx, options, job)
+        self.spec = self.resolve_mesh(ctx.world_size, job)
 
     @classmethod
-    def resolve_mesh(cls, world_size: int, options: StrategyOptions) -> MeshSpec:
+    def resolve_mesh(cls, world_size: int, job: JobOptions) -> MeshSpec:
         """The user's mesh (or the default) with ``-1`` filled in, checked."""
-        spec = options.mesh if options.mesh is not None else MeshSpec(**cls.default_mesh)
+        spec = job.mesh if job.mesh is not None else MeshSpec(**cls.default_mesh)
         check_dims(cls.name, spec, cls.mesh_dims)
         return spec.resolve(world_size)
 
     @classmethod
-    def validate_world(cls, cluster: ClusterInfo, options: StrategyOptions) -> None:
-        cls.resolve_mesh(cluster.world_size, options)
+    def validate_world(cls, cluster: ClusterInfo, options: OptionsT, job: JobOptions) -> None:
+        cls.resolve_mesh(cluster.world_size, job)
 
     def data_shard(self) -> tuple[int, int]:
         return self.spec.data_rank(self.ctx.rank), self.spec.data_size

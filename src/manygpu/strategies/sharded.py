@@ -25,21 +25,21 @@ from torch.distributed.fsdp import (
 
 from manygpu.errors import UsageError
 from manygpu.runtime.process_group import DistContext
-from manygpu.strategies.base import MeshStrategy, StrategyOptions
-from manygpu.strategies.fsdp_units import shard_units
+from manygpu.strategies.base import JobOptions, MeshStrategy, OptionsT
+from manygpu.strategies.fsdp import FSDP
+from manygpu.strategies.fsdp.units import shard_units
 from manygpu.strategies.mesh import DATA_DIMS, MeshSpec
-from manygpu.strategies.options import FSDPOptions
 
 
-class ReplacingMeshStrategy(MeshStrategy):
+class ReplacingMeshStrategy(MeshStrategy[OptionsT]):
     """A mesh strategy whose wrapping replaces parameters (FSDP2 shards, DTensors, stages)."""
 
     # FSDP2 refuses non-contiguous parameters ("FSDP does not support
     # non-contiguous parameters yet"): weights stay as they are, inputs go channels_last.
     channels_last_weights = False
 
-    def __init__(self, ctx: DistContext, options: StrategyOptions) -> None:
-        super().__init__(ctx, options)
+    def __init__(self, ctx: DistContext, options: OptionsT, job: JobOptions) -> None:
+        super().__init__(ctx, options, job)
         self.prepared_params: set[int] = set()
         """``id`` of every parameter of the prepared model(s)."""
 
@@ -78,9 +78,7 @@ def data_dims(spec: MeshSpec) -> tuple[str, ...]:
     return ("fsdp",) if spec.fsdp > 1 else ()
 
 
-def fsdp_kwargs(
-    opts: FSDPOptions, device: torch.device, *, reshard_after_forward: bool
-) -> dict[str, Any]:
+def fsdp_kwargs(opts: FSDP, device: torch.device, *, reshard_after_forward: bool) -> dict[str, Any]:
     """``fully_shard`` keyword arguments from our options.
 
     CPU offload pins host memory only with a GPU (pinning needs one); on a CPU
@@ -105,7 +103,7 @@ def shard_data_dims(
     children: bool,
     block_classes: tuple[Any, ...] = (),
 ) -> nn.Module:
-    """FSDP2 over the data dimensions: each block (see :mod:`.fsdp_units`), then the root.
+    """FSDP2 over the data dimensions: each block (see :mod:`.fsdp.units`), then the root.
 
     With a 2-D (dp, fsdp) mesh this is HSDP (with fsdp=1, plain replication);
     with 1-D fsdp it is ZeRO-3. It works on parameters that are already

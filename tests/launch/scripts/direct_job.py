@@ -21,7 +21,7 @@ cluster = detect_cluster()
 if what == "group":
     ctx = init_distributed(cluster, device=torch.device("cpu"), backend="gloo", timeout_s=60)
 else:
-    from manygpu.strategies.ps_links import join
+    from manygpu.strategies.ps.links import join
 
     ctx = join(cluster, 1, device=torch.device("cpu"), backend="gloo", timeout_s=60)
 (out / f"ready{cluster.rank}").write_text(cluster.source)

@@ -13,12 +13,12 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from manygpu import Parallel, PSOptions
+from manygpu import PS, Parallel
 
 out, mode, steps = Path(sys.argv[1]), sys.argv[2], int(sys.argv[3])
 rank = int(os.environ["RANK"])
 (out / f"pid{rank}").write_text(str(os.getpid()))
-with Parallel(ps=PSOptions(mode=mode), timeout_s=30) as par:
+with Parallel(strategy=PS(mode=mode), timeout_s=30) as par:
     model = nn.Linear(8, 1)
     model, opt = par.prepare(model, torch.optim.SGD(model.parameters(), lr=0.05))
     gen = torch.Generator().manual_seed(par.rank)

@@ -24,9 +24,9 @@ from torch.nn.parallel import DistributedDataParallel
 from manygpu.errors import UsageError
 from manygpu.runtime.cluster import ClusterInfo
 from manygpu.runtime.device import move_to_device
-from manygpu.strategies.base import Strategy, StrategyOptions
+from manygpu.strategies.base import JobOptions, Strategy
 from manygpu.strategies.mesh import check_dims
-from manygpu.strategies.registry import register
+from manygpu.strategies.model import ModelParallel
 from manygpu.strategies.splitting import balanced_cuts, param_sizes
 
 
@@ -42,9 +42,10 @@ def _stage_devices(count: int, local_rank: int = 0) -> list[torch.device]:
     return [torch.device("cpu")] * count
 
 
-@register("model")
-class ModelParallelStrategy(Strategy):
+class ModelParallelStrategy(Strategy[ModelParallel]):
     """Split an ``nn.Sequential`` over the visible devices (2 CPU stages without GPUs)."""
+
+    spec_class = ModelParallel
 
     instead = (
         "launch one process, give mesh={'dp': -1} for DDP over model-parallel replicas, "
@@ -62,10 +63,10 @@ class ModelParallelStrategy(Strategy):
     """The device of each stage."""
 
     @classmethod
-    def validate_world(cls, cluster: ClusterInfo, options: StrategyOptions) -> None:
-        mesh = options.mesh
+    def validate_world(cls, cluster: ClusterInfo, options: ModelParallel, job: JobOptions) -> None:
+        mesh = job.mesh
         if mesh is None:
-            super().validate_world(cluster, options)
+            super().validate_world(cluster, options, job)
             return
         check_dims(cls.name, mesh, ("dp",))
         mesh.resolve(cluster.world_size)
@@ -85,7 +86,7 @@ class ModelParallelStrategy(Strategy):
             )
         gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
         # Replicas on one node share its GPUs: each gets its own slice.
-        stages = self.options.model_stages or max(2, gpus // self.ctx.cluster.local_world_size)
+        stages = self.options.stages or max(2, gpus // self.ctx.cluster.local_world_size)
         starts = balanced_cuts(param_sizes(module), stages)
         devices = _stage_devices(len(starts), self.ctx.cluster.local_rank)
         bounds = [*starts, len(module)]

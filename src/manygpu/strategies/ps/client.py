@@ -17,8 +17,8 @@ import torch
 
 from manygpu.errors import UsageError
 from manygpu.strategies.optimizer_view import OptimizerView
-from manygpu.strategies.ps_links import Link, PSContext
-from manygpu.strategies.ps_protocol import (
+from manygpu.strategies.ps.links import Link, PSContext
+from manygpu.strategies.ps.protocol import (
     BYE,
     FETCH,
     INIT,

@@ -33,9 +33,9 @@ from manygpu.comm.common import describe, wait
 from manygpu.comm.objects import broadcast_json, parse_each
 from manygpu.errors import UsageError
 from manygpu.runtime.process_group import DistContext
-from manygpu.strategies.base import StrategyOptions
+from manygpu.strategies.base import JobOptions
 from manygpu.strategies.options import CompileOptions, compile_in_place
-from manygpu.strategies.registry import register
+from manygpu.strategies.pipeline import Pipeline
 from manygpu.strategies.sharded import (
     ReplacingMeshStrategy,
     data_dims,
@@ -53,9 +53,10 @@ from manygpu.strategies.splitting import (
 _SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}
 
 
-@register("pipeline")
-class PipelineStrategy(ReplacingMeshStrategy):
+class PipelineStrategy(ReplacingMeshStrategy[Pipeline]):
     """Pipeline parallelism over the ``pp`` mesh dimension (optionally x dp / fsdp)."""
+
+    spec_class = Pipeline
 
     needs_process_group = True
     shards_data = True
@@ -68,35 +69,35 @@ class PipelineStrategy(ReplacingMeshStrategy):
         "leave channels_last unset or False"
     )
 
-    def __init__(self, ctx: DistContext, options: StrategyOptions) -> None:
-        super().__init__(ctx, options)
+    def __init__(self, ctx: DistContext, options: Pipeline, job: JobOptions) -> None:
+        super().__init__(ctx, options, job)
         self._pipelines: list[PipelinedModel] = []
         """The models this strategy prepared: a loss they returned has had its backward."""
 
     @classmethod
-    def validate_world(cls, cluster: Any, options: StrategyOptions) -> None:
-        super().validate_world(cluster, options)
-        if options.precision == "fp16":
+    def validate_world(cls, cluster: Any, options: Pipeline, job: JobOptions) -> None:
+        super().validate_world(cluster, options, job)
+        if job.precision == "fp16":
             raise UsageError(
                 "strategy 'pipeline' does not scale fp16 losses across stages; "
                 "use precision='bf16' or 'fp32'"
             )
-        if options.pipeline.loss_fn is None:
+        if options.loss_fn is None:
             raise UsageError(
                 "strategy 'pipeline' computes the loss on the last stage: give "
-                "PipelineOptions(loss_fn=...), e.g. torch.nn.functional.cross_entropy"
+                "strategy=Pipeline(loss_fn=...), e.g. torch.nn.functional.cross_entropy"
             )
-        points = options.pipeline.split_points
-        stages = cls.resolve_mesh(cluster.world_size, options).pp
+        points = options.split_points
+        stages = cls.resolve_mesh(cluster.world_size, job).pp
         if points is not None and len(points) != stages - 1:
             raise UsageError(
                 f"split_points {list(points)} gives {len(points) + 1} stages but the "
                 f"pipeline has {stages} (mesh pp={stages}); give {stages - 1} split point(s)"
             )
-        if options.grad_accum_steps != 1:
+        if job.grad_accum_steps != 1:
             raise UsageError(
                 "strategy 'pipeline' accumulates over micro-batches already: set "
-                "grad_accum_steps=1 and raise PipelineOptions(microbatches=...) instead"
+                "grad_accum_steps=1 and raise strategy=Pipeline(microbatches=...) instead"
             )
 
     def setup_module(self, module: nn.Module) -> nn.Module:
@@ -105,7 +106,7 @@ class PipelineStrategy(ReplacingMeshStrategy):
                 "strategy 'pipeline' splits an nn.Sequential into stages; wrap your layers "
                 f"in one, not a {type(module).__name__}"
             )
-        opts = self.options.pipeline
+        opts = self.options
         device = self.ctx.device
         names = ("pp", *data_dims(self.spec))
         mesh = self.spec.build(device.type, names)
@@ -134,7 +135,7 @@ class PipelineStrategy(ReplacingMeshStrategy):
 
     def _stage_starts(self, module: nn.Sequential, stages: int) -> list[int]:
         """Where each stage begins: the user's split points, or balanced ones."""
-        opts = self.options.pipeline
+        opts = self.options
         if opts.split_points is not None:
             return starts_from_split_points(opts.split_points, len(module), stages)
         if opts.balance == "params":

@@ -12,10 +12,10 @@ from torch.nn.parallel import DistributedDataParallel
 
 from manygpu.errors import UsageError
 from manygpu.runtime.cluster import ClusterInfo
-from manygpu.strategies.base import CommProbe, Strategy, StrategyOptions
+from manygpu.strategies.base import CommProbe, JobOptions, Strategy
+from manygpu.strategies.ddp import DDP
 from manygpu.strategies.mesh import check_dims
 from manygpu.strategies.options import CompileOptions, compile_in_place
-from manygpu.strategies.registry import register
 
 _HOOKS = {
     "fp16": default_hooks.fp16_compress_hook,
@@ -30,22 +30,23 @@ def _buffer_sync_kwarg(enabled: bool) -> dict[str, Any]:
     return {name: enabled}
 
 
-@register("ddp")
-class DDPStrategy(Strategy):
+class DDPStrategy(Strategy[DDP]):
     """Replicate the model on every rank; DDP overlaps all-reduce with backward."""
+
+    spec_class = DDP
 
     needs_process_group = True
     shards_data = True
 
     @classmethod
-    def validate_world(cls, cluster: ClusterInfo, options: StrategyOptions) -> None:
+    def validate_world(cls, cluster: ClusterInfo, options: DDP, job: JobOptions) -> None:
         # A mesh of data-parallel replicas only (what strategy="hybrid" maps here).
-        if options.mesh is not None:
-            check_dims(cls.name, options.mesh, ("dp",))
-            options.mesh.resolve(cluster.world_size)
+        if job.mesh is not None:
+            check_dims(cls.name, job.mesh, ("dp",))
+            job.mesh.resolve(cluster.world_size)
 
     def setup_module(self, module: nn.Module) -> nn.Module:
-        opts = self.options.ddp
+        opts = self.options
         if opts.grad_compression == "bf16" and self.ctx.backend != "nccl":
             raise UsageError(
                 "grad_compression='bf16' needs the NCCL backend (CUDA GPUs); "
@@ -122,7 +123,7 @@ def _sync_batchnorm(module: nn.Module, device: torch.device) -> nn.Module:
     """BatchNorm layers as ``SyncBatchNorm`` (same parameters), refused where torch has none."""
     if device.type != "cuda":
         raise UsageError(
-            "DDPOptions(sync_batchnorm=True) needs CUDA devices (torch's SyncBatchNorm has no "
+            "DDP(sync_batchnorm=True) needs CUDA devices (torch's SyncBatchNorm has no "
             "CPU kernel); on CPU leave it off: each rank then normalises by its own batch"
         )
     return nn.SyncBatchNorm.convert_sync_batchnorm(module)

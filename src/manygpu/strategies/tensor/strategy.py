@@ -26,13 +26,13 @@ from torch.distributed.tensor.parallel import (
 )
 
 from manygpu.errors import UsageError
-from manygpu.strategies.registry import register
 from manygpu.strategies.sharded import (
     ReplacingMeshStrategy,
     data_dims,
     fsdp_kwargs,
     shard_data_dims,
 )
+from manygpu.strategies.tensor import Tensor
 
 # Leaf names of common layers (Llama, GPT-2/NeoX, BERT-style, torch's MLPs).
 # Fused q/k/v projections (c_attn, qkv) are left out on purpose: a colwise
@@ -50,9 +50,10 @@ _PATH_SUFFIXES = (
 _STYLES = {"colwise": ColwiseParallel, "rowwise": RowwiseParallel}
 
 
-@register("tensor")
-class TensorParallelStrategy(ReplacingMeshStrategy):
+class TensorParallelStrategy(ReplacingMeshStrategy[Tensor]):
     """Tensor parallelism over ``tp`` (optionally x dp / fsdp)."""
+
+    spec_class = Tensor
 
     needs_process_group = True
     shards_data = True
@@ -63,7 +64,7 @@ class TensorParallelStrategy(ReplacingMeshStrategy):
         module = module.to(self.ctx.device)
         names = (*data_dims(self.spec), "tp")
         mesh = self.spec.build(self.ctx.device.type, names)
-        given = self.options.tensor.plan
+        given = self.options.plan
         plan = resolve_plan(module, given) if given is not None else default_plan(module)
         check_divisible(module, plan, self.spec.tp)
         parallelize_module(module, mesh["tp"], plan)
@@ -93,7 +94,7 @@ def default_plan(module: nn.Module) -> dict[str, ParallelStyle]:
     if not any(isinstance(s, RowwiseParallel) for s in plan.values()):
         raise UsageError(
             "strategy 'tensor' found column-parallel layers but no row-parallel one to "
-            "gather their outputs; give TensorOptions(plan={'path.to.linear': 'rowwise', ...})"
+            "gather their outputs; give strategy=Tensor(plan={'path.to.linear': 'rowwise', ...})"
         )
     return plan
 
@@ -119,7 +120,7 @@ def _no_plan_message(module: nn.Module) -> str:
     return (
         "strategy 'tensor' found no layers to split (no q/k/v/out, fc1/fc2, w1/w2/w3 "
         "Linears, nor Linear-activation-Linear in an nn.Sequential); give "
-        "TensorOptions(plan={'path.to.linear': 'colwise', ...})"
+        "strategy=Tensor(plan={'path.to.linear': 'colwise', ...})"
     )
 
 

@@ -16,7 +16,7 @@ worker's pull and its push).
 A worker that goes away is dropped in ``async`` mode (one line on stderr);
 in ``sync`` mode the server stops with an error naming it, as a step cannot
 be completed without it. A worker whose message breaks the protocol (a size
-beyond the shard, an unknown kind: see :func:`.ps_protocol.request_problem`)
+beyond the shard, an unknown kind: see :func:`.protocol.request_problem`)
 is treated the same way, with a line saying what it sent. When every worker
 has said goodbye the server leaves :meth:`~manygpu.Parallel.prepare` with
 :class:`ServingDone`, a clean ``SystemExit(0)``.
@@ -35,9 +35,9 @@ import torch.distributed as dist
 
 from manygpu.comm.common import first_line
 from manygpu.errors import CollectiveTimeoutError
-from manygpu.strategies.options import PSOptions
-from manygpu.strategies.ps_links import Link, PSContext, lost, short
-from manygpu.strategies.ps_protocol import (
+from manygpu.strategies.ps import PS
+from manygpu.strategies.ps.links import Link, PSContext, lost, short
+from manygpu.strategies.ps.protocol import (
     BYE,
     FETCH,
     GONE,
@@ -115,7 +115,7 @@ class ShardServer:
         groups: dict[int, dict[str, Any]],
         hypers: HyperLayout,
         indices: tuple[int, ...],
-        options: PSOptions,
+        options: PS,
     ) -> None:
         self.ctx, self.params, self.optimizer, self.groups = ctx, params, optimizer, groups
         self.indices = indices

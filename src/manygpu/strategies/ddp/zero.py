@@ -11,13 +11,14 @@ import inspect
 import torch
 
 from manygpu.errors import UsageError
-from manygpu.strategies.ddp import DDPStrategy
-from manygpu.strategies.registry import register
+from manygpu.strategies.ddp import Zero1
+from manygpu.strategies.ddp.strategy import DDPStrategy
 
 
-@register("zero1")
 class Zero1Strategy(DDPStrategy):
     """Replicated parameters and gradients, sharded optimizer state."""
+
+    spec_class = Zero1
 
     def setup_optimizer(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
         if _has_stepped(optimizer):

@@ -1,17 +1,17 @@
 """``"ps"``: parameter servers, synchronous or asynchronous (TensorFlow's ParameterServerStrategy).
 
-The first ``PSOptions.servers`` ranks (or ``manygpu launch --ps K``) are
+The first ``PS.servers`` ranks (or ``manygpu launch --ps K``) are
 servers; the rest are workers. The user's script runs unchanged on both:
 
 - a worker's ``prepare`` returns the model on its device, its share of the
-  data and a :class:`~.ps_client.PSOptimizer` whose ``step()`` pushes the
+  data and a :class:`~.client.PSOptimizer` whose ``step()`` pushes the
   gradients and pulls the parameters. Workers form the job's process group
   on their own: ``par.rank`` / ``par.world_size`` count workers and the first
   worker is the main process that prints and saves checkpoints.
 - a server's ``prepare`` never returns into the loop: when the optimizer is
   prepared it builds the user's optimizer class (its defaults and each param
   group's settings) over its shard, serves until every worker has finished,
-  and then leaves with :class:`~.ps_server.ServingDone`, a ``SystemExit(0)``,
+  and then leaves with :class:`~.server.ServingDone`, a ``SystemExit(0)``,
   like TensorFlow's ``server.join()``. Code after ``prepare`` (the loop,
   evaluation, saving) therefore runs on the workers only, which is where it
   belongs; code before it runs on every rank (servers among themselves).
@@ -34,26 +34,26 @@ from torch import nn
 from manygpu.errors import UsageError
 from manygpu.runtime.cluster import ClusterInfo
 from manygpu.runtime.process_group import DistContext
-from manygpu.strategies.base import Strategy, StrategyOptions
-from manygpu.strategies.options import PSOptions
-from manygpu.strategies.ps_client import PSClient, PSOptimizer, PSStats
-from manygpu.strategies.ps_links import PSContext, join
-from manygpu.strategies.ps_protocol import HyperLayout, balance
-from manygpu.strategies.ps_server import ServingDone, ShardServer
-from manygpu.strategies.registry import register
-from manygpu.strategies.zero import _constructor_keys
+from manygpu.strategies.base import JobOptions, Strategy
+from manygpu.strategies.ddp.zero import _constructor_keys
+from manygpu.strategies.ps import PS
+from manygpu.strategies.ps.client import PSClient, PSOptimizer, PSStats
+from manygpu.strategies.ps.links import PSContext, join
+from manygpu.strategies.ps.protocol import HyperLayout, balance
+from manygpu.strategies.ps.server import ServingDone, ShardServer
 
 
-@register("ps")
-class ParameterServerStrategy(Strategy):
+class ParameterServerStrategy(Strategy[PS]):
     """Servers hold the parameters and optimizer state; workers push and pull."""
+
+    spec_class = PS
 
     needs_process_group = True
     shards_data = True
     refused_precisions = frozenset({"fp16"})
 
-    def __init__(self, ctx: DistContext, options: StrategyOptions) -> None:
-        super().__init__(ctx, options)
+    def __init__(self, ctx: DistContext, options: PS, job: JobOptions) -> None:
+        super().__init__(ctx, options, job)
         if not isinstance(ctx, PSContext):
             raise UsageError("strategy 'ps' needs its own process groups: create it via Parallel")
         self.ps: PSContext = ctx
@@ -63,10 +63,10 @@ class ParameterServerStrategy(Strategy):
         self._optimizer: torch.optim.Optimizer | None = None
 
     @classmethod
-    def validate_world(cls, cluster: ClusterInfo, options: StrategyOptions) -> None:
+    def validate_world(cls, cluster: ClusterInfo, options: PS, job: JobOptions) -> None:
         servers = _servers(options)
-        if options.mesh is not None:
-            raise UsageError("strategy 'ps' takes no mesh; give PSOptions(servers=...)")
+        if job.mesh is not None:
+            raise UsageError("strategy 'ps' takes no mesh; give PS(servers=...)")
         if cluster.world_size <= servers:
             raise UsageError(
                 f"strategy 'ps' with {servers} server(s) needs at least {servers + 1} "
@@ -75,7 +75,7 @@ class ParameterServerStrategy(Strategy):
             )
 
     @classmethod
-    def device_slot(cls, cluster: ClusterInfo, options: StrategyOptions) -> int | None:
+    def device_slot(cls, cluster: ClusterInfo, options: PS, job: JobOptions) -> int | None:
         """Servers use no GPU; a node's workers take its GPUs from the first one."""
         servers_here = servers_on_node(cluster, _servers(options))
         if cluster.local_rank < servers_here:
@@ -86,13 +86,14 @@ class ParameterServerStrategy(Strategy):
     def join(
         cls,
         cluster: ClusterInfo,
-        options: StrategyOptions,
+        options: PS,
+        job: JobOptions,
         *,
         device: torch.device,
         backend: str,
         timeout_s: float,
     ) -> DistContext:
-        """Role groups and links instead of one group over every rank (see :mod:`.ps_links`)."""
+        """Role groups and links instead of one group over every rank (see :mod:`.links`)."""
         return join(cluster, _servers(options), device=device, backend=backend, timeout_s=timeout_s)
 
     def data_shard(self) -> tuple[int, int]:
@@ -115,10 +116,10 @@ class ParameterServerStrategy(Strategy):
         hypers = HyperLayout.of(optimizer.param_groups)
         if self.serves:
             server = _build_server(self.ps, optimizer, params, shards[self.ps.index], hypers,
-                                   self.options.ps)  # fmt: skip
+                                   self.options)  # fmt: skip
             raise ServingDone(server.serve())
         self._client = PSClient(self.ps, params=params, shards=shards, hypers=hypers,
-                                mode=self.options.ps.mode)  # fmt: skip
+                                mode=self.options.mode)  # fmt: skip
         self._optimizer = optimizer
         if self.ps.index == 0:
             self._client.send_init()
@@ -129,7 +130,7 @@ class ParameterServerStrategy(Strategy):
         self, parameters: list[torch.Tensor], max_norm: float, norm_type: float
     ) -> torch.Tensor | None:
         """Sync: the servers clip the averaged gradient; async: each worker clips its own."""
-        if self.options.ps.mode == "async" or self._client is None or self._optimizer is None:
+        if self.options.mode == "async" or self._client is None or self._optimizer is None:
             return None
         given = {id(p) for p in parameters}
         if any(id(p) not in given for p in self._client.params):
@@ -179,8 +180,8 @@ def servers_on_node(cluster: ClusterInfo, servers: int) -> int:
     return max(0, min(servers - first, cluster.local_world_size))
 
 
-def _servers(options: StrategyOptions) -> int:
-    return options.ps.servers if options.ps.servers is not None else 1
+def _servers(options: PS) -> int:
+    return options.servers if options.servers is not None else 1
 
 
 def _checked_params(optimizer: torch.optim.Optimizer, servers: int) -> list[torch.Tensor]:
@@ -207,7 +208,7 @@ def _build_server(
     params: list[torch.Tensor],
     indices: tuple[int, ...],
     hypers: HyperLayout,
-    options: PSOptions,
+    options: PS,
 ) -> ShardServer:
     """This server's shard (CPU copies) and the user's optimizer class built over it."""
     mine = set(indices)

@@ -11,13 +11,14 @@ import torch
 from torch import nn
 
 from manygpu.strategies.base import Strategy
-from manygpu.strategies.registry import register
+from manygpu.strategies.dp import DataParallel
 from manygpu.warn import warn_user
 
 
-@register("dp")
-class DataParallelStrategy(Strategy):
+class DataParallelStrategy(Strategy[DataParallel]):
     """Single-process data parallelism over all visible GPUs."""
+
+    spec_class = DataParallel
 
     instead = "use strategy='ddp' (nn.DataParallel is the one-process way)"
     compile_refusal = (

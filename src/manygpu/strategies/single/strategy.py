@@ -5,12 +5,13 @@ from __future__ import annotations
 from torch import nn
 
 from manygpu.strategies.base import Strategy
-from manygpu.strategies.registry import register
+from manygpu.strategies.single import Single
 
 
-@register("single")
-class SingleDevice(Strategy):
+class SingleDevice(Strategy[Single]):
     """Plain training on this process's device."""
+
+    spec_class = Single
 
     def setup_module(self, module: nn.Module) -> nn.Module:
         return module.to(self.ctx.device)

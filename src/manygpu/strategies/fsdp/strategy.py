@@ -23,8 +23,8 @@ from typing import ClassVar
 from torch import nn
 from torch.distributed.fsdp import FSDPModule
 
+from manygpu.strategies.fsdp import FSDP, Zero2
 from manygpu.strategies.options import CompileOptions, compile_in_place
-from manygpu.strategies.registry import register
 from manygpu.strategies.sharded import (
     ReplacingMeshStrategy,
     data_dims,
@@ -33,9 +33,10 @@ from manygpu.strategies.sharded import (
 )
 
 
-@register("fsdp")
-class FSDPStrategy(ReplacingMeshStrategy):
+class FSDPStrategy(ReplacingMeshStrategy[FSDP]):
     """ZeRO-3 through FSDP2: every rank holds 1/N of parameters, grads and optimizer state."""
+
+    spec_class = FSDP
 
     needs_process_group = True
     shards_data = True
@@ -44,7 +45,7 @@ class FSDPStrategy(ReplacingMeshStrategy):
     default_mesh: ClassVar[dict[str, int]] = {"fsdp": -1}
 
     def setup_module(self, module: nn.Module) -> nn.Module:
-        opts = self.options.fsdp
+        opts = self.options
         if not opts.cpu_offload:
             module = module.to(self.ctx.device)
         names = data_dims(self.spec) or ("fsdp",)
@@ -76,8 +77,9 @@ class FSDPStrategy(ReplacingMeshStrategy):
         compile_in_place(module, replace(options, fullgraph=False))
 
 
-@register("zero2")
 class Zero2Strategy(FSDPStrategy):
     """ZeRO-2 through FSDP2: parameters stay gathered between forward and backward."""
+
+    spec_class = Zero2
 
     reshard_after_forward = False

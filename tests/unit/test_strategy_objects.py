@@ -1,0 +1,197 @@
+"""A strategy is an object that carries its options, and a new one is one package.
+
+``Parallel(strategy=DDP(bucket_cap_mb=5))`` reaches torch's DDP; the string is
+the defaults' shorthand; the old per-strategy keywords still work for one
+release, with a warning. The ratchets: the base interface does not grow, and a
+strategy defined outside manygpu (a test's temporary package) plugs in through
+one registry call, touching no manygpu file.
+"""
+
+from __future__ import annotations
+
+import inspect
+import sys
+import warnings
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+from manygpu import DDP, FSDP, PS, DDPOptions, Parallel, ParallelConfig, Pipeline, Tensor
+from manygpu.errors import UsageError
+from manygpu.strategies import Strategy, Zero1, Zero2, available, registry, spec_class
+from manygpu.strategies.base import MeshStrategy
+
+MB = 1024 * 1024
+
+
+def _bucket_cap(par: Parallel) -> int:
+    model = par.prepare(nn.Linear(4, 4))
+    return int(model.bucket_bytes_cap)  # type: ignore[arg-type]
+
+
+def test_the_object_s_options_reach_torch() -> None:
+    chosen = DDP(bucket_cap_mb=5)
+    with Parallel(strategy=chosen, device="cpu") as par:
+        assert par.strategy_name == "ddp" and par.strategy.options is chosen
+        assert _bucket_cap(par) == 5 * MB
+
+
+def test_a_name_is_the_object_with_its_defaults() -> None:
+    with Parallel(strategy="ddp", device="cpu") as par:
+        assert par.strategy.options == DDP()
+        assert _bucket_cap(par) == 25 * MB
+
+
+def test_the_old_keywords_still_work_and_warn_once_per_config() -> None:
+    with pytest.warns(FutureWarning, match=r"Parallel\(ddp=\.\.\.\) is deprecated") as seen:
+        par = Parallel(strategy="ddp", device="cpu", ddp=DDPOptions(bucket_cap_mb=5))
+    assert len(seen) == 1
+    with par:
+        assert par.strategy.options == DDP(bucket_cap_mb=5)
+        assert _bucket_cap(par) == 5 * MB
+
+
+def test_the_old_keywords_map_to_every_strategy_that_read_them() -> None:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)
+        config = ParallelConfig(
+            ddp=DDPOptions(bucket_cap_mb=7), fsdp=FSDP(param_dtype="bf16"), model_stages=3,
+            pipeline=Pipeline(microbatches=8), tensor=Tensor(plan={"fc": "colwise"}),
+            ps=PS(mode="async"),
+        )  # fmt: skip
+    assert config.strategy_object("zero1") == Zero1(bucket_cap_mb=7)
+    assert config.strategy_object("zero2") == Zero2(param_dtype="bf16")
+    assert config.strategy_object("model").stages == 3  # type: ignore[attr-defined]
+    assert config.strategy_object("pipeline") == Pipeline(
+        microbatches=8, fsdp=FSDP(param_dtype="bf16")
+    )
+    assert config.strategy_object("tensor") == Tensor(
+        plan={"fc": "colwise"}, fsdp=FSDP(param_dtype="bf16")
+    )
+    assert config.strategy_object("ps") == PS(mode="async")
+
+
+@pytest.mark.parametrize(
+    "fields, needle",
+    [
+        ({"strategy": DDP(), "ddp": DDPOptions()}, r"ddp= and a strategy object both give"),
+        ({"strategy": DDP}, r"strategy=DDP is the class: give an object, strategy=DDP\(\)"),
+        ({"strategy": 3}, "strategy takes a name"),
+        ({"strategy": "fdsp"}, "unknown strategy 'fdsp'; choose one of"),
+    ],
+)
+def test_a_wrong_strategy_is_one_line(fields: dict[str, object], needle: str) -> None:
+    with pytest.raises(UsageError, match=needle) as info:
+        ParallelConfig(**fields)  # type: ignore[arg-type]
+    assert "\n" not in str(info.value)
+
+
+def test_every_strategy_object_is_registered_by_its_name() -> None:
+    for name in available():
+        spec = spec_class(name)
+        assert spec.name == name and spec.card.name == name
+        assert spec.implementation().spec_class is spec
+        assert ParallelConfig(strategy=spec()).resolved_strategy(2) == name
+
+
+# -- ratchets -----------------------------------------------------------------------
+
+HOOKS_TODAY = 19
+"""Methods of the base interface a strategy may override; the number may only fall."""
+
+
+def _hooks() -> list[str]:
+    own = {**vars(Strategy), **vars(MeshStrategy)}
+    callable_ = (inspect.isfunction, lambda v: isinstance(v, classmethod | property))
+    return sorted(
+        n for n, v in own.items() if not n.startswith("__") and any(f(v) for f in callable_)
+    )
+
+
+def test_the_base_interface_does_not_grow() -> None:
+    hooks = _hooks()
+    assert len(hooks) <= HOOKS_TODAY, (
+        f"Strategy has {len(hooks)} hooks ({', '.join(hooks)}), more than {HOOKS_TODAY}: "
+        "give the new ability its own small protocol that Parallel asks for by capability"
+    )
+
+
+TOY_SPEC = """
+from dataclasses import dataclass
+from typing import ClassVar
+
+from manygpu.checkpoint.formats import FULL
+from manygpu.strategies.costs import CommModel, MemoryModel
+from manygpu.strategies.registry import StrategyCard, register
+from manygpu.strategies.spec import StrategySpec
+
+
+@register
+@dataclass(frozen=True, kw_only=True)
+class Halve(StrategySpec):
+    name: ClassVar[str] = "toy-halve"
+    card: ClassVar[StrategyCard] = StrategyCard(
+        simplicity=99, changes_loop=True, checkpoint=FULL, memory=MemoryModel(),
+        comm=CommModel(replica="one_process", grads="none"), one_process=True,
+        plan_ways="never",
+    )
+    factor: float = 0.5
+
+    @classmethod
+    def implementation(cls):
+        from toy_strategy.work import HalveStrategy
+
+        return HalveStrategy
+"""
+
+TOY_WORK = """
+from manygpu.strategies.base import Strategy
+from toy_strategy import Halve
+
+
+class HalveStrategy(Strategy[Halve]):
+    spec_class = Halve
+
+    def setup_module(self, module):
+        return module.to(self.ctx.device)
+
+    def backward(self, loss):
+        (loss * self.options.factor).backward()
+"""
+
+
+@pytest.fixture
+def toy_package(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
+    """A strategy in a package outside manygpu, registered for this test only."""
+    pkg = tmp_path / "toy_strategy"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text(TOY_SPEC)
+    (pkg / "work.py").write_text(TOY_WORK)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setattr(registry, "_SPECS", dict(registry._SPECS))
+    monkeypatch.setattr(registry, "_EXTRA", list(registry._EXTRA))
+    monkeypatch.setattr(registry, "_loaded", set(registry._loaded))
+    yield "toy_strategy"
+    for name in [m for m in sys.modules if m.startswith("toy_strategy")]:
+        del sys.modules[name]
+
+
+def test_a_new_strategy_is_its_own_package_and_one_registry_call(toy_package: str) -> None:
+    registry.add_package(toy_package)
+    assert "toy-halve" in available()
+    model = nn.Linear(3, 1)
+    x = torch.ones(2, 3)
+    with Parallel(strategy="toy-halve", device="cpu") as par:
+        prepared = par.prepare(model)
+        par.backward(prepared(x).sum())
+        assert par.strategy_name == "toy-halve"
+    assert model.weight.grad is not None
+    assert torch.equal(model.weight.grad, torch.full((1, 3), 1.0))  # 2 rows x 1, halved
+    halve = spec_class("toy-halve")
+    with Parallel(strategy=halve(factor=0.25), device="cpu") as par:  # type: ignore[call-arg]
+        model.weight.grad = None
+        par.backward(par.prepare(model)(x).sum())
+    assert torch.equal(model.weight.grad, torch.full((1, 3), 0.5))
