@@ -76,7 +76,7 @@ _LOSS = Pipeline(loss_fn=sum)
         ({"strategy": "fsdp", "mesh": {"tp": 2}}, "'fsdp' cannot use mesh dimension.*tp=2"),
         ({"strategy": "ddp", "mesh": {"fsdp": 2}}, "'ddp' cannot use mesh dimension.*fsdp=2"),
         ({"strategy": "single", "mesh": {"dp": 1}}, "'single' takes no mesh"),
-        ({"strategy": _LOSS, "mesh": {"pp": 2}, "precision": "fp16"}, "does not scale fp16"),
+        ({"strategy": _LOSS, "mesh": {"pp": 2}, "precision": "fp16"}, "does not scale fp16 losses"),
         ({"strategy": _LOSS, "grad_accum_steps": 2}, r"raise strategy=Pipeline\(microbatches"),
         ({"strategy": "pipeline"}, r"give strategy=Pipeline\(loss_fn=...\)"),
         (

@@ -177,6 +177,8 @@ def test_launched_with_ps_but_another_strategy_is_refused(monkeypatch: pytest.Mo
 
 def test_fp16_is_refused_and_auto_precision_avoids_it() -> None:
     assert "fp16" in get_strategy("ps").refused_precisions  # a skipped step would stall sync
+    with pytest.raises(UsageError, match=r"precision='fp16' does not work with strategy 'ps'"):
+        Parallel(strategy="ps", precision="fp16", cluster=two_rank_cluster())
 
 
 # -- the launcher -------------------------------------------------------------------
@@ -237,12 +239,12 @@ def test_servers_use_no_gpu_and_workers_take_a_nodes_gpus_from_the_first() -> No
     from dataclasses import replace
 
     ps = get_strategy("ps")
-    options, job = PS(servers=2), JobOptions()
+    options = PS(servers=2)
     node = replace(two_rank_cluster(), world_size=8, local_world_size=4)
     slots = [
-        ps.device_slot(replace(node, rank=r, local_rank=r % 4, node_rank=r // 4), options, job)
+        ps.device_slot(replace(node, rank=r, local_rank=r % 4, node_rank=r // 4), options)
         for r in range(8)
     ]
     assert slots == [None, None, 0, 1, 0, 1, 2, 3]
     ddp = get_strategy("ddp")
-    assert ddp.device_slot(replace(node, rank=5, local_rank=1), DDP(), job) == 1
+    assert ddp.device_slot(replace(node, rank=5, local_rank=1), DDP()) == 1

@@ -110,7 +110,7 @@ class Parallel:
         """What ``precision=`` became on this device (``"auto"`` resolved)."""
         job = self._job_options(self.precision_choice.precision)
         strategy_cls.validate_world(self.cluster, options, job)
-        strategy_cls.validate_features(job)
+        strategy_cls.validate_features(options, job)
         self.timeout_s = self.config.timeout_s or envmod.timeout_s(environ)
         if device.type == "cuda":
             torch.cuda.set_device(device)
@@ -492,7 +492,7 @@ class Parallel:
             chosen = options.implementation()
             job = self._job_options(self.precision_choice.precision)
             chosen.validate_world(self.cluster, options, job)
-            chosen.validate_features(job)
+            chosen.validate_features(options, job)
             if chosen.needs_process_group and not self._ctx.owns_group and self.world_size == 1:
                 self._ctx = init_distributed(
                     self.cluster, device=self.device, backend=self._ctx.backend,
@@ -517,7 +517,7 @@ class Parallel:
         self, strategy_cls: type[Strategy[Any]], options: StrategySpec, environ: envmod.Environ
     ) -> torch.device:
         """This rank's device: the strategy's slot among this node's GPUs (none: the CPU)."""
-        slot = strategy_cls.device_slot(self.cluster, options, self._job_options("fp32"))
+        slot = strategy_cls.device_slot(self.cluster, options)
         if slot is None:
             return torch.device("cpu")
         return choose_device(slot, self.config.device, envmod.gpus_bound_per_task(environ))

@@ -148,11 +148,6 @@ def rendezvous_failure(spec: LaunchSpec, exc: BaseException) -> str:
     )
 
 
-def exit_code_of(failure: ProcessFailure) -> int:
-    """Shell convention: a death by signal N exits 128+N."""
-    return 128 - failure.exitcode if failure.exitcode < 0 else failure.exitcode
-
-
 def _recorded_message(failure: ProcessFailure, whole: bool = False) -> str:
     """The rank's recorded error: its first line, cut at 300 characters (``whole``: all)."""
     if not os.path.isfile(failure.error_file):

@@ -70,7 +70,10 @@ class Strategy(ABC, Generic[OptionsT]):
     instead: ClassVar[str] = "use strategy='ddp' or launch one process"
     """For a one-process strategy: what to do when the job has several processes."""
     refused_precisions: ClassVar[frozenset[str]] = frozenset()
-    """Precisions this strategy cannot train in: ``precision="auto"`` never picks them."""
+    """Precisions this strategy cannot train in: ``precision="auto"`` never picks them,
+    and an explicit one is refused with :attr:`precision_refusal`."""
+    precision_refusal: ClassVar[str] = ""
+    """Why those precisions cannot work here and what to do instead."""
     channels_last_weights: ClassVar[bool] = True
     """Whether 4-D weights may be stored channels_last. Where not (FSDP2 shards
     only contiguous parameters), channels_last converts the input batches alone:
@@ -117,11 +120,17 @@ class Strategy(ABC, Generic[OptionsT]):
             )
 
     @classmethod
-    def validate_features(cls, job: JobOptions) -> None:
-        """Refuse ``compile`` / ``channels_last`` where this strategy cannot do them.
+    def validate_features(cls, options: OptionsT, job: JobOptions) -> None:
+        """Refuse what this strategy cannot do with ``options`` in this job (a precision,
+        ``compile``, ``channels_last``, a missing option).
 
-        Called with :meth:`validate_world`, before any process group exists.
+        Called after :meth:`validate_world`, before any process group exists.
         """
+        if job.precision in cls.refused_precisions:
+            raise UsageError(
+                f"precision={job.precision!r} does not work with strategy {cls.name!r}: "
+                f"{cls.precision_refusal}"
+            )
         if job.compile is not None and cls.compile_refusal is not None:
             raise UsageError(
                 f"compile=True does not work with strategy {cls.name!r}: {cls.compile_refusal}"
@@ -133,7 +142,7 @@ class Strategy(ABC, Generic[OptionsT]):
             )
 
     @classmethod
-    def device_slot(cls, cluster: ClusterInfo, options: OptionsT, job: JobOptions) -> int | None:
+    def device_slot(cls, cluster: ClusterInfo, options: OptionsT) -> int | None:
         """Which of this node's GPUs this rank drives (``None``: none, it runs on the CPU).
 
         Default: the one of its local rank. Parameter servers compute on the CPU,

@@ -64,6 +64,9 @@ class PipelineStrategy(ReplacingMeshStrategy[Pipeline]):
     default_mesh: ClassVar[dict[str, int]] = {"pp": -1}
     _pp_group: Any = None  # set by setup_module
     refused_precisions = frozenset({"fp16"})
+    precision_refusal = (
+        "it does not scale fp16 losses across stages; use precision='bf16' or 'fp32'"
+    )
     channels_last_refusal = (
         "its stages receive activations into contiguous buffers, not channels_last ones; "
         "leave channels_last unset or False"
@@ -77,22 +80,21 @@ class PipelineStrategy(ReplacingMeshStrategy[Pipeline]):
     @classmethod
     def validate_world(cls, cluster: Any, options: Pipeline, job: JobOptions) -> None:
         super().validate_world(cluster, options, job)
-        if job.precision == "fp16":
-            raise UsageError(
-                "strategy 'pipeline' does not scale fp16 losses across stages; "
-                "use precision='bf16' or 'fp32'"
-            )
-        if options.loss_fn is None:
-            raise UsageError(
-                "strategy 'pipeline' computes the loss on the last stage: give "
-                "strategy=Pipeline(loss_fn=...), e.g. torch.nn.functional.cross_entropy"
-            )
         points = options.split_points
         stages = cls.resolve_mesh(cluster.world_size, job).pp
         if points is not None and len(points) != stages - 1:
             raise UsageError(
                 f"split_points {list(points)} gives {len(points) + 1} stages but the "
                 f"pipeline has {stages} (mesh pp={stages}); give {stages - 1} split point(s)"
+            )
+
+    @classmethod
+    def validate_features(cls, options: Pipeline, job: JobOptions) -> None:
+        super().validate_features(options, job)
+        if options.loss_fn is None:
+            raise UsageError(
+                "strategy 'pipeline' computes the loss on the last stage: give "
+                "strategy=Pipeline(loss_fn=...), e.g. torch.nn.functional.cross_entropy"
             )
         if job.grad_accum_steps != 1:
             raise UsageError(

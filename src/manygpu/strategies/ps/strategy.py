@@ -51,6 +51,10 @@ class ParameterServerStrategy(Strategy[PS]):
     needs_process_group = True
     shards_data = True
     refused_precisions = frozenset({"fp16"})
+    precision_refusal = (
+        "fp16's loss scaler skips the steps whose gradients overflow, and a worker that "
+        "skips its push stalls the servers' sync step; use precision='bf16' or 'fp32'"
+    )
 
     def __init__(self, ctx: DistContext, options: PS, job: JobOptions) -> None:
         super().__init__(ctx, options, job)
@@ -75,7 +79,7 @@ class ParameterServerStrategy(Strategy[PS]):
             )
 
     @classmethod
-    def device_slot(cls, cluster: ClusterInfo, options: PS, job: JobOptions) -> int | None:
+    def device_slot(cls, cluster: ClusterInfo, options: PS) -> int | None:
         """Servers use no GPU; a node's workers take its GPUs from the first one."""
         servers_here = servers_on_node(cluster, _servers(options))
         if cluster.local_rank < servers_here:
