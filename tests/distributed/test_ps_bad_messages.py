@@ -150,7 +150,7 @@ def _job(mode: str, rogue_rank: int, kind: float, size: float | str) -> Any:
     par = Parallel(strategy=PS(mode=mode), timeout_s=30)
     err = io.StringIO()
     try:
-        if par.strategy.serves:
+        if par.is_server:
             with contextlib.redirect_stderr(err):
                 par.prepare(*_model_and_optimizer())
         if detect_cluster(envmod.current()).rank != rogue_rank:

@@ -15,7 +15,7 @@ from manygpu import DDP, PS, Parallel, ParallelConfig, UsageError
 from manygpu.launch import ps_keeper
 from manygpu.launch.resolve import LaunchRequest, resolve
 from manygpu.runtime import env as envmod
-from manygpu.strategies import JobOptions, card, get_strategy, serving_strategy
+from manygpu.strategies import JobOptions, abilities, card, get_strategy, serving_strategy
 from manygpu.strategies.ps.links import role_view
 from manygpu.strategies.ps.protocol import (
     PUSH,
@@ -247,4 +247,4 @@ def test_servers_use_no_gpu_and_workers_take_a_nodes_gpus_from_the_first() -> No
     ]
     assert slots == [None, None, 0, 1, 0, 1, 2, 3]
     ddp = get_strategy("ddp")
-    assert ddp.device_slot(replace(node, rank=5, local_rank=1), DDP()) == 1
+    assert abilities.device_slot(ddp, replace(node, rank=5, local_rank=1), DDP()) == 1

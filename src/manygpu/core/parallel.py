@@ -8,6 +8,7 @@ strategy's name: the strategy object does the strategy-specific work.
 from __future__ import annotations
 
 import contextlib
+import functools
 import random
 from collections.abc import Iterable, Iterator
 from typing import TYPE_CHECKING, Any, TypeVar
@@ -50,7 +51,14 @@ from manygpu.runtime import env as envmod
 from manygpu.runtime.cluster import ClusterInfo, detect_cluster
 from manygpu.runtime.device import choose_backend, choose_device, set_cpu_threads
 from manygpu.runtime.process_group import init_distributed, teardown
-from manygpu.strategies import JobOptions, MeshSpec, Strategy, StrategySpec, serving_strategy
+from manygpu.strategies import (
+    JobOptions,
+    MeshSpec,
+    Strategy,
+    StrategySpec,
+    abilities,
+    serving_strategy,
+)
 from manygpu.warn import warn_user
 
 if TYPE_CHECKING:
@@ -116,7 +124,8 @@ class Parallel:
             torch.cuda.set_device(device)
         else:
             set_cpu_threads(self.cluster.local_world_size, environ)
-        self._ctx = strategy_cls.join(
+        self._ctx = abilities.join(
+            strategy_cls,
             self.cluster,
             options,
             job,
@@ -171,7 +180,7 @@ class Parallel:
         """True on a parameter server (strategy ``"ps"``): its ``prepare`` serves the
         workers and then ends the process with exit code 0, so code after it runs on
         workers only."""
-        return self.strategy.serves
+        return abilities.serves(self.strategy)
 
     @property
     def device(self) -> torch.device:
@@ -234,7 +243,7 @@ class Parallel:
         self.strategy.set_grad_sync(wrapped, self._accumulator.next_is_boundary)
         if self._steps is not None:
             clock = self._steps.clock
-            clock.attach(self.strategy.comm_probe(wrapped, clock.probe_every))
+            clock.attach(abilities.comm_probe(self.strategy, wrapped, clock.probe_every))
         compile_options = self.config.compile_options
         if compile_options is not None:
             check_compiler(self.device)
@@ -327,7 +336,7 @@ class Parallel:
         """
         params = list(parameters.parameters() if isinstance(parameters, nn.Module) else parameters)
         if self.sync_gradients:
-            combined = self.strategy.combined_clip(params, max_norm, norm_type)
+            combined = abilities.combined_clip(self.strategy, params, max_norm, norm_type)
             if combined is not None:  # clipped where the gradients are combined
                 return combined
         if not self.sync_gradients:
@@ -347,7 +356,7 @@ class Parallel:
                 params,
                 norm_type,
                 device=self.device,
-                across=self.strategy.grad_norm_group(),
+                across=abilities.grad_norm_group(self.strategy),
                 timeout_s=self.timeout_s,
             )
         except RuntimeError as exc:
@@ -407,7 +416,7 @@ class Parallel:
             wrapped=model,
             optimizer=inner,
             scaler=self.precision.scaler,
-            consolidate=self.strategy.consolidate_optimizer,
+            consolidate=functools.partial(abilities.consolidate, self.strategy),
             seed=self.config.seed,
             strategy=self.strategy_name,
             precision=self.precision_choice.precision,
@@ -421,7 +430,7 @@ class Parallel:
         """A progress bar over ``items`` on the main process (with the strategy's status)."""
         for item in self.console.progress(items, description):
             yield item
-            note = self.strategy.status()
+            note = abilities.status(self.strategy)
             if note is not None:
                 self.console.set_note(note)
         if self._steps is not None and (table := self._steps.new_table()):
@@ -457,7 +466,7 @@ class Parallel:
             self._steps.close()
         if self.world_size > 1 and comm.common.active() and debug_requested(self.config.debug):
             check_end(timeout_s=self.timeout_s)
-        self.strategy.teardown()
+        abilities.release(self.strategy)
         self._restore_tf32()
         teardown(self._ctx)
 
@@ -509,7 +518,7 @@ class Parallel:
             self.rank,
             self.world_size,
             local_rank=self.local_rank,
-            peers=self.strategy.timing_peers(),
+            peers=abilities.timing_peers(self.strategy),
             is_main=self.is_main,
         )
 
@@ -517,7 +526,7 @@ class Parallel:
         self, strategy_cls: type[Strategy[Any]], options: StrategySpec, environ: envmod.Environ
     ) -> torch.device:
         """This rank's device: the strategy's slot among this node's GPUs (none: the CPU)."""
-        slot = strategy_cls.device_slot(self.cluster, options)
+        slot = abilities.device_slot(strategy_cls, self.cluster, options)
         if slot is None:
             return torch.device("cpu")
         return choose_device(slot, self.config.device, envmod.gpus_bound_per_task(environ))

@@ -22,7 +22,7 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from manygpu.strategies.base import CommProbe
+from manygpu.strategies.abilities import CommProbe
 
 DEFAULT_EVERY = 50
 """Steps per report: the clock's cost is a few timer reads a step, the report's

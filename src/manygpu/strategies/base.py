@@ -2,13 +2,14 @@
 
 A strategy decides how a model is wrapped, how gradients are synchronised and
 how data is split; the :class:`~manygpu.Parallel` object calls it and never
-asks which strategy it is talking to.
+asks which strategy it is talking to. What only some strategies do (roles,
+clipping where gradients are combined, a progress note, ...) are separate
+abilities in :mod:`.abilities`, asked for by capability.
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar, Generic, TypeVar
 
@@ -17,7 +18,7 @@ from torch import nn
 
 from manygpu.errors import UsageError
 from manygpu.runtime.cluster import ClusterInfo
-from manygpu.runtime.process_group import DistContext, init_distributed
+from manygpu.runtime.process_group import DistContext
 from manygpu.strategies.mesh import MeshSpec, check_dims
 from manygpu.strategies.options import CompileOptions, compile_in_place
 from manygpu.strategies.spec import StrategySpec
@@ -25,10 +26,6 @@ from manygpu.strategies.spec import StrategySpec
 if TYPE_CHECKING:
     from manygpu.checkpoint.formats import Format
     from manygpu.strategies.registry import StrategyCard
-
-
-CommProbe = Callable[[], "tuple[int, float] | None"]
-"""See :meth:`Strategy.comm_probe`."""
 
 
 OptionsT = TypeVar("OptionsT", bound=StrategySpec)
@@ -82,9 +79,6 @@ class Strategy(ABC, Generic[OptionsT]):
     """Why ``channels_last=True`` cannot work here and what to do, or ``None``."""
     compile_refusal: ClassVar[str | None] = None
     """Why ``compile=True`` cannot work here and what to do, or ``None``."""
-    serves: bool = False
-    """This process serves the others and never runs the training loop (a parameter
-    server: its ``prepare`` ends the process cleanly once the workers are done)."""
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         """A class naming its object takes the object's name and card (one source)."""
@@ -141,36 +135,6 @@ class Strategy(ABC, Generic[OptionsT]):
                 f"{cls.channels_last_refusal}"
             )
 
-    @classmethod
-    def device_slot(cls, cluster: ClusterInfo, options: OptionsT) -> int | None:
-        """Which of this node's GPUs this rank drives (``None``: none, it runs on the CPU).
-
-        Default: the one of its local rank. Parameter servers compute on the CPU,
-        and the workers of a node take its GPUs from the first one.
-        """
-        return cluster.local_rank
-
-    @classmethod
-    def join(
-        cls,
-        cluster: ClusterInfo,
-        options: OptionsT,
-        job: JobOptions,
-        *,
-        device: torch.device,
-        backend: str,
-        timeout_s: float,
-    ) -> DistContext:
-        """Join the job's process group; the context's ``cluster`` is the job as this rank sees it.
-
-        Default: one group over every rank. A strategy whose ranks have roles
-        (parameter servers) gives each role its own group and view.
-        """
-        return init_distributed(
-            cluster, device=device, backend=backend, timeout_s=timeout_s,
-            force=cls.needs_process_group,
-        )  # fmt: skip
-
     def data_shard(self) -> tuple[int, int]:
         """``(index, count)``: which of how many data shards this rank reads."""
         if self.shards_data:
@@ -195,51 +159,6 @@ class Strategy(ABC, Generic[OptionsT]):
         Used for gradient accumulation; strategies without sync ignore it.
         """
 
-    def grad_norm_group(self) -> object | None:
-        """A group whose ranks hold *different* parameters as plain tensors (pipeline stages).
-
-        The gradient norm sums its pieces over it; shards that are DTensors
-        name their own groups. ``None``: plain tensors are whole (replicated).
-        """
-        return None
-
-    def combined_clip(
-        self, parameters: list[torch.Tensor], max_norm: float, norm_type: float
-    ) -> torch.Tensor | None:
-        """Clip where the gradients are combined and return the norm; ``None``: clip here.
-
-        One process clips its global batch's gradient. Strategies whose ranks
-        combine gradients in the backward (DDP, FSDP) hold that gradient after
-        it, so the default clips locally; parameter servers average after the
-        workers push, so they clip the average there.
-        """
-        return None
-
-    def comm_probe(self, module: nn.Module, every: int) -> CommProbe | None:
-        """How to read the exposed communication of a sampled step of ``module``.
-
-        The probe returns (the step's start in ``time.time_ns()``, seconds) for a
-        step sampled since its last call, else ``None``; it is called every
-        ``every`` steps. ``None`` (the default):
-        this strategy cannot tell its communication apart from compute, and the
-        straggler reports count it as compute.
-        """
-        return None
-
-    def timing_peers(self) -> int:
-        """Ranks whose steps do comparable work share this label (default: all ranks)."""
-        return 0
-
-    def status(self) -> str | None:
-        """One line of progress for the main process's bar after each step (``None``: none)."""
-        return None
-
-    def consolidate_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
-        """Make ``optimizer.state_dict()`` whole on the main rank (every rank calls it).
-
-        Only strategies that shard optimizer state outside DCP need to do anything.
-        """
-
     def unwrap(self, module: nn.Module) -> nn.Module:
         """The user's own module inside whatever wrapper we added."""
         return module
@@ -251,9 +170,6 @@ class Strategy(ABC, Generic[OptionsT]):
         graph breaks fall on its gradient buckets).
         """
         compile_in_place(module, options)
-
-    def teardown(self) -> None:
-        """Release what the strategy holds (hooks, groups)."""
 
 
 class MeshStrategy(Strategy[OptionsT]):

@@ -12,7 +12,8 @@ from torch.nn.parallel import DistributedDataParallel
 
 from manygpu.errors import UsageError
 from manygpu.runtime.cluster import ClusterInfo
-from manygpu.strategies.base import CommProbe, JobOptions, Strategy
+from manygpu.strategies.abilities import CommProbe
+from manygpu.strategies.base import JobOptions, Strategy
 from manygpu.strategies.ddp import DDP
 from manygpu.strategies.mesh import check_dims
 from manygpu.strategies.options import CompileOptions, compile_in_place
