@@ -141,3 +141,33 @@ def test_hsdp_replicates_across_and_shards_within() -> None:
     _check(results, reference("mlp", 4))  # all 4 ranks read different data
     # Sharded over fsdp=2 only: each rank holds half of a weight, not a quarter.
     assert results[0]["local"]["0.weight"] == 32 * DIM // 2
+
+
+def _mesh_facts() -> dict[str, object]:
+    par = Parallel(strategy="tensor", mesh={"dp": 2, "tp": 2})
+    try:
+        par.prepare(make("mlp"))  # the strategy shards over the job's mesh
+        mesh = par.mesh
+        mine = torch.tensor([float(par.rank)])
+        return {
+            "names": mesh.mesh_dim_names,
+            "one_mesh": mesh is par.mesh and len(par.strategy.ctx.meshes) == 1,
+            "tp": par.reduce(mine, "sum", over="tp").item(),
+            "dp": par.reduce(mine, "sum", over="dp").item(),
+            "all": par.reduce(mine, "sum").item(),
+            "data_index": mesh.get_local_rank("dp"),
+        }
+    finally:
+        par.close()
+
+
+def test_the_job_owns_one_mesh_and_reduces_over_its_dimensions() -> None:
+    """Ranks are laid out row-major (rank = dp_i * 2 + tp_i): the tp group of rank r is
+    {2(r//2), 2(r//2)+1}, its dp group {r%2, r%2+2}. dp x tp composes FSDP2 over the data
+    dimensions as HSDP with shards of one rank, hence the fsdp dimension of size 1."""
+    facts = run_ranks(_mesh_facts, 4, timeout=150)
+    for rank, got in enumerate(facts):
+        assert got["names"] == ("dp", "fsdp", "tp") and got["one_mesh"], got
+        assert got["tp"] == 4 * (rank // 2) + 1, (rank, got)
+        assert got["dp"] == 2 * (rank % 2) + 2, (rank, got)
+        assert got["all"] == 6 and got["data_index"] == rank // 2, (rank, got)

@@ -196,3 +196,17 @@ def test_a_new_strategy_is_its_own_package_and_one_registry_call(toy_package: st
         model.weight.grad = None
         par.backward(par.prepare(model)(x).sum())
     assert torch.equal(model.weight.grad, torch.full((1, 3), 0.5))
+
+
+def test_a_replicating_job_has_a_one_dimensional_data_mesh() -> None:
+    with Parallel(strategy="ddp", device="cpu") as par:
+        assert par.mesh.mesh_dim_names == ("dp",) and par.mesh.size() == 1
+        assert par.mesh is par.mesh
+        assert par.reduce(torch.tensor([3.0]), "sum", over="dp").item() == 3.0
+        with pytest.raises(UsageError, match=r"reduce\(over='tp'\): this job's mesh has dime"):
+            par.reduce(torch.tensor([3.0]), over="tp")
+    with (
+        Parallel(strategy="single", device="cpu") as par,
+        pytest.raises(UsageError, match="one process without a process group: it has no"),
+    ):
+        par.mesh  # noqa: B018

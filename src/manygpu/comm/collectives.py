@@ -68,19 +68,23 @@ def all_reduce(
     *,
     timeout_s: float = DEFAULT_TIMEOUT_S,
     debug: bool | None = None,
+    group: dist.ProcessGroup | None = None,
 ) -> torch.Tensor:
-    """Reduce ``tensor`` over ranks in place and return it.
+    """Reduce ``tensor`` over ranks (``group``'s, else every rank) in place and return it.
 
-    ``"mean"`` is a sum divided by the world size (integers floor-divided).
+    ``"mean"`` is a sum divided by the group's size (integers floor-divided).
+    The debug check compares calls over every rank, so it runs for the whole
+    job's reductions only.
     """
     reduce_op = _check_op(op)
     if not active():
         return tensor
-    _maybe_check(debug, "all_reduce", tensor, timeout_s, extra=_OP_CODES[op])
-    work = dist.all_reduce(tensor, op=reduce_op, async_op=True)
+    if group is None:
+        _maybe_check(debug, "all_reduce", tensor, timeout_s, extra=_OP_CODES[op])
+    work = dist.all_reduce(tensor, op=reduce_op, group=group, async_op=True)
     wait(work, describe(f"all_reduce[{op}]", tensor), timeout_s)
     if op == "mean":
-        _divide(tensor, dist.get_world_size())
+        _divide(tensor, dist.get_world_size(group))
     return tensor
 
 

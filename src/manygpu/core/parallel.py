@@ -28,6 +28,7 @@ from manygpu.core.auto import choose_strategy
 from manygpu.core.config import ParallelConfig
 from manygpu.core.console import MainConsole
 from manygpu.core.data import PreparedLoader, rebuild_loader
+from manygpu.core.job_comm import JobCollectives
 from manygpu.core.optimizer import PreparedOptimizer
 from manygpu.core.precision import (
     PrecisionChoice,
@@ -76,7 +77,7 @@ _PEER_FAILURE_HINTS = (
 )
 
 
-class Parallel:
+class Parallel(JobCollectives):
     """Prepare a model, optimizer and data loaders for one strategy.
 
     Example::
@@ -370,27 +371,6 @@ class Parallel:
         """Autocast for code outside the prepared model's forward (e.g. the loss)."""
         with self.precision.autocast():
             yield
-
-    # -- collectives -----------------------------------------------------------
-    def reduce(self, tensor: torch.Tensor, op: comm.ReduceOp = "mean") -> torch.Tensor:
-        """A new tensor: ``tensor`` reduced over ranks.
-
-        ``op`` is ``"mean"``, ``"sum"``, ``"max"`` or ``"min"``; the input is left alone.
-        """
-        # NCCL takes CUDA tensors only: a CPU scalar (a metric) travels via our device.
-        work = tensor.detach().to(self.device, copy=True)
-        out = comm.all_reduce(work, op, timeout_s=self.timeout_s, debug=self.config.debug)
-        return out.to(tensor.device)
-
-    def gather(self, tensor: torch.Tensor) -> torch.Tensor:
-        """Every rank's ``tensor`` concatenated along dim 0, in rank order."""
-        work = tensor.detach().to(self.device)
-        out = comm.all_gather(work, timeout_s=self.timeout_s, debug=self.config.debug)
-        return out.to(tensor.device)
-
-    def barrier(self) -> None:
-        """Wait for every rank (bounded by the timeout; names missing ranks on gloo)."""
-        comm.barrier(timeout_s=self.timeout_s, debug=self.config.debug)
 
     # -- utilities -------------------------------------------------------------
     def unwrap(self, model: nn.Module) -> nn.Module:

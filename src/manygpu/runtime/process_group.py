@@ -12,7 +12,8 @@ from __future__ import annotations
 
 import datetime as dt
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -38,6 +39,8 @@ class DistContext:
     """Timeout of every collective and of the rendezvous."""
     owns_group: bool
     """Whether we created the default group, and so must destroy it."""
+    meshes: dict[Any, Any] = field(default_factory=dict, compare=False, repr=False)
+    """The job's device meshes, built once each (see ``manygpu.strategies.mesh.job_mesh``)."""
 
     @property
     def rank(self) -> int:

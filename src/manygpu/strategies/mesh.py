@@ -28,6 +28,8 @@ from manygpu.errors import UsageError
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
 
+    from manygpu.runtime.process_group import DistContext
+
 MESH_DIMS: tuple[str, ...] = ("pp", "dp", "fsdp", "tp")
 DATA_DIMS: tuple[str, ...] = ("dp", "fsdp")
 
@@ -126,6 +128,41 @@ class MeshSpec:
         return init_device_mesh(
             device_type, tuple(sizes[n] for n in names), mesh_dim_names=tuple(names)
         )
+
+
+def data_dims(spec: MeshSpec) -> tuple[str, ...]:
+    """The data dimensions FSDP2 spans: none, ``("fsdp",)``, or both (HSDP).
+
+    ``dp`` alone becomes (dp, fsdp=1): HSDP with shards of one rank, i.e.
+    replication with all-reduced gradients, the way DDP would do it.
+    """
+    if spec.dp > 1:
+        return DATA_DIMS
+    return ("fsdp",) if spec.fsdp > 1 else ()
+
+
+def composed_dims(spec: MeshSpec, own: tuple[str, ...]) -> tuple[str, ...]:
+    """The mesh dimensions a strategy whose own dimensions are ``own`` composes, outermost
+    first: ``pp`` and ``tp`` when it owns them, the data dimensions in between (at least
+    ``fsdp`` for a strategy that owns nothing else)."""
+    outer = ("pp",) if "pp" in own else ()
+    inner = ("tp",) if "tp" in own else ()
+    data = data_dims(spec) or (() if outer or inner else ("fsdp",))
+    return (*outer, *data, *inner)
+
+
+def job_mesh(ctx: DistContext, spec: MeshSpec, names: tuple[str, ...]) -> DeviceMesh:
+    """The job's ``DeviceMesh`` over ``names``: built once per job, on first use.
+
+    Every strategy and the user's ``par.mesh`` get the same object, so its
+    process groups are created once and its named sub-meshes
+    (``mesh["tp"]``, ``mesh[("dp", "fsdp")]``) are torch's cached slices.
+    """
+    key = (spec, names)
+    if key not in ctx.meshes:
+        ctx.meshes[key] = spec.build(ctx.device.type, names)
+    mesh: DeviceMesh = ctx.meshes[key]
+    return mesh
 
 
 def check_dims(strategy: str, spec: MeshSpec, allowed: tuple[str, ...]) -> None:

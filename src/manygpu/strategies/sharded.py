@@ -28,7 +28,6 @@ from manygpu.runtime.process_group import DistContext
 from manygpu.strategies.base import JobOptions, MeshStrategy, OptionsT
 from manygpu.strategies.fsdp import FSDP
 from manygpu.strategies.fsdp.units import shard_units
-from manygpu.strategies.mesh import DATA_DIMS, MeshSpec
 
 
 class ReplacingMeshStrategy(MeshStrategy[OptionsT]):
@@ -65,17 +64,6 @@ def set_fsdp_grad_sync(module: nn.Module, enabled: bool) -> None:
     """Skip (or resume) FSDP2's gradient reduce-scatter for accumulation."""
     if isinstance(module, FSDPModule):
         module.set_requires_gradient_sync(enabled)
-
-
-def data_dims(spec: MeshSpec) -> tuple[str, ...]:
-    """The data dimensions FSDP2 spans: none, ``("fsdp",)``, or both (HSDP).
-
-    ``dp`` alone becomes (dp, fsdp=1): HSDP with shards of one rank, i.e.
-    replication with all-reduced gradients, the way DDP would do it.
-    """
-    if spec.dp > 1:
-        return DATA_DIMS
-    return ("fsdp",) if spec.fsdp > 1 else ()
 
 
 def fsdp_kwargs(opts: FSDP, device: torch.device, *, reshard_after_forward: bool) -> dict[str, Any]:

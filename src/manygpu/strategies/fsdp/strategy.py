@@ -24,10 +24,10 @@ from torch import nn
 from torch.distributed.fsdp import FSDPModule
 
 from manygpu.strategies.fsdp import FSDP, Zero2
+from manygpu.strategies.mesh import job_mesh
 from manygpu.strategies.options import CompileOptions, compile_in_place
 from manygpu.strategies.sharded import (
     ReplacingMeshStrategy,
-    data_dims,
     fsdp_kwargs,
     shard_data_dims,
 )
@@ -48,8 +48,8 @@ class FSDPStrategy(ReplacingMeshStrategy[FSDP]):
         opts = self.options
         if not opts.cpu_offload:
             module = module.to(self.ctx.device)
-        names = data_dims(self.spec) or ("fsdp",)
-        mesh = self.spec.build(self.ctx.device.type, names)
+        names = self.mesh_names
+        mesh = job_mesh(self.ctx, self.spec, names)
         kwargs = fsdp_kwargs(
             opts, self.ctx.device, reshard_after_forward=self.reshard_after_forward
         )

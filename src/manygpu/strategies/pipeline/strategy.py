@@ -34,11 +34,11 @@ from manygpu.comm.objects import broadcast_json, parse_each
 from manygpu.errors import UsageError
 from manygpu.runtime.process_group import DistContext
 from manygpu.strategies.base import JobOptions
+from manygpu.strategies.mesh import job_mesh
 from manygpu.strategies.options import CompileOptions, compile_in_place
 from manygpu.strategies.pipeline import Pipeline
 from manygpu.strategies.sharded import (
     ReplacingMeshStrategy,
-    data_dims,
     fsdp_kwargs,
     set_fsdp_grad_sync,
     shard_data_dims,
@@ -110,8 +110,8 @@ class PipelineStrategy(ReplacingMeshStrategy[Pipeline]):
             )
         opts = self.options
         device = self.ctx.device
-        names = ("pp", *data_dims(self.spec))
-        mesh = self.spec.build(device.type, names)
+        names = self.mesh_names
+        mesh = job_mesh(self.ctx, self.spec, names)
         index, stages = self.spec.coords(self.ctx.rank)["pp"], self.spec.pp
         bounds = [*self._stage_starts(module, stages), len(module)]
         part = nn.Sequential(

@@ -26,9 +26,9 @@ from torch.distributed.tensor.parallel import (
 )
 
 from manygpu.errors import UsageError
+from manygpu.strategies.mesh import job_mesh
 from manygpu.strategies.sharded import (
     ReplacingMeshStrategy,
-    data_dims,
     fsdp_kwargs,
     shard_data_dims,
 )
@@ -62,8 +62,8 @@ class TensorParallelStrategy(ReplacingMeshStrategy[Tensor]):
 
     def setup_module(self, module: nn.Module) -> nn.Module:
         module = module.to(self.ctx.device)
-        names = (*data_dims(self.spec), "tp")
-        mesh = self.spec.build(self.ctx.device.type, names)
+        names = self.mesh_names
+        mesh = job_mesh(self.ctx, self.spec, names)
         given = self.options.plan
         plan = resolve_plan(module, given) if given is not None else default_plan(module)
         check_divisible(module, plan, self.spec.tp)
