@@ -25,10 +25,10 @@ from typing import Any
 
 import pytest
 from dist_harness import preload, run_ranks
-from recipes import Recipe, max_diff, reference_train, train_parallel
+from recipes import Recipe, max_diff, reference_train, titan_fsdp, train_parallel
 from zoo import lm_loss
 
-from manygpu import Pipeline
+from manygpu import Parallelize, Pipeline
 
 pytest.importorskip("transformers")
 # Importing the three models takes ~6 s of CPU: once in the rank server, not once per rank.
@@ -78,6 +78,8 @@ CASES: dict[str, tuple[int, dict[str, Any], list[Recipe]]] = {
         [Recipe("gpt_seq", samples=24)],
     ),
     "model-dp2": (2, {"strategy": "model", "mesh": {"dp": 2}}, [Recipe("gpt_seq")]),
+    # The user's own plan (torchtitan's FSDP2 per block) on the job's mesh.
+    "parallelize-fsdp2": (2, {"strategy": Parallelize(titan_fsdp)}, [GPT_ACCUM]),
 }
 
 # (case, model) pairs a strategy cannot run: prepare must refuse in one line naming the fix.

@@ -169,3 +169,13 @@ def max_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
     """Largest |a - b| over parameters present in both (names must match)."""
     assert set(a) == set(b), sorted(set(a) ^ set(b))
     return max((a[k] - b[k]).abs().max().item() for k in a)
+
+
+def titan_fsdp(model: torch.nn.Module, mesh: Any) -> None:
+    """A user's own plan, as torchtitan's ``apply_fsdp`` writes it: each block of
+    ``model.blocks`` a FSDP2 unit over the mesh's ``fsdp`` dimension, then the root."""
+    from torch.distributed.fsdp import fully_shard
+
+    for block in model.blocks:  # type: ignore[union-attr]
+        fully_shard(block, mesh=mesh["fsdp"])
+    fully_shard(model, mesh=mesh["fsdp"])

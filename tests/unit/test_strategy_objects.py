@@ -19,7 +19,17 @@ import pytest
 import torch
 from torch import nn
 
-from manygpu import DDP, FSDP, PS, DDPOptions, Parallel, ParallelConfig, Pipeline, Tensor
+from manygpu import (
+    DDP,
+    FSDP,
+    PS,
+    DDPOptions,
+    Parallel,
+    ParallelConfig,
+    Parallelize,
+    Pipeline,
+    Tensor,
+)
 from manygpu.errors import UsageError
 from manygpu.strategies import Strategy, Zero1, Zero2, available, registry, spec_class
 from manygpu.strategies.base import MeshStrategy
@@ -94,7 +104,8 @@ def test_every_strategy_object_is_registered_by_its_name() -> None:
         spec = spec_class(name)
         assert spec.name == name and spec.card.name == name
         assert spec.implementation().spec_class is spec
-        assert ParallelConfig(strategy=spec()).resolved_strategy(2) == name
+        made = spec(print) if spec is Parallelize else spec()  # type: ignore[call-arg]
+        assert ParallelConfig(strategy=made).resolved_strategy(2) == name
 
 
 # -- ratchets -----------------------------------------------------------------------
@@ -210,3 +221,21 @@ def test_a_replicating_job_has_a_one_dimensional_data_mesh() -> None:
         pytest.raises(UsageError, match="one process without a process group: it has no"),
     ):
         par.mesh  # noqa: B018
+
+
+def test_the_user_s_plan_gets_the_job_s_mesh_and_a_wrong_one_is_one_line() -> None:
+    seen: list[object] = []
+
+    def plan(model: nn.Module, mesh: object) -> None:
+        seen.append(mesh)
+
+    with Parallel(strategy=Parallelize(plan), device="cpu") as par:
+        par.prepare(nn.Linear(2, 2))
+        assert seen == [par.mesh] and par.mesh.mesh_dim_names == ("fsdp",)
+    with (
+        Parallel(strategy=Parallelize(lambda model, mesh: 3), device="cpu") as par,
+        pytest.raises(UsageError, match="fn returned a int: return the model"),
+    ):
+        par.prepare(nn.Linear(2, 2))
+    with pytest.raises(UsageError, match=r"Parallelize needs your plan: Parallelize\(fn\)"):
+        Parallelize(None)  # type: ignore[arg-type]

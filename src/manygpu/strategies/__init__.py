@@ -13,6 +13,7 @@ from manygpu.strategies.fsdp import FSDP, Zero2
 from manygpu.strategies.mesh import MeshSpec, strategy_for_mesh
 from manygpu.strategies.model import ModelParallel
 from manygpu.strategies.options import CompileOptions
+from manygpu.strategies.parallelize import Parallelize
 from manygpu.strategies.pipeline import Pipeline
 from manygpu.strategies.ps import PS
 from manygpu.strategies.registry import (
@@ -50,6 +51,7 @@ __all__ = [
     "MeshSpec",
     "ModelParallel",
     "PSOptions",
+    "Parallelize",
     "Pipeline",
     "PipelineOptions",
     "Single",

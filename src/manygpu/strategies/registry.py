@@ -56,7 +56,17 @@ class StrategyCard:
     """Set by :func:`register` from the strategy's object."""
 
 
-PACKAGES: tuple[str, ...] = ("single", "ddp", "fsdp", "model", "tensor", "pipeline", "dp", "ps")
+PACKAGES: tuple[str, ...] = (
+    "single",
+    "ddp",
+    "fsdp",
+    "model",
+    "tensor",
+    "pipeline",
+    "dp",
+    "ps",
+    "parallelize",
+)
 """Every strategy package under ``manygpu.strategies``, imported on first lookup."""
 _EXTRA: list[str] = []
 """Packages elsewhere added by :func:`add_package` (a user's or a test's own strategy)."""
