@@ -280,10 +280,11 @@ def test_outcome_lines_round_trip() -> None:
 
     o = blame.outcome(3, 3, 100, {"time_ns": 7, "code": 3, "consequence": False})
     line = driven.TAG + '{"rank": 3, "exit_code": 3, "time_ns": 7, "consequence": false, '
-    line += '"text": "rank 3 failed"}'
+    line += '"how": "rank 3 failed"}'
     parsed = driven.parse(line)
     assert parsed is not None and (parsed.rank, parsed.exit_code, parsed.time_ns) == (3, 3, 7)
-    assert o.exit_code == parsed.exit_code
+    assert o.exit_code == parsed.exit_code and parsed.how == "rank 3 failed"
+    assert driven.parse(driven.TAG + o.to_json()) == o
     assert driven.parse("[rank0]:manygpu-outcome {") is None
     assert driven.parse(driven.TAG + "{not json") is None
 

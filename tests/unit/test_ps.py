@@ -12,7 +12,7 @@ from jobs import two_rank_cluster
 from torch import nn
 
 from manygpu import DDP, PS, Parallel, ParallelConfig, UsageError
-from manygpu.launch import ps_keeper
+from manygpu.launch import keeper
 from manygpu.launch.resolve import LaunchRequest, resolve
 from manygpu.runtime import env as envmod
 from manygpu.strategies import JobOptions, abilities, card, get_strategy, serving_strategy
@@ -189,15 +189,17 @@ def test_ps_flag_reaches_the_workers_and_is_checked(tmp_path: Any) -> None:
     script.write_text("")
     spec = resolve(LaunchRequest(entry=str(script), nproc_per_node=3, ps_servers=1), {}, 0)
     assert worker_env(spec)[envmod.PS_SERVERS] == "1"
+    assert worker_env(spec)[envmod.EXPENDABLE_FROM] == "1"  # its workers may be lost
     for bad in (0, 3):
         with pytest.raises(UsageError, match=f"--ps {bad}: give 1 to 2 servers"):
             resolve(LaunchRequest(entry=str(script), nproc_per_node=3, ps_servers=bad), {}, 0)
 
 
 def test_the_keeper_applies_to_workers_only() -> None:
-    assert ps_keeper.applies({envmod.PS_SERVERS: "1", "RANK": "1"})
-    assert not ps_keeper.applies({envmod.PS_SERVERS: "1", "RANK": "0"})
-    assert not ps_keeper.applies({"RANK": "3"})
+    assert keeper.applies({envmod.EXPENDABLE_FROM: "1", "RANK": "1"})
+    assert not keeper.applies({envmod.EXPENDABLE_FROM: "1", "RANK": "0"})
+    assert not keeper.applies({envmod.PS_SERVERS: "1", "RANK": "3"})  # the launcher decides
+    assert not keeper.applies({"RANK": "3"})
 
 
 def _status(*, code: int | None = None, sig: int | None = None) -> int:
@@ -206,13 +208,11 @@ def _status(*, code: int | None = None, sig: int | None = None) -> int:
 
 
 def test_the_keeper_passes_exits_on_and_outlives_a_kill(capsys: pytest.CaptureFixture[str]) -> None:
-    assert ps_keeper._outcome(_status(code=0), [], 2) == 0
-    assert ps_keeper._outcome(_status(code=3), [], 2) == 3  # the script's own failure
-    assert ps_keeper._outcome(_status(sig=signal.SIGKILL), [], 2) == 0  # left to the servers
+    assert keeper._outcome(_status(code=0), [], 2) == 0
+    assert keeper._outcome(_status(code=3), [], 2) == 3  # the script's own failure
+    assert keeper._outcome(_status(sig=signal.SIGKILL), [], 2) == 0  # left to the servers
     err = capsys.readouterr().err
-    assert (
-        err.count("\n") == 1 and "rank 2 (a parameter-server worker) was killed by SIGKILL" in err
-    )
+    assert err.count("\n") == 1 and "rank 2 (expendable in this job) was killed by SIGKILL" in err
     assert os.WIFSIGNALED(_status(sig=signal.SIGKILL))
 
 

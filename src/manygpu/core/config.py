@@ -8,16 +8,8 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from manygpu.errors import UsageError
-from manygpu.strategies import (
-    CompileOptions,
-    Legacy,
-    MeshSpec,
-    StrategySpec,
-    default_strategy,
-    serving_strategy,
-    spec_class,
-    strategy_for_mesh,
-)
+from manygpu.strategies import CompileOptions, Legacy, MeshSpec, StrategySpec, spec_class
+from manygpu.strategies.registry import AUTO, check_name, resolve_name
 from manygpu.warn import warn_user
 
 Precision = Literal["auto", "fp32", "fp32-strict", "bf16", "fp16"]
@@ -92,11 +84,6 @@ class ParallelConfig:
     def __post_init__(self) -> None:
         if self.mesh is not None:
             object.__setattr__(self, "mesh", MeshSpec.parse(self.mesh))
-        if self.strategy == "hybrid" and self.mesh is None:
-            raise UsageError(
-                "strategy 'hybrid' composes the dimensions of a mesh: give one, "
-                "e.g. mesh={'dp': 2, 'tp': -1}"
-            )
         self._check_strategy()
         if self.precision not in PRECISIONS:
             raise UsageError(
@@ -144,8 +131,7 @@ class ParallelConfig:
                 f"strategy takes a name ('ddp') or a strategy object (DDP(...)), "
                 f"not {self.strategy!r}"
             )
-        if self.strategy not in (None, "hybrid", "auto"):
-            spec_class(self.strategy)  # raises with the list of names
+        check_name(self.strategy, self.mesh is not None)
         if given:
             warn_user(
                 f"Parallel({', '.join(f'{k}=...' for k in given)}) is deprecated and goes in "
@@ -174,6 +160,11 @@ class ParallelConfig:
             return self.compile
         return CompileOptions() if self.compile else None
 
+    @property
+    def planned(self) -> bool:
+        """Whether the planner picks the strategy once the model is known (``"auto"``)."""
+        return self.strategy == AUTO
+
     def resolved_strategy(self, world_size: int, *, served: bool = False) -> str:
         """The strategy name actually used for a job of ``world_size``.
 
@@ -182,10 +173,5 @@ class ParallelConfig:
         """
         if isinstance(self.strategy, StrategySpec):
             return self.strategy.name
-        if self.strategy not in (None, "hybrid", "auto"):
-            return self.strategy
-        if self.strategy != "auto" and isinstance(self.mesh, MeshSpec):
-            return strategy_for_mesh(self.mesh)
-        if served and self.strategy is None:
-            return serving_strategy()
-        return default_strategy(world_size)  # for "auto": until the model is known
+        mesh = self.mesh if isinstance(self.mesh, MeshSpec) else None
+        return resolve_name(self.strategy, mesh, world_size, served)

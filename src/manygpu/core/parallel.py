@@ -230,7 +230,7 @@ class Parallel(JobCollectives):
                 "this model was already prepared: call par.prepare(model) once and keep "
                 "using the module it returned"
             )
-        if self.config.strategy == "auto" and not self._models:
+        if self.config.planned and not self._models:
             self._choose_strategy(model)
         # Every replica (and every shard's source) must start from rank 0's
         # weights, whatever each rank's seed did to the model built after it.

@@ -128,6 +128,8 @@ def worker_env(spec: LaunchSpec) -> dict[str, str]:
         env["MANYGPU_TIMEOUT"] = str(spec.timeout_s)
     if spec.ps_servers is not None:
         env[envmod.PS_SERVERS] = str(spec.ps_servers)
+        # Workers that die may be dropped: their servers decide, not the agent.
+        env[envmod.EXPENDABLE_FROM] = str(spec.ps_servers)
     return env
 
 

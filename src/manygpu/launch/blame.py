@@ -18,7 +18,7 @@ import re
 import signal
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from typing import Any
 
 from manygpu.runtime import env as envmod
@@ -95,7 +95,13 @@ def read(error_file: str) -> dict[str, Any] | None:
 
 @dataclass(frozen=True)
 class Outcome:
-    """How one rank ended, as far as the launcher can tell."""
+    """How one rank (or, ``rank=-1``, a host's launcher) ended, as far as a launcher can tell.
+
+    The one type for it: a node's agent makes them from torch's records and the
+    workers' notes; under a launch over hosts each goes to the driver as one JSON
+    line (:meth:`to_json`, :meth:`from_json`) with ``how`` already a whole report
+    line, and the driver blames the first over every host with :func:`root_cause`.
+    """
 
     rank: int
     exit_code: int
@@ -103,7 +109,27 @@ class Outcome:
     time_ns: int
     consequence: bool
     how: str
-    """Words for the report: "failed with exit code 3", "was killed by SIGKILL"."""
+    """Words for the report: "failed with exit code 3", "was killed by SIGKILL"; from a
+    host, the whole line: "rank 3 failed with exit code 3: ValueError: boom"."""
+
+    def to_json(self) -> str:
+        """This outcome as one line of JSON."""
+        return json.dumps(asdict(self))
+
+    @classmethod
+    def from_json(cls, text: str) -> Outcome | None:
+        """The outcome ``text`` holds; ``None`` for anything else (never an exception)."""
+        try:
+            record = json.loads(text)
+            return cls(
+                rank=int(record["rank"]),
+                exit_code=int(record["exit_code"]),
+                time_ns=int(record["time_ns"]),
+                consequence=bool(record["consequence"]),
+                how=str(record["how"]),
+            )
+        except (ValueError, KeyError, TypeError):
+            return None
 
 
 def outcome(rank: int, exitcode: int, timestamp_s: int, note: dict[str, Any] | None) -> Outcome:

@@ -13,12 +13,11 @@ job's first failure first over every host (:mod:`manygpu.launch.blame`).
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import sys
 import threading
-from dataclasses import dataclass
+from dataclasses import replace
 
 from manygpu.launch import blame
 
@@ -47,42 +46,12 @@ def watch_stdin(fd: int = 0) -> threading.Thread:
     return thread
 
 
-@dataclass(frozen=True, kw_only=True)
-class RankOutcome:
-    """How one rank ended, as a host reports it to the driver."""
-
-    rank: int
-    exit_code: int
-    time_ns: int
-    consequence: bool
-    text: str
-    """The launcher's words, e.g. ``rank 3 failed with exit code 3: ValueError: boom``."""
-
-
 def report(outcome: blame.Outcome, text: str) -> None:
-    """Write one rank's outcome for the driver (stderr, one line)."""
-    record = {
-        "rank": outcome.rank,
-        "exit_code": outcome.exit_code,
-        "time_ns": outcome.time_ns,
-        "consequence": outcome.consequence,
-        "text": text,
-    }
-    print(TAG + json.dumps(record), file=sys.stderr, flush=True)
+    """Write one rank's outcome for the driver (stderr, one line), ``text`` its whole line,
+    e.g. ``rank 3 failed with exit code 3: ValueError: boom``."""
+    print(TAG + replace(outcome, how=text).to_json(), file=sys.stderr, flush=True)
 
 
-def parse(line: str) -> RankOutcome | None:
+def parse(line: str) -> blame.Outcome | None:
     """The outcome on ``line``, ``None`` when it is not one."""
-    if not line.startswith(TAG):
-        return None
-    try:
-        record = json.loads(line[len(TAG) :])
-        return RankOutcome(
-            rank=int(record["rank"]),
-            exit_code=int(record["exit_code"]),
-            time_ns=int(record["time_ns"]),
-            consequence=bool(record["consequence"]),
-            text=str(record["text"]),
-        )
-    except (ValueError, KeyError, TypeError):
-        return None
+    return blame.Outcome.from_json(line[len(TAG) :]) if line.startswith(TAG) else None

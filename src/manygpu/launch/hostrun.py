@@ -31,7 +31,7 @@ from types import FrameType
 from typing import IO
 
 from manygpu.errors import UsageError
-from manygpu.launch import driven, hostplan, hostprobe, hosts
+from manygpu.launch import blame, driven, hostplan, hostprobe, hosts
 from manygpu.launch.hostplan import HostPlan, NodeCommand
 from manygpu.launch.jobsecret import JobSecret
 from manygpu.launch.netcheck import is_local_address, source_address
@@ -232,7 +232,7 @@ class _Running:
 
     cmd: NodeCommand
     proc: subprocess.Popen[bytes]
-    outcomes: list[driven.RankOutcome] = field(default_factory=list)
+    outcomes: list[blame.Outcome] = field(default_factory=list)
     last_error: str = ""
     ended_ns: int | None = None
     stopped: bool = False
@@ -375,7 +375,7 @@ class Job:
         return report(self.nodes, self.plan, self.signum)
 
 
-def _host_failure(node: _Running) -> driven.RankOutcome | None:
+def _host_failure(node: _Running) -> blame.Outcome | None:
     """A host that failed without a rank to blame: ssh lost, launcher error, stopped."""
     code = node.proc.returncode
     if code == 0 or node.outcomes:
@@ -388,12 +388,12 @@ def _host_failure(node: _Running) -> driven.RankOutcome | None:
         text = f"lost host {host}: {why or 'ssh exited 255'}"
     else:
         text = f"{host}: the launcher exited with code {code}" + (f": {why}" if why else "")
-    return driven.RankOutcome(
+    return blame.Outcome(
         rank=-1,
         exit_code=code if code > 0 else 128 - code,
         time_ns=node.ended_ns or time.time_ns(),
         consequence=node.stopped,
-        text=text,
+        how=text,
     )
 
 
@@ -410,18 +410,19 @@ def report(nodes: Sequence[_Running], plan: HostPlan, signum: int | None) -> int
     if plan.elastic and finished >= plan.min_nodes:
         for node in failed:
             lost = _host_failure(node)
-            why = lost.text if lost else f"{node.cmd.host}: exit code {node.proc.returncode}"
+            why = lost.how if lost else f"{node.cmd.host}: exit code {node.proc.returncode}"
             print(f"manygpu: the elastic job finished without a host ({why})", file=sys.stderr)
         return 0
-    outcomes: list[tuple[str, driven.RankOutcome]] = []
+    outcomes: list[tuple[str, blame.Outcome]] = []
     for node in nodes:
-        outcomes += [(f"{node.cmd.host}: {o.text}", o) for o in node.outcomes]
+        outcomes += [(f"{node.cmd.host}: {o.how}", o) for o in node.outcomes]
         lost = _host_failure(node)
         if lost is not None:
-            outcomes.append((lost.text, lost))
+            outcomes.append((lost.how, lost))
     if not outcomes:
         return 1
-    root = min(outcomes, key=lambda p: (p[1].consequence, p[1].time_ns, p[1].rank))
+    first = blame.root_cause([o for _, o in outcomes])  # the one rule, as on one node
+    root = next(p for p in outcomes if p[1] is first)
     print(f"manygpu: {root[0]}", file=sys.stderr)
     for text, o in sorted(outcomes, key=lambda p: p[1].time_ns):
         if o is not root[1]:

@@ -16,7 +16,7 @@ import sys
 import threading
 import traceback
 
-from manygpu.launch import blame, evidence, exit_timer, ps_keeper
+from manygpu.launch import blame, evidence, exit_timer, keeper
 from manygpu.runtime import env as envmod
 from manygpu.runtime import notice
 
@@ -177,8 +177,8 @@ def _shut_threads_down() -> None:
 def main() -> None:
     _die_with_parent()
     _guard_descendants()
-    if ps_keeper.applies(envmod.current()):
-        ps_keeper.keep()  # from here on, this is the child that runs the script
+    if keeper.applies(envmod.current()):
+        keeper.keep()  # from here on, this is the child that runs the script
     _default_group_timeout()
     notice.record_warnings()  # SIGUSR1 would end the rank before any save
     with contextlib.suppress(OSError):  # no watch is better than no job

@@ -88,6 +88,19 @@ def ps_servers(env: Environ) -> int | None:
     return value
 
 
+EXPENDABLE_FROM = "MANYGPU_EXPENDABLE_FROM"
+"""Ranks from this one on may be lost to a signal without ending the job (the job's
+other ranks decide): set by ``manygpu launch --ps K`` to ``K``, the first worker."""
+
+
+def expendable_from(env: Environ) -> int | None:
+    """The first rank that may be lost without ending the job; ``None``: none may."""
+    value = get_int(env, EXPENDABLE_FROM)
+    if value is not None and value < 0:
+        raise UsageError(f"{EXPENDABLE_FROM}={value} must be >= 0; fix or unset it")
+    return value
+
+
 TOOL_CONFIG = "MANYGPU_TOOL_CONFIG"
 """Where a launched tool's command hands its workers their configuration (JSON)."""
 

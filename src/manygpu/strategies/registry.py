@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any, Literal, TypeVar
 from manygpu.checkpoint.formats import Format
 from manygpu.errors import UsageError
 from manygpu.strategies.costs import CommModel, MemoryModel
+from manygpu.strategies.mesh import MeshSpec, strategy_for_mesh
 
 if TYPE_CHECKING:
     from manygpu.strategies.base import Strategy
@@ -126,6 +127,38 @@ def card(name: str) -> StrategyCard:
 def get_strategy(name: str) -> type[Strategy[Any]]:
     """The class that does the work of ``name``, imported now."""
     return spec_class(name).implementation()
+
+
+HYBRID, AUTO = "hybrid", "auto"
+"""Names that are rules, not strategies: the one that composes the mesh's dimensions,
+and the planner's pick once the model is known."""
+
+
+def check_name(name: str | None, has_mesh: bool) -> None:
+    """Refuse, in one line, a strategy name that is neither registered nor a rule that fits."""
+    if name == HYBRID and not has_mesh:
+        raise UsageError(
+            "strategy 'hybrid' composes the dimensions of a mesh: give one, "
+            "e.g. mesh={'dp': 2, 'tp': -1}"
+        )
+    if name not in (None, HYBRID, AUTO):
+        spec_class(name)  # raises with the list of names
+
+
+def resolve_name(name: str | None, mesh: MeshSpec | None, world_size: int, served: bool) -> str:
+    """The registered strategy a name (or no name) stands for in a job of ``world_size``.
+
+    ``"hybrid"`` (or no name with a mesh): the strategy composing the mesh; no name
+    under ``manygpu launch --ps K`` (``served``): the serving one; ``"auto"``: the
+    default until the planner has seen the model.
+    """
+    if name not in (None, HYBRID, AUTO):
+        return name
+    if name != AUTO and mesh is not None:
+        return strategy_for_mesh(mesh)
+    if served and name is None:
+        return serving_strategy()
+    return default_strategy(world_size)
 
 
 def default_strategy(world_size: int) -> str:

@@ -1,20 +1,21 @@
-"""Under ``--ps K``, a worker killed by a signal must not end the job: its servers decide.
+"""An expendable rank killed by a signal must not end the job: its peers decide.
 
-torch's elastic agent stops every worker as soon as one fails. Asynchronous
-parameter-server training is meant to outlive a lost worker (the servers drop
-it and the others go on), so under ``manygpu launch --ps K`` each worker rank
-(rank >= K) runs its script in a child process and stays as its *keeper*:
+torch's elastic agent stops every worker as soon as one fails. Some jobs are
+meant to outlive a lost rank (asynchronous parameter servers drop a dead
+worker and go on), so a rank the launcher marks expendable
+(``MANYGPU_EXPENDABLE_FROM``: ``manygpu launch --ps K`` marks the workers,
+ranks >= K) runs its script in a child process and stays as its *keeper*:
 
 - the child exits normally or with an error: the keeper exits the same way
   (an exception in the script is a bug, and ends the job as usual);
 - the child is killed by a signal (kill -9, the OOM killer): the keeper says
-  so in one line and exits 0. The servers notice the lost link: in ``async``
-  mode they drop the worker and training goes on; in ``sync`` mode they stop
-  with an error that names it, which ends the job;
+  so in one line and exits 0. The ranks it worked with notice the lost link
+  and decide (parameter servers: ``async`` drops the worker and goes on,
+  ``sync`` stops with an error that names it, which ends the job);
 - the keeper is stopped (the agent's SIGTERM): it passes the signal on, and
   dies by the same signal once the child is gone, as if it were the child.
 
-Servers (ranks < K) run their script directly: a dead server ends the job.
+Other ranks run their script directly: their death ends the job.
 """
 
 from __future__ import annotations
@@ -31,10 +32,10 @@ _PR_SET_PDEATHSIG = 1
 
 
 def applies(env: envmod.Environ) -> bool:
-    """Whether this process is a parameter-server worker under ``--ps K`` (on Linux)."""
-    servers = envmod.ps_servers(env)
+    """Whether this process is an expendable rank (on Linux)."""
+    first = envmod.expendable_from(env)
     rank = envmod.get_int(env, "RANK")
-    return sys.platform.startswith("linux") and servers is not None and (rank or 0) >= servers
+    return sys.platform.startswith("linux") and first is not None and (rank or 0) >= first
 
 
 def keep() -> None:
@@ -67,9 +68,9 @@ def _outcome(status: int, stopped: list[int], rank: int) -> int:
         os.kill(os.getpid(), sig)
         return 128 + sig
     print(
-        f"manygpu: rank {rank} (a parameter-server worker) was killed by "
-        f"{signal.Signals(sig).name}; its servers decide: asynchronous training goes on "
-        "without it, synchronous training ends",
+        f"manygpu: rank {rank} (expendable in this job) was killed by "
+        f"{signal.Signals(sig).name}; the ranks it worked with decide whether the job "
+        "goes on without it",
         file=sys.stderr,
         flush=True,
     )

@@ -1,0 +1,44 @@
+"""The private torch names the rendezvous guard stands on, pinned: a torch upgrade that
+moves one fails here, loudly, instead of silently undoing the guard.
+
+- ``DynamicRendezvousHandler._create_tcp_store_server``: our override makes the
+  workers' bootstrap store listen on the job's address only (behind the gate); if
+  torch stopped calling it, the store would listen on every address again.
+- ``StaticTCPRendezvous.next_rendezvous`` reuses ``self._store`` when it is set: ours
+  sets it (bound to one address, behind the gate) before calling torch's.
+- ``_RendezvousState`` / ``_NodeDesc`` with the fields our JSON state reads and writes
+  (``manygpu.launch.rdzv_state``), instead of torch's pickle.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+
+from torch.distributed.elastic.rendezvous import dynamic_rendezvous, static_tcp_rendezvous
+
+WHERE = "(manygpu.launch.rendezvous relies on it: re-check the guard for this torch)"
+
+
+def test_torch_still_creates_the_bootstrap_store_through_the_method_we_override() -> None:
+    handler = dynamic_rendezvous.DynamicRendezvousHandler
+    assert hasattr(handler, "_create_tcp_store_server"), f"torch renamed it {WHERE}"
+    callers = inspect.getsource(handler)
+    assert "self._create_tcp_store_server(" in callers, f"torch no longer calls it {WHERE}"
+    params = list(inspect.signature(handler._create_tcp_store_server).parameters)
+    assert params[:3] == ["self", "master_addr", "master_port"], f"its signature moved {WHERE}"
+
+
+def test_torch_s_static_rendezvous_reuses_a_store_already_set() -> None:
+    source = inspect.getsource(static_tcp_rendezvous.StaticTCPRendezvous.next_rendezvous)
+    assert "if not self._store" in source, f"static rendezvous no longer reuses _store {WHERE}"
+
+
+def test_the_rendezvous_state_has_the_fields_our_json_state_carries() -> None:
+    state = dynamic_rendezvous._RendezvousState()
+    for name in ("round", "complete", "deadline", "closed", "participants", "wait_list",
+                 "redundancy_list", "last_heartbeats"):  # fmt: skip
+        assert hasattr(state, name), f"_RendezvousState lost {name!r} {WHERE}"
+    node = dynamic_rendezvous._NodeDesc("10.0.0.1", 7, 0)
+    fields = [f.name for f in dataclasses.fields(node)]
+    assert fields == ["addr", "pid", "local_id"], f"_NodeDesc is now {fields} {WHERE}"
