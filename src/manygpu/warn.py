@@ -9,10 +9,15 @@ import warnings
 _PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__))
 
 
+def _ours(filename: str) -> bool:
+    """Our code, or code generated for it (a dataclass's ``__init__`` is ``<string>``)."""
+    return filename.startswith("<") or os.path.abspath(filename).startswith(_PACKAGE_DIR)
+
+
 def warn_user(message: str, category: type[Warning] = UserWarning) -> None:
     """``warnings.warn`` attributed to the first caller outside manygpu."""
     level, frame = 2, sys._getframe(1)  # level 2 is our caller's frame
-    while frame is not None and os.path.abspath(frame.f_code.co_filename).startswith(_PACKAGE_DIR):
+    while frame is not None and _ours(frame.f_code.co_filename):
         frame = frame.f_back  # type: ignore[assignment]
         level += 1
     warnings.warn(message, category, stacklevel=level)

@@ -30,7 +30,9 @@ def _hang_in_model_file(marker: Path) -> None:
         n = real(self, data)
         held = self.path.name == "model.pt" or self.path.suffix == ".distcp"
         if held and "step-00000006" in str(self.path):
-            marker.write_text(str(self.path))
+            # Renamed into place: the parent polls for the marker and reads it at once.
+            marker.with_suffix(".part").write_text(str(self.path))
+            marker.with_suffix(".part").rename(marker)
             never.wait()  # the background thread stops here until the kill
         return n
 

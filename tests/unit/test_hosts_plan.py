@@ -285,6 +285,9 @@ def test_outcome_lines_round_trip() -> None:
     assert parsed is not None and (parsed.rank, parsed.exit_code, parsed.time_ns) == (3, 3, 7)
     assert o.exit_code == parsed.exit_code and parsed.how == "rank 3 failed"
     assert driven.parse(driven.TAG + o.to_json()) == o
+    older = driven.TAG + '{"rank": 3, "exit_code": 3, "time_ns": 7, "consequence": false, '
+    older += '"text": "rank 3 failed"}'  # a host of the version before
+    assert (parsed_old := driven.parse(older)) is not None and parsed_old.how == "rank 3 failed"
     assert driven.parse("[rank0]:manygpu-outcome {") is None
     assert driven.parse(driven.TAG + "{not json") is None
 

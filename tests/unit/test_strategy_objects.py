@@ -58,7 +58,7 @@ def test_a_name_is_the_object_with_its_defaults() -> None:
 def test_the_old_keywords_still_work_and_warn_once_per_config() -> None:
     with pytest.warns(FutureWarning, match=r"Parallel\(ddp=\.\.\.\) is deprecated") as seen:
         par = Parallel(strategy="ddp", device="cpu", ddp=DDPOptions(bucket_cap_mb=5))
-    assert len(seen) == 1
+    assert len(seen) == 1 and seen[0].filename == __file__  # the user's line, not ours
     with par:
         assert par.strategy.options == DDP(bucket_cap_mb=5)
         assert _bucket_cap(par) == 5 * MB
@@ -82,6 +82,10 @@ def test_the_old_keywords_map_to_every_strategy_that_read_them() -> None:
         plan={"fc": "colwise"}, fsdp=FSDP(param_dtype="bf16")
     )
     assert config.strategy_object("ps") == PS(mode="async")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)
+        own = ParallelConfig(pipeline=Pipeline(fsdp=FSDP(param_dtype="bf16")))
+    assert own.strategy_object("pipeline").fsdp == FSDP(param_dtype="bf16")  # type: ignore[attr-defined]
 
 
 @pytest.mark.parametrize(
@@ -91,10 +95,14 @@ def test_the_old_keywords_map_to_every_strategy_that_read_them() -> None:
         ({"strategy": DDP}, r"strategy=DDP is the class: give an object, strategy=DDP\(\)"),
         ({"strategy": 3}, "strategy takes a name"),
         ({"strategy": "fdsp"}, "unknown strategy 'fdsp'; choose one of"),
+        ({"strategy": "parallelize"}, r"needs your plan: give strategy=Parallelize\(fn\)"),
+        ({"strategy": "ddp", "ddp": FSDP()}, r"ddp= takes DDP\(...\), not FSDP"),
+        ({"strategy": "ps", "ps": {"mode": "async"}}, r"ps= takes PS\(...\), not \{"),
     ],
 )
 def test_a_wrong_strategy_is_one_line(fields: dict[str, object], needle: str) -> None:
-    with pytest.raises(UsageError, match=needle) as info:
+    with warnings.catch_warnings(), pytest.raises(UsageError, match=needle) as info:
+        warnings.simplefilter("ignore", FutureWarning)
         ParallelConfig(**fields)  # type: ignore[arg-type]
     assert "\n" not in str(info.value)
 

@@ -137,9 +137,9 @@ def _validate(ns: argparse.Namespace) -> tuple[list[int], TrainBenchConfig, int]
     config = bench_config(ns)
     parallel_options(config, parallel_fields())  # e.g. --compile from a manygpu without it
     if ns.strategy:
-        from manygpu.strategies import get_strategy
+        from manygpu.strategies import spec_class
 
-        get_strategy(ns.strategy)
+        spec_class(ns.strategy)
     models.resolve(ns.model)
     threads = ns.threads or (max(1, cpu_count() // max(counts)) if gpus == 0 else 0)
     return counts, config, threads

@@ -9,7 +9,7 @@ from typing import Any, Literal
 
 from manygpu.errors import UsageError
 from manygpu.strategies import CompileOptions, Legacy, MeshSpec, StrategySpec, spec_class
-from manygpu.strategies.registry import AUTO, check_name, resolve_name
+from manygpu.strategies.registry import AUTO, RULES, check_name, resolve_name
 from manygpu.warn import warn_user
 
 Precision = Literal["auto", "fp32", "fp32-strict", "bf16", "fp16"]
@@ -132,6 +132,8 @@ class ParallelConfig:
                 f"not {self.strategy!r}"
             )
         check_name(self.strategy, self.mesh is not None)
+        if self.strategy is not None and self.strategy not in RULES:
+            self.strategy_object(self.strategy)  # a name whose object needs arguments
         if given:
             warn_user(
                 f"Parallel({', '.join(f'{k}=...' for k in given)}) is deprecated and goes in "

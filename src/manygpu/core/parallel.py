@@ -108,8 +108,9 @@ class Parallel(JobCollectives):
         self.strategy_name = self.config.resolved_strategy(
             self.cluster.world_size, served=envmod.ps_servers(environ) is not None
         )
-        strategy_cls = _check_served(self.config.strategy_object(self.strategy_name), environ)
-        options = self.config.strategy_object(self.strategy_name).launched(environ)
+        options = self.config.strategy_object(self.strategy_name)
+        strategy_cls = _check_served(options, environ)
+        options = options.launched(environ)
         device = self._device(strategy_cls, options, environ)
         capability, self._device_name = cuda_facts(device)
         self.precision_choice: PrecisionChoice = resolve_precision(

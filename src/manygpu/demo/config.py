@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 from manygpu.core.config import PRECISIONS
 from manygpu.errors import UsageError
-from manygpu.strategies import get_strategy
+from manygpu.strategies import spec_class
 
 MIN_IMAGE_SIZE = 6
 """Two 3x3 convolutions and a 2x2 pool need at least this many pixels a side."""
@@ -40,7 +40,7 @@ class DemoConfig:
             )
         if self.epochs < 1:
             raise UsageError(f"--epochs must be at least 1, got {self.epochs}")
-        get_strategy(self.strategy)  # an unknown name: one line listing the known ones
+        spec_class(self.strategy)  # an unknown name: one line listing the known ones
         if not 0 < self.lr < math.inf:
             raise UsageError(f"--lr must be a number > 0, got {self.lr}")
         if self.image_size < MIN_IMAGE_SIZE:

@@ -126,7 +126,7 @@ class Outcome:
                 exit_code=int(record["exit_code"]),
                 time_ns=int(record["time_ns"]),
                 consequence=bool(record["consequence"]),
-                how=str(record["how"]),
+                how=str(record["how"] if "how" in record else record["text"]),
             )
         except (ValueError, KeyError, TypeError):
             return None

@@ -329,8 +329,11 @@ class Job:
         """Until each other host has ended or reported a rank's end, or SETTLE_S."""
         deadline = time.monotonic() + SETTLE_S
         while time.monotonic() < deadline:
+            for node in self.nodes:  # when each ended, for the blame's order
+                if node.ended_ns is None and node.proc.poll() is not None:
+                    node.ended_ns = time.time_ns()
             with self._lock:
-                if all(n.proc.poll() is not None or n.outcomes for n in self.nodes):
+                if all(n.ended_ns is not None or n.outcomes for n in self.nodes):
                     return
             time.sleep(0.05)
 

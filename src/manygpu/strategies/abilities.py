@@ -33,12 +33,10 @@ CommProbe = Callable[[], "tuple[int, float] | None"]
 class PlacesRanks(Protocol):
     """Ranks with roles (parameter servers): the class places each rank and forms the groups.
 
-    Class-level: both are asked before the strategy object exists.
+    Class-level: both are asked before the strategy object exists. Its instance on a
+    rank that serves the others (and never runs the loop: its ``prepare`` ends the
+    process once the workers are done) says so with a true ``serves`` attribute.
     """
-
-    serves: bool
-    """On an instance: this process serves the others and never runs the loop (its
-    ``prepare`` ends the process cleanly once the workers are done)."""
 
     @classmethod
     def device_slot(cls, cluster: ClusterInfo, options: Any) -> int | None:
@@ -140,7 +138,7 @@ def join(
 
 def serves(strategy: object) -> bool:
     """Whether this process serves the others instead of training."""
-    return isinstance(strategy, PlacesRanks) and bool(strategy.serves)
+    return bool(getattr(strategy, "serves", False))
 
 
 def combined_clip(

@@ -113,8 +113,8 @@ class Strategy(ABC, Generic[OptionsT]):
             )
         if job.mesh is not None:
             raise UsageError(
-                f"strategy {cls.name!r} takes no mesh; meshes are for fsdp, tensor, pipeline "
-                "and hybrid"
+                f"strategy {cls.name!r} takes no mesh; give a mesh to a strategy that composes "
+                "its dimensions (fsdp, tensor, pipeline, parallelize; ddp and model take dp)"
             )
 
     @classmethod

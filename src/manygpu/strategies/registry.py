@@ -130,6 +130,7 @@ def get_strategy(name: str) -> type[Strategy[Any]]:
 
 
 HYBRID, AUTO = "hybrid", "auto"
+RULES = (HYBRID, AUTO)
 """Names that are rules, not strategies: the one that composes the mesh's dimensions,
 and the planner's pick once the model is known."""
 

@@ -4,8 +4,9 @@ FSDP2 turns parameters into sharded DTensors, tensor parallelism into DTensor
 slices, a pipeline keeps only its stage's: in each case an optimizer built
 from the original parameters would train nothing. :class:`ReplacingMeshStrategy`
 remembers what ``prepare`` produced and refuses such an optimizer, and turns
-FSDP2's gradient sync on and off for accumulation. ``fsdp``, ``tensor`` and
-``pipeline`` derive from it; the FSDP2 helpers below compose them over a mesh.
+FSDP2's gradient sync on and off for accumulation. ``fsdp``, ``tensor``,
+``pipeline`` and ``parallelize`` derive from it; the FSDP2 helpers below compose
+them over a mesh.
 """
 
 from __future__ import annotations

@@ -13,6 +13,8 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 from typing import TYPE_CHECKING, Any, ClassVar, TypeVar
 
+from manygpu.errors import UsageError
+
 if TYPE_CHECKING:
     from manygpu.runtime.env import Environ
     from manygpu.strategies.base import Strategy
@@ -63,8 +65,15 @@ class StrategySpec:
         return cls()
 
 
-def copy_fields(cls: type[S], source: object, **extra: Any) -> S:
-    """``cls`` built from the same-named fields of ``source`` (a deprecated options object)."""
+def copy_fields(cls: type[S], source: object, keyword: str, **extra: Any) -> S:
+    """``cls`` built from the same-named fields of ``source``, what the deprecated
+    ``keyword=`` gave; anything but an object of ``cls``'s own kind is refused."""
+    kind = next(c for c in cls.__mro__ if c.__base__ is StrategySpec)
+    if not isinstance(source, kind):
+        raise UsageError(
+            f"{keyword}= takes {kind.__name__}(...), not {source!r}; better: "
+            f"strategy={cls.__name__}(...)"
+        )
     names = {f.name for f in fields(cls)} - set(extra)
     given = {f.name: getattr(source, f.name) for f in fields(source) if f.name in names}  # type: ignore[arg-type]
     return cls(**given, **extra)

@@ -65,7 +65,7 @@ class DDP(StrategySpec):
 
     @classmethod
     def from_legacy(cls, legacy: Legacy) -> DDP:
-        return copy_fields(cls, legacy.ddp) if legacy.ddp is not None else cls()
+        return copy_fields(cls, legacy.ddp, "ddp") if legacy.ddp is not None else cls()
 
 
 @register

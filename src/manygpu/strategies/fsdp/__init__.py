@@ -74,7 +74,7 @@ class FSDP(StrategySpec):
 
     @classmethod
     def from_legacy(cls, legacy: Legacy) -> FSDP:
-        return copy_fields(cls, legacy.fsdp) if legacy.fsdp is not None else cls()
+        return copy_fields(cls, legacy.fsdp, "fsdp") if legacy.fsdp is not None else cls()
 
 
 @register

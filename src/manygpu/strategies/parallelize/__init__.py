@@ -19,7 +19,7 @@ from manygpu.checkpoint.formats import DCP
 from manygpu.errors import UsageError
 from manygpu.strategies.costs import CommModel, MemoryModel
 from manygpu.strategies.registry import StrategyCard, register
-from manygpu.strategies.spec import StrategySpec
+from manygpu.strategies.spec import Legacy, StrategySpec
 
 if TYPE_CHECKING:
     from manygpu.strategies.base import Strategy
@@ -48,6 +48,13 @@ class Parallelize(StrategySpec):
                 "Parallelize needs your plan: Parallelize(fn), where fn(model, mesh) "
                 f"applies it; got {self.fn!r}"
             )
+
+    @classmethod
+    def from_legacy(cls, legacy: Legacy) -> Parallelize:
+        raise UsageError(
+            "strategy='parallelize' needs your plan: give strategy=Parallelize(fn), "
+            "where fn(model, mesh) applies it"
+        )
 
     @classmethod
     def implementation(cls) -> type[Strategy[Any]]:

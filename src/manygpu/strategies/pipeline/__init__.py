@@ -73,7 +73,9 @@ class Pipeline(StrategySpec):
 
     @classmethod
     def from_legacy(cls, legacy: Legacy) -> Pipeline:
-        fsdp = FSDP.from_legacy(legacy)
-        if legacy.pipeline is None:
+        given = legacy.pipeline
+        own = given.fsdp if isinstance(given, Pipeline) else FSDP()
+        fsdp = FSDP.from_legacy(legacy) if legacy.fsdp is not None else own
+        if given is None:
             return cls(fsdp=fsdp)
-        return copy_fields(cls, legacy.pipeline, fsdp=fsdp)
+        return copy_fields(cls, given, "pipeline", fsdp=fsdp)

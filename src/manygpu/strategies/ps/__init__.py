@@ -7,7 +7,7 @@ pull parameters at each ``step()`` (see :mod:`.strategy`).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
 from manygpu.checkpoint.formats import FULL
@@ -80,7 +80,7 @@ class PS(StrategySpec):
                 f"--ps {launched}; make them agree, or give only one"
             )
         servers = self.servers if self.servers is not None else launched or 1
-        return PS(servers=servers, mode=self.mode, max_staleness=self.max_staleness)
+        return replace(self, servers=servers)
 
     @classmethod
     def implementation(cls) -> type[Strategy[Any]]:
@@ -90,4 +90,4 @@ class PS(StrategySpec):
 
     @classmethod
     def from_legacy(cls, legacy: Legacy) -> PS:
-        return copy_fields(cls, legacy.ps) if legacy.ps is not None else cls()
+        return copy_fields(cls, legacy.ps, "ps") if legacy.ps is not None else cls()

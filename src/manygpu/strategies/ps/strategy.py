@@ -47,8 +47,6 @@ class ParameterServerStrategy(Strategy[PS]):
     """Servers hold the parameters and optimizer state; workers push and pull."""
 
     spec_class = PS
-    serves = False
-    """On a server's instance: True (its ``prepare`` serves, then ends the process)."""
 
     needs_process_group = True
     shards_data = True

@@ -14,7 +14,7 @@ from manygpu.checkpoint.formats import DCP
 from manygpu.strategies.costs import CommModel, MemoryModel
 from manygpu.strategies.fsdp import FSDP
 from manygpu.strategies.registry import StrategyCard, register
-from manygpu.strategies.spec import Legacy, StrategySpec
+from manygpu.strategies.spec import Legacy, StrategySpec, copy_fields
 
 if TYPE_CHECKING:
     from manygpu.strategies.base import Strategy
@@ -48,5 +48,9 @@ class Tensor(StrategySpec):
 
     @classmethod
     def from_legacy(cls, legacy: Legacy) -> Tensor:
-        plan = legacy.tensor.plan if legacy.tensor is not None else None
-        return cls(plan=plan, fsdp=FSDP.from_legacy(legacy))
+        given = legacy.tensor
+        own = given.fsdp if isinstance(given, Tensor) else FSDP()
+        fsdp = FSDP.from_legacy(legacy) if legacy.fsdp is not None else own
+        if given is None:
+            return cls(fsdp=fsdp)
+        return copy_fields(cls, given, "tensor", fsdp=fsdp)
