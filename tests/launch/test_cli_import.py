@@ -28,7 +28,7 @@ DRIVE_HOSTS = f"""
 import json, sys
 from manygpu.cli.main import main
 assert main(["launch", "-H", "localhost:1,192.0.2.1:1", "--dry-run", "train.py"]) == 0
-import manygpu.launch.hostrun
+import manygpu.launch.hosts.run
 print(json.dumps([name for name in {HEAVY!r} if name in sys.modules]))
 """
 

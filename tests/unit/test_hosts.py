@@ -13,7 +13,7 @@ import pytest
 
 from manygpu.cli.main import main
 from manygpu.errors import UsageError
-from manygpu.launch.hosts import (
+from manygpu.launch.hosts.hostfile import (
     Host,
     allocate,
     parse_env_file,

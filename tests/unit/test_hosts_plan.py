@@ -13,10 +13,12 @@ from pathlib import Path
 import pytest
 
 from manygpu.errors import UsageError
-from manygpu.launch import driven, hostplan, hostprobe
-from manygpu.launch.hostplan import Here, plan
-from manygpu.launch.hostrun import judge_probe, prefixed
-from manygpu.launch.hosts import parse_hosts
+from manygpu.launch import driven
+from manygpu.launch.hosts import plan as hostplan
+from manygpu.launch.hosts import probe as hostprobe
+from manygpu.launch.hosts.hostfile import parse_hosts
+from manygpu.launch.hosts.plan import Here, plan
+from manygpu.launch.hosts.run import judge_probe, prefixed
 from manygpu.launch.spec import HostOptions, LaunchRequest, TorchrunOptions
 
 HERE = Here(
@@ -105,7 +107,7 @@ def test_remote_python_and_dir_apply_to_other_hosts_only() -> None:
     assert here.launch[0] == "/opt/py/bin/python" and here.cwd == "/work/proj"
     assert there.launch[0] == "python3" and there.cwd == "/srv/job"
     assert _remote_words(there)[:2] == ["cd", "/srv/job"]
-    assert there.probe is not None and "-m manygpu.launch.hostprobe" in there.probe[-1]
+    assert there.probe is not None and "-m manygpu.launch.hosts.probe" in there.probe[-1]
     assert shlex.split(there.probe[-1])[4:7] == ["python3", "-c", hostplan.BOOT]
 
 
@@ -308,7 +310,7 @@ def test_this_machine_listed_twice_is_refused() -> None:
 def test_local_names_are_this_machine() -> None:
     import socket
 
-    from manygpu.launch.hostrun import is_local_name
+    from manygpu.launch.hosts.run import is_local_name
 
     assert is_local_name("localhost") and is_local_name("127.0.0.1")
     assert is_local_name(socket.gethostname())

@@ -12,8 +12,8 @@ from jobs import two_rank_cluster
 from torch import nn
 
 from manygpu import DDP, PS, Parallel, ParallelConfig, UsageError
-from manygpu.launch import keeper
 from manygpu.launch.resolve import LaunchRequest, resolve
+from manygpu.launch.worker import keeper
 from manygpu.runtime import env as envmod
 from manygpu.strategies import JobOptions, abilities, card, get_strategy, serving_strategy
 from manygpu.strategies.ps.links import role_view

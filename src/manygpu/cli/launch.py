@@ -112,7 +112,7 @@ def launch_hosts(request: LaunchRequest, hosts: HostOptions) -> int:
     """Run ``request`` on the hosts of ``hosts`` from here, over ssh."""
     import os
 
-    from manygpu.launch.hostrun import launch_hosts as run_on_hosts
+    from manygpu.launch.hosts.run import launch_hosts as run_on_hosts
     from manygpu.runtime import env as envmod
 
     return run_on_hosts(request, hosts, envmod.current(), os.getcwd())

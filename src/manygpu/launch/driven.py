@@ -1,6 +1,6 @@
 """A host's launcher under a launch over several hosts: its two ties to the driver.
 
-The driver (:mod:`manygpu.launch.hostrun`) starts ``manygpu launch --driven``
+The driver (:mod:`manygpu.launch.hosts.run`) starts ``manygpu launch --driven``
 on every host, over ssh or here, with a pipe as its stdin that it never
 writes. That pipe is the lifeline: when the driver exits, is killed, or its
 ssh connection drops, the pipe closes (ssh forwards the end of its input), and

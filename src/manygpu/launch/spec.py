@@ -167,7 +167,7 @@ class JobOptions:
     )
     """Where this node reads the job's secret (:mod:`manygpu.launch.jobsecret`)."""
     driven: bool = switch("--driven", help=HIDDEN)
-    """Started by a launch over several hosts (:mod:`manygpu.launch.hostrun`): stop the
+    """Started by a launch over several hosts (:mod:`manygpu.launch.hosts.run`): stop the
     workers when stdin closes (the driver or its ssh connection went away) and report
     failures as lines the driver reads (:mod:`manygpu.launch.driven`)."""
     torchrun: TorchrunOptions = field(default_factory=TorchrunOptions)

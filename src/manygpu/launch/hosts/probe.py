@@ -1,6 +1,6 @@
 """Preflight of a launch over hosts: what each host has, asked before anything starts.
 
-``python -m manygpu.launch.hostprobe [--bind HOST:PORT] [--script PATH]`` runs
+``python -m manygpu.launch.hosts.probe [--bind HOST:PORT] [--script PATH]`` runs
 on every other host over ssh and prints one JSON line: the versions that must
 match (Python, torch, manygpu, as the doctor's cross-rank check demands), its
 host name, whether the rendezvous port can be bound there and whether the

@@ -16,7 +16,8 @@ import sys
 import threading
 import traceback
 
-from manygpu.launch import blame, evidence, exit_timer, keeper
+from manygpu.launch import blame, evidence
+from manygpu.launch.worker import exit_timer, keeper
 from manygpu.runtime import env as envmod
 from manygpu.runtime import notice
 

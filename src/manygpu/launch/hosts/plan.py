@@ -20,7 +20,7 @@ from typing import Any
 
 from manygpu.errors import UsageError
 from manygpu.flags import flagged
-from manygpu.launch.hosts import Host
+from manygpu.launch.hosts.hostfile import Host
 from manygpu.launch.netcheck import split_endpoint
 from manygpu.launch.spec import (
     HostOptions,
@@ -315,7 +315,7 @@ def _node(
             probe=None,
         )
     ssh = ssh_prefix(opts)
-    probe = booted(launch[0], "-m", "manygpu.launch.hostprobe", *probe_args)
+    probe = booted(launch[0], "-m", "manygpu.launch.hosts.probe", *probe_args)
     return NodeCommand(
         host=h.name,
         local=False,

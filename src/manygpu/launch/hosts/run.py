@@ -1,10 +1,10 @@
 """Run a launch over several hosts from one machine: preflight, stream, stop, report.
 
 The driver asks every other host first, over ssh and in parallel, what it
-has (:mod:`manygpu.launch.hostprobe`): a host that cannot be reached or
+has (:mod:`manygpu.launch.hosts.probe`): a host that cannot be reached or
 logged into, a version that differs, a taken rendezvous port or a missing
 script is named in one line before anything starts. Then it starts each
-host's ``manygpu launch --driven`` (:mod:`manygpu.launch.hostplan`), streams
+host's ``manygpu launch --driven`` (:mod:`manygpu.launch.hosts.plan`), streams
 every line with a ``host/rank`` prefix, and when one host fails (or Ctrl-C
 comes) it closes every host's stdin: each launcher stops its workers as on
 SIGTERM (:mod:`manygpu.launch.driven`). The report puts the job's first
@@ -31,8 +31,11 @@ from types import FrameType
 from typing import IO
 
 from manygpu.errors import UsageError
-from manygpu.launch import blame, driven, hostplan, hostprobe, hosts
-from manygpu.launch.hostplan import HostPlan, NodeCommand
+from manygpu.launch import blame, driven
+from manygpu.launch.hosts import hostfile as hosts
+from manygpu.launch.hosts import plan as hostplan
+from manygpu.launch.hosts import probe as hostprobe
+from manygpu.launch.hosts.plan import HostPlan, NodeCommand
 from manygpu.launch.jobsecret import JobSecret
 from manygpu.launch.netcheck import is_local_address, source_address
 from manygpu.launch.spec import HostOptions, LaunchRequest
