@@ -24,13 +24,10 @@ from torch import nn
 from torch.distributed.fsdp import FSDPModule
 
 from manygpu.strategies.fsdp import FSDP, Zero2
+from manygpu.strategies.fsdp.sharding import fsdp_kwargs, shard_data_dims
 from manygpu.strategies.mesh import job_mesh
 from manygpu.strategies.options import CompileOptions, compile_in_place
-from manygpu.strategies.sharded import (
-    ReplacingMeshStrategy,
-    fsdp_kwargs,
-    shard_data_dims,
-)
+from manygpu.strategies.sharded import ReplacingMeshStrategy
 
 
 class FSDPStrategy(ReplacingMeshStrategy[FSDP]):

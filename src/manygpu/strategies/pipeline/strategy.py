@@ -34,15 +34,11 @@ from manygpu.comm.objects import broadcast_json, parse_each
 from manygpu.errors import UsageError
 from manygpu.runtime.process_group import DistContext
 from manygpu.strategies.base import JobOptions
+from manygpu.strategies.fsdp.sharding import fsdp_kwargs, set_fsdp_grad_sync, shard_data_dims
 from manygpu.strategies.mesh import job_mesh
 from manygpu.strategies.options import CompileOptions, compile_in_place
 from manygpu.strategies.pipeline import Pipeline
-from manygpu.strategies.sharded import (
-    ReplacingMeshStrategy,
-    fsdp_kwargs,
-    set_fsdp_grad_sync,
-    shard_data_dims,
-)
+from manygpu.strategies.sharded import ReplacingMeshStrategy
 from manygpu.strategies.splitting import (
     balanced_cuts,
     layer_times,

@@ -26,12 +26,9 @@ from torch.distributed.tensor.parallel import (
 )
 
 from manygpu.errors import UsageError
+from manygpu.strategies.fsdp.sharding import fsdp_kwargs, shard_data_dims
 from manygpu.strategies.mesh import job_mesh
-from manygpu.strategies.sharded import (
-    ReplacingMeshStrategy,
-    fsdp_kwargs,
-    shard_data_dims,
-)
+from manygpu.strategies.sharded import ReplacingMeshStrategy
 from manygpu.strategies.tensor import Tensor
 
 # Leaf names of common layers (Llama, GPT-2/NeoX, BERT-style, torch's MLPs).
