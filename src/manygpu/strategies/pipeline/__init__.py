@@ -13,9 +13,9 @@ from typing import TYPE_CHECKING, Any, ClassVar, Literal
 from manygpu.checkpoint.formats import DCP
 from manygpu.errors import UsageError
 from manygpu.strategies.costs import CommModel, MemoryModel
-from manygpu.strategies.fsdp import FSDP
+from manygpu.strategies.fsdp import FSDP, composed_from_legacy
 from manygpu.strategies.registry import StrategyCard, register
-from manygpu.strategies.spec import Legacy, StrategySpec, copy_fields
+from manygpu.strategies.spec import Legacy, StrategySpec
 
 if TYPE_CHECKING:
     from manygpu.strategies.base import Strategy
@@ -73,9 +73,4 @@ class Pipeline(StrategySpec):
 
     @classmethod
     def from_legacy(cls, legacy: Legacy) -> Pipeline:
-        given = legacy.pipeline
-        own = given.fsdp if isinstance(given, Pipeline) else FSDP()
-        fsdp = FSDP.from_legacy(legacy) if legacy.fsdp is not None else own
-        if given is None:
-            return cls(fsdp=fsdp)
-        return copy_fields(cls, given, "pipeline", fsdp=fsdp)
+        return composed_from_legacy(cls, "pipeline", legacy)

@@ -12,9 +12,9 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 from manygpu.checkpoint.formats import DCP
 from manygpu.strategies.costs import CommModel, MemoryModel
-from manygpu.strategies.fsdp import FSDP
+from manygpu.strategies.fsdp import FSDP, composed_from_legacy
 from manygpu.strategies.registry import StrategyCard, register
-from manygpu.strategies.spec import Legacy, StrategySpec, copy_fields
+from manygpu.strategies.spec import Legacy, StrategySpec
 
 if TYPE_CHECKING:
     from manygpu.strategies.base import Strategy
@@ -48,9 +48,4 @@ class Tensor(StrategySpec):
 
     @classmethod
     def from_legacy(cls, legacy: Legacy) -> Tensor:
-        given = legacy.tensor
-        own = given.fsdp if isinstance(given, Tensor) else FSDP()
-        fsdp = FSDP.from_legacy(legacy) if legacy.fsdp is not None else own
-        if given is None:
-            return cls(fsdp=fsdp)
-        return copy_fields(cls, given, "tensor", fsdp=fsdp)
+        return composed_from_legacy(cls, "tensor", legacy)
