@@ -97,6 +97,20 @@ def test_no_upward_imports() -> None:
     assert wrong == [], "\n".join(wrong)
 
 
+def test_horovod_is_an_adapter_over_runtime_and_comm() -> None:
+    """manygpu.horovod stands on runtime/ and comm/ (and errors); never on the strategies,
+    the planner or Parallel, so either side can change without the other."""
+    allowed = ("manygpu.horovod", "manygpu.runtime", "manygpu.comm", "manygpu.errors")
+    wrong = [
+        f"{_module(path)}:{line} imports {target}"
+        for path in FILES
+        if _module(path).startswith("manygpu.horovod")
+        for line, target in _imports(path)
+        if not target.startswith(allowed)
+    ]
+    assert wrong == [], "\n".join(wrong)
+
+
 def test_environment_variables_are_read_only_in_runtime_env() -> None:
     wrong = []
     for path in FILES:
