@@ -46,8 +46,8 @@ from dist_harness import run_ranks
 from jobs import subprocess_env
 from preempt_job import train_to
 
-from manygpu.checkpoint import layout
 from manygpu.checkpoint.export import inspect
+from manygpu.checkpoint_io import layout
 from manygpu.emulate import EmulatedCluster, LinkShape, netns_available
 
 OK, WHY = netns_available()

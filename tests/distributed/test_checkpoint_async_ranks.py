@@ -23,7 +23,8 @@ from dist_harness import run_ranks
 from torch import nn
 
 from manygpu import Parallel
-from manygpu.checkpoint import TrainState, layout, writer
+from manygpu.checkpoint import TrainState
+from manygpu.checkpoint_io import layout, writer
 
 
 def _same(a: Any, b: Any) -> bool:

@@ -14,7 +14,8 @@ from ckpt_job import build, train
 from dist_harness import run_ranks
 
 from manygpu import Parallel
-from manygpu.checkpoint import CheckpointError, formats, layout
+from manygpu.checkpoint import CheckpointError
+from manygpu.checkpoint_io import formats, layout
 
 
 def flip(step: Path) -> None:

@@ -19,7 +19,8 @@ from ckpt_job import build
 from torch import nn
 
 from manygpu import Parallel
-from manygpu.checkpoint import TrainState, writer
+from manygpu.checkpoint import TrainState
+from manygpu.checkpoint_io import writer
 
 
 def _hang_in_model_file(marker: Path) -> None:

@@ -47,7 +47,7 @@ class _Evil:
 
 
 def test_cli_refuses_a_malicious_model_pt_in_one_line(tmp_path: Path) -> None:
-    from manygpu.checkpoint import formats, layout
+    from manygpu.checkpoint_io import formats, layout
 
     _run(tmp_path / "ck", 3, every=3)
     step = layout.step_dir(tmp_path / "ck", 3)

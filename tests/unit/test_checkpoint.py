@@ -16,9 +16,10 @@ import torch
 from ckpt_job import build, train
 
 from manygpu import Parallel
-from manygpu.checkpoint import CheckpointError, TrainState, formats, layout, writer
+from manygpu.checkpoint import CheckpointError, TrainState
 from manygpu.checkpoint.export import export_safetensors, inspect
 from manygpu.checkpoint.preemption import PreemptionNotice, wants_requeue
+from manygpu.checkpoint_io import formats, layout, writer
 from manygpu.errors import UsageError
 from manygpu.runtime import notice
 

@@ -34,8 +34,9 @@ from ckpt_job import build
 from torch import nn
 
 from manygpu import Parallel
-from manygpu.checkpoint import CheckpointError, TrainState, formats, integrity, layout, writer
-from manygpu.checkpoint.staging import Staging, pin_wanted
+from manygpu.checkpoint import CheckpointError, TrainState
+from manygpu.checkpoint_io import formats, integrity, layout, writer
+from manygpu.checkpoint_io.staging import Staging, pin_wanted
 
 HELPERS = Path(__file__).resolve().parents[1] / "helpers"
 

@@ -16,7 +16,8 @@ import pytest
 from ckpt_job import build, train
 
 from manygpu import Parallel
-from manygpu.checkpoint import CheckpointError, TrainState, formats, layout
+from manygpu.checkpoint import CheckpointError, TrainState
+from manygpu.checkpoint_io import formats, layout
 
 
 def flip(step: Path) -> None:

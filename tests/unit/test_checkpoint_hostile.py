@@ -22,9 +22,10 @@ import torch
 from ckpt_job import build
 
 from manygpu import Parallel
-from manygpu.checkpoint import CheckpointError, TrainState, formats, layout
+from manygpu.checkpoint import CheckpointError, TrainState
 from manygpu.checkpoint.export import export_safetensors, inspect
-from manygpu.checkpoint.safe_dcp import load_metadata
+from manygpu.checkpoint_io import formats, layout
+from manygpu.checkpoint_io.safe_dcp import load_metadata
 
 
 def _resign(step: Path, **meta_changes: Any) -> None:

@@ -20,8 +20,9 @@ import torch.distributed.checkpoint as dcp
 from ckpt_job import build
 
 from manygpu import Parallel
-from manygpu.checkpoint import CheckpointError, TrainState, formats, layout
+from manygpu.checkpoint import CheckpointError, TrainState
 from manygpu.checkpoint.export import export_safetensors, inspect
+from manygpu.checkpoint_io import formats, layout
 
 
 class _Evil:
@@ -115,7 +116,7 @@ def test_a_clean_dcp_checkpoint_still_loads_through_the_safe_reader(tmp_path: Pa
     "module, name", [("builtins", "eval"), ("torch", "load"), ("os", "system")]
 )
 def test_metadata_unpickler_allows_only_dcp_records(module: str, name: str) -> None:
-    from manygpu.checkpoint.safe_dcp import load_metadata
+    from manygpu.checkpoint_io.safe_dcp import load_metadata
 
     payload = f"c{module}\n{name}\n(S'1'\ntR.".encode()
     with pytest.raises(CheckpointError, match=f"{module}.{name}"):

@@ -143,7 +143,7 @@ TOY_SPEC = """
 from dataclasses import dataclass
 from typing import ClassVar
 
-from manygpu.checkpoint.formats import FULL
+from manygpu.checkpoint_io.formats import FULL
 from manygpu.strategies.costs import CommModel, MemoryModel
 from manygpu.strategies.registry import StrategyCard, register
 from manygpu.strategies.spec import StrategySpec

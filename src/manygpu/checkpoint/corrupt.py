@@ -22,7 +22,7 @@ import os
 import warnings
 from pathlib import Path
 
-from manygpu.checkpoint import layout
+from manygpu.checkpoint_io import layout
 from manygpu.errors import CheckpointError
 
 PREFIX = "corrupt-"

@@ -8,7 +8,7 @@ from typing import Any
 
 import torch
 
-from manygpu.checkpoint import formats, layout
+from manygpu.checkpoint_io import formats, layout
 from manygpu.errors import CheckpointError
 
 
@@ -31,7 +31,7 @@ def model_state(path: Path) -> dict[str, torch.Tensor]:
         if not isinstance(state, dict):
             raise CheckpointError(f"checkpoint file {path / formats.MODEL} holds no state dict")
         return {k: v for k, v in state.items() if isinstance(v, torch.Tensor)}
-    from manygpu.checkpoint.safe_dcp import safe_load
+    from manygpu.checkpoint_io.safe_dcp import safe_load
 
     full: dict[str, Any] = {}
     safe_load(full, path, whole=True, no_dist=True)

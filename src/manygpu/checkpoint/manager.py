@@ -30,14 +30,15 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 
-from manygpu.checkpoint import corrupt, formats, layout, rng, writer
+from manygpu.checkpoint import corrupt
 from manygpu.checkpoint.preemption import (
     PreemptionNotice,
     exit_now,
     requeue_slurm_job,
     wants_requeue,
 )
-from manygpu.checkpoint.staging import Staging, pin_wanted
+from manygpu.checkpoint_io import formats, layout, rng, writer
+from manygpu.checkpoint_io.staging import Staging, pin_wanted
 from manygpu.comm.objects import all_gather_json, broadcast_json, parse_each
 from manygpu.errors import CheckpointError, UsageError
 from manygpu.runtime import env as envmod

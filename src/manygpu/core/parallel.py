@@ -63,7 +63,7 @@ from manygpu.strategies import (
 from manygpu.warn import warn_user
 
 if TYPE_CHECKING:
-    from manygpu.checkpoint.formats import Parts
+    from manygpu.checkpoint_io.formats import Parts
 
 T = TypeVar("T")
 
@@ -388,7 +388,7 @@ class Parallel(JobCollectives):
         plugin (the grad scaler) and the config (the seed).
         """
         # Imported here: `import manygpu` must not pay for the checkpoint package.
-        from manygpu.checkpoint.formats import Parts, as_format
+        from manygpu.checkpoint_io.formats import Parts, as_format
 
         inner = optimizer.optimizer if isinstance(optimizer, PreparedOptimizer) else optimizer
         return Parts(

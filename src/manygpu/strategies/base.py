@@ -28,7 +28,7 @@ from manygpu.strategies.spec import StrategySpec
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
 
-    from manygpu.checkpoint.formats import Format
+    from manygpu.checkpoint_io.formats import Format
     from manygpu.strategies.registry import StrategyCard
 
 

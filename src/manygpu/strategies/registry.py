@@ -16,7 +16,7 @@ import importlib
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any, Literal, TypeVar
 
-from manygpu.checkpoint.formats import Format
+from manygpu.checkpoint_io.formats import Format
 from manygpu.errors import UsageError
 from manygpu.strategies.costs import CommModel, MemoryModel
 from manygpu.strategies.mesh import MeshSpec, strategy_for_mesh

@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
-from manygpu.checkpoint.formats import FULL
+from manygpu.checkpoint_io.formats import FULL
 from manygpu.errors import UsageError
 from manygpu.runtime import env as envmod
 from manygpu.strategies.costs import CommModel, MemoryModel

@@ -10,7 +10,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar
 
-from manygpu.checkpoint.formats import DCP
+from manygpu.checkpoint_io.formats import DCP
 from manygpu.strategies.costs import CommModel, MemoryModel
 from manygpu.strategies.fsdp import FSDP, composed_from_legacy
 from manygpu.strategies.registry import StrategyCard, register

@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from manygpu.checkpoint.integrity import StreamDigest, hashing_pool
+from manygpu.checkpoint_io.integrity import StreamDigest, hashing_pool
 
 FLUSH_EVERY = 128 << 20
 """Start writing dirty pages out after this many new bytes (overlaps disk and CPU)."""

@@ -40,8 +40,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from manygpu.checkpoint import writer
-from manygpu.checkpoint.staging import Staging
+from manygpu.checkpoint_io import writer
+from manygpu.checkpoint_io.staging import Staging
 from manygpu.errors import CheckpointError, UsageError
 
 MODEL, OPTIM, EXTRAS, SHARDS = "model.pt", "optim.pt", "extras.pt", "shards"
@@ -154,7 +154,7 @@ def write_files(directory: Path, files: dict[str, Any]) -> dict[str, dict[str, A
     """
     from concurrent.futures import ThreadPoolExecutor
 
-    from manygpu.checkpoint.integrity import hashing_pool
+    from manygpu.checkpoint_io.integrity import hashing_pool
 
     if len(files) < 2:
         return {name: writer.save(state, directory / name) for name, state in files.items()}
@@ -324,7 +324,7 @@ def write_dcp(directory: Path, parts: Parts, group: Any = None) -> dict[str, dic
     """
     import torch.distributed.checkpoint as dcp
 
-    from manygpu.checkpoint.integrity import hashing_pool
+    from manygpu.checkpoint_io.integrity import hashing_pool
 
     entries: dict[Path, dict[str, Any]] = {}
     with hashing_pool() as pool:
@@ -352,7 +352,7 @@ def start_dcp(
 
     import torch.distributed.checkpoint as dcp
 
-    from manygpu.checkpoint.integrity import hashing_pool
+    from manygpu.checkpoint_io.integrity import hashing_pool
 
     entries: dict[Path, dict[str, Any]] = {}
     with ExitStack() as stack:  # the hashing pool lives until the write is done
@@ -380,7 +380,7 @@ def read_dcp(directory: Path, parts: Parts, group: Any = None) -> None:
     """Load DCP shards into ``parts``, resharding to this world size (collective)."""
     from torch.distributed.checkpoint.state_dict import set_state_dict
 
-    from manygpu.checkpoint.safe_dcp import safe_load
+    from manygpu.checkpoint_io.safe_dcp import safe_load
 
     state = _dcp_state(parts)
     safe_load(

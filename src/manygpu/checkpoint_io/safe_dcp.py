@@ -30,8 +30,8 @@ import torch
 from torch.distributed.checkpoint import DefaultLoadPlanner, FileSystemReader
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 
-from manygpu.checkpoint import layout
-from manygpu.checkpoint.formats import SHARDS
+from manygpu.checkpoint_io import layout
+from manygpu.checkpoint_io.formats import SHARDS
 from manygpu.errors import CheckpointError
 
 _METADATA_MODULE = "torch.distributed.checkpoint.metadata"

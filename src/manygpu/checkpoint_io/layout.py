@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from manygpu.checkpoint import integrity
+from manygpu.checkpoint_io import integrity
 
 # The old home of CheckpointError (now manygpu.errors): kept importable from here.
 from manygpu.errors import CheckpointError as CheckpointError
