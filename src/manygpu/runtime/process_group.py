@@ -104,34 +104,41 @@ def _create_group(
             timeout=timeout,
             device_id=device_id,
         )
-    elif (attempt := envmod.agent_store_attempt(envmod.current())) is not None:
-        # The agent's store outlives a restart, and the ranks of a restarted
-        # attempt would read the previous attempt's gloo/NCCL addresses from it
-        # (connection refused): give every attempt its own key space.
+    else:
+        store = shared_store(cluster, timeout)
+        if envmod.agent_store_attempt(envmod.current()) is None:
+            # srun / mpirun (torch's tcp:// handler) or a start by hand (env://):
+            # torch's key prefix for the default group.
+            store = dist.PrefixStore("default_pg", store)
+        dist.init_process_group(
+            backend,
+            store=store,
+            rank=cluster.rank,
+            world_size=cluster.world_size,
+            timeout=timeout,
+            device_id=device_id,
+        )
+
+
+def shared_store(
+    cluster: ClusterInfo, timeout: dt.timedelta, *, wait_for_workers: bool = True
+) -> dist.Store:
+    """The job's key-value store, as every rank reaches it; groups are built on it.
+
+    Under torch's agent: the agent's store, in this restart attempt's own key space
+    (the store outlives a restart, and a restarted attempt would otherwise read the
+    previous attempt's gloo/NCCL addresses: connection refused). Otherwise (srun,
+    mpirun, a start by hand): rank 0 hosts it, bound to the job's address only
+    (torch binds every address), behind a gate when that is a network one.
+    ``wait_for_workers``: rank 0 waits in the constructor until every rank came.
+    """
+    attempt = envmod.agent_store_attempt(envmod.current())
+    if attempt is not None:
         store = dist.TCPStore(
             cluster.master_addr, cluster.master_port, is_master=False, timeout=timeout
         )
-        dist.init_process_group(
-            backend,
-            store=dist.PrefixStore(f"manygpu/attempt_{attempt}", store),
-            rank=cluster.rank,
-            world_size=cluster.world_size,
-            timeout=timeout,
-            device_id=device_id,
-        )
-    else:
-        # srun / mpirun (torch's tcp:// handler) or a start by hand (env://), with the
-        # same settings and key prefix, but rank 0's store bound to the job's address
-        # only (torch binds every address), behind a gate when that is a network one.
-        bound = job_store(cluster, timeout, multi_tenant=True)
-        dist.init_process_group(
-            backend,
-            store=dist.PrefixStore("default_pg", bound),
-            rank=cluster.rank,
-            world_size=cluster.world_size,
-            timeout=timeout,
-            device_id=device_id,
-        )
+        return dist.PrefixStore(f"manygpu/attempt_{attempt}", store)
+    return job_store(cluster, timeout, wait_for_workers=wait_for_workers, multi_tenant=True)
 
 
 def teardown(ctx: DistContext) -> None:

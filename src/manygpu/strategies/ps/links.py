@@ -25,10 +25,8 @@ import torch.distributed as dist
 
 from manygpu.comm.common import first_line
 from manygpu.errors import CollectiveTimeoutError, UsageError, peer_lost
-from manygpu.runtime import env as envmod
 from manygpu.runtime.cluster import ClusterInfo
-from manygpu.runtime.job_store import job_store
-from manygpu.runtime.process_group import DistContext
+from manygpu.runtime.process_group import DistContext, shared_store
 
 Role = Literal["server", "worker"]
 _TAG = 0
@@ -117,21 +115,6 @@ class PSContext(DistContext):
         return self.cluster.rank
 
 
-def _store(cluster: ClusterInfo, timeout: dt.timedelta) -> dist.Store:
-    """The job's key-value store: the agent's (per restart attempt), else rank 0 hosts it.
-
-    Rank 0's store listens on the job's address only (:func:`job_store`), never
-    on every address of the machine.
-    """
-    attempt = envmod.agent_store_attempt(envmod.current())
-    if attempt is not None:
-        store = dist.TCPStore(
-            cluster.master_addr, cluster.master_port, is_master=False, timeout=timeout
-        )
-        return dist.PrefixStore(f"manygpu/attempt_{attempt}", store)
-    return job_store(cluster, timeout, wait_for_workers=False, multi_tenant=True)
-
-
 def role_view(cluster: ClusterInfo, servers: int) -> tuple[Role, ClusterInfo]:
     """This process's role and its job as that role sees it (its rank among its role)."""
     if cluster.rank < servers:
@@ -157,7 +140,8 @@ def join(
         )
     timeout = dt.timedelta(seconds=timeout_s)
     role, view = role_view(cluster, servers)
-    store = _store(cluster, timeout)
+    # The job's store, as the default group's bootstrap reaches it (runtime's).
+    store = shared_store(cluster, timeout, wait_for_workers=False)
     # Servers compute on the CPU (gloo carries the links), workers on their device.
     group_backend = backend if role == "worker" else "gloo"
     dist.init_process_group(
