@@ -320,21 +320,25 @@ class Job:
     def _wait(self) -> None:
         """Until every host ends, or one fails and the job cannot go on without it."""
         while any(n.ended_ns is None for n in self.nodes):
-            for node in self.nodes:
-                if node.ended_ns is None and node.proc.poll() is not None:
-                    node.ended_ns = time.time_ns()
-                    if node.proc.returncode != 0 and not self._survives():
-                        self._settle()
-                        return
+            for node in self._newly_ended():
+                if node.proc.returncode != 0 and not self._survives():
+                    self._settle()
+                    return
             time.sleep(0.05)
+
+    def _newly_ended(self) -> list[_Running]:
+        """The hosts whose launchers ended since the last look, stamped with when (for the
+        blame's order)."""
+        ended = [n for n in self.nodes if n.ended_ns is None and n.proc.poll() is not None]
+        for node in ended:
+            node.ended_ns = time.time_ns()
+        return ended
 
     def _settle(self) -> None:
         """Until each other host has ended or reported a rank's end, or SETTLE_S."""
         deadline = time.monotonic() + SETTLE_S
         while time.monotonic() < deadline:
-            for node in self.nodes:  # when each ended, for the blame's order
-                if node.ended_ns is None and node.proc.poll() is not None:
-                    node.ended_ns = time.time_ns()
+            self._newly_ended()
             with self._lock:
                 if all(n.ended_ns is not None or n.outcomes for n in self.nodes):
                     return
