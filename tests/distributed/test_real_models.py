@@ -21,6 +21,7 @@ change of its step; SGD-family optimizers stay under 1e-5. bf16: see BF16_TOL.
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
 import pytest
@@ -132,15 +133,27 @@ def _check(recipe: Recipe, outs: list[dict[str, Any]]) -> None:
         assert clipped >= len(ref["norms"]) / 2, f"clipping seldom active: {ref['norms']}"
 
 
+def _check_same(five: Recipe, outs: list[dict[str, Any]], after: list[dict[str, Any]]) -> None:
+    """The five-line run equals the build-after run bit for bit (same ops, same order)."""
+    errors = [o["error"] for o in outs if "error" in o]
+    assert not errors, f"{five}: {errors[0]}"
+    assert max_diff(_merged(outs, "params"), _merged(after, "params")) == 0, five
+    assert [o["norms"] for o in outs] == [o["norms"] for o in after], five
+
+
 @pytest.mark.parametrize("case", list(CASES))
 def test_real_models_match_one_process(case: str) -> None:
     world, parallel, recipes = CASES[case]
     refused = REFUSED.get(case, [])
-    all_recipes = [*recipes, *(r for r, _ in refused)]
+    # The first recipe again in the README's five lines: optimizer and scheduler built
+    # on the model before prepare(model, opt, loader) must train exactly the same.
+    five = replace(recipes[0], five_lines=True)
+    all_recipes = [*recipes, five, *(r for r, _ in refused)]
     results = run_ranks(train_parallel, world, all_recipes, parallel, timeout=400)
     for i, recipe in enumerate(recipes):
         _check(recipe, [r[i] for r in results])
-    for j, (_, needle) in enumerate(refused, start=len(recipes)):
+    _check_same(five, [r[len(recipes)] for r in results], [r[0] for r in results])
+    for j, (_, needle) in enumerate(refused, start=len(recipes) + 1):
         for rank_results in results:
             error = rank_results[j].get("error", "no error")
             assert error.startswith("UsageError") and needle in error, error

@@ -82,11 +82,14 @@ def test_fsdp_gradient_accumulation_matches() -> None:
         assert (out["params"] - ref).abs().max().item() < TOL
 
 
-def _fsdp_optimizer_too_early() -> str:
+def _fsdp_optimizer_stepped_before_prepare() -> str:
     par = Parallel(strategy="fsdp")
     try:
         model = make_model()
-        opt = torch.optim.SGD(model.parameters(), lr=0.1)  # built before sharding
+        opt = torch.optim.Adam(model.parameters(), lr=0.1)
+        x, y = make_data(4)
+        nn.functional.mse_loss(model(x), y).backward()
+        opt.step()  # its state now belongs to the tensors FSDP2 is about to replace
         try:
             par.prepare(model, opt)
         except UsageError as exc:
@@ -96,8 +99,11 @@ def _fsdp_optimizer_too_early() -> str:
         par.close()
 
 
-def test_fsdp_optimizer_built_before_sharding_is_refused() -> None:
-    assert "create the optimizer after" in run_ranks(_fsdp_optimizer_too_early, 2)[0]
+def test_an_optimizer_that_stepped_before_sharding_is_refused() -> None:
+    """One built before prepare is rebound (test_real_models' five-line twins); one that
+    has state already cannot be: its moments belong to the replaced tensors."""
+    error = run_ranks(_fsdp_optimizer_stepped_before_prepare, 2)[0]
+    assert "has stepped" in error and "\n" not in error, error
 
 
 def _train_fsdp_options(options: dict[str, object]) -> dict[str, object]:

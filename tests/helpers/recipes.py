@@ -40,6 +40,9 @@ class Recipe:
     precision: str = "fp32"  # "bf16": autocast in both runs
     per_shard_forward: bool = False  # BatchNorm under ddp: each rank normalises its own batch
     parallel: dict[str, Any] = field(default_factory=dict)  # extra Parallel(...) keywords
+    five_lines: bool = False
+    """Build the optimizer and its scheduler on the model *before* prepare, and prepare
+    model, optimizer and loader in one call (the README's five lines)."""
 
 
 def full_params(module: torch.nn.Module) -> dict[str, torch.Tensor]:
@@ -84,11 +87,20 @@ def train_parallel(recipes: list[Recipe], parallel: dict[str, Any]) -> list[dict
 def _run(par: Any, recipe: Recipe) -> dict[str, Any]:
     entry = ZOO[recipe.model]
     torch.manual_seed(INIT_SEED + par.rank)  # different on purpose: prepare must fix it
-    model = par.prepare(entry.build())
-    initial = full_params(par.unwrap(model))
-    opt = par.prepare(OPTIMIZERS[recipe.optimizer](model))
-    loader = par.prepare(DataLoader(dataset(recipe.model, recipe.samples), batch_size=recipe.batch))
-    sched = warmup_cosine(opt, _optimizer_steps(recipe, par.strategy.data_shard()[1]))
+    steps = _optimizer_steps(recipe, par.strategy.data_shard()[1])
+    loader = DataLoader(dataset(recipe.model, recipe.samples), batch_size=recipe.batch)
+    if recipe.five_lines:
+        model = entry.build()
+        opt = OPTIMIZERS[recipe.optimizer](model)
+        sched = warmup_cosine(opt, steps)
+        model, opt, loader = par.prepare(model, opt, loader)
+        initial = full_params(par.unwrap(model))
+    else:
+        model = par.prepare(entry.build())
+        initial = full_params(par.unwrap(model))
+        opt = par.prepare(OPTIMIZERS[recipe.optimizer](model))
+        loader = par.prepare(loader)
+        sched = warmup_cosine(opt, steps)
     pipelined = hasattr(model, "is_last")  # PipelinedModel: forward and backward together
     norms, losses = [], []
     for _ in range(recipe.epochs):

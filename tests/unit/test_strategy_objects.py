@@ -32,7 +32,7 @@ from manygpu import (
 )
 from manygpu.errors import UsageError
 from manygpu.strategies import Strategy, Zero1, Zero2, available, registry, spec_class
-from manygpu.strategies.base import MeshStrategy
+from manygpu.strategies.sharded import MeshStrategy
 
 MB = 1024 * 1024
 

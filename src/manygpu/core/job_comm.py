@@ -12,7 +12,7 @@ import torch
 
 from manygpu import comm
 from manygpu.errors import UsageError
-from manygpu.strategies.base import device_mesh
+from manygpu.strategies.sharded import device_mesh
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh

@@ -38,6 +38,7 @@ from manygpu.core.precision import (
     cuda_facts,
     resolve_precision,
 )
+from manygpu.core.rebind import ParameterRebinder
 from manygpu.core.speed import (
     check_compiler,
     fused_step_applies,
@@ -122,10 +123,7 @@ class Parallel(JobCollectives):
         strategy_cls.validate_world(self.cluster, options, job)
         strategy_cls.validate_features(options, job)
         self.timeout_s = self.config.timeout_s or envmod.timeout_s(environ)
-        if device.type == "cuda":
-            torch.cuda.set_device(device)
-        else:
-            set_cpu_threads(self.cluster.local_world_size, environ)
+        self._bind_device(device, environ)
         self._ctx = abilities.join(
             strategy_cls,
             self.cluster,
@@ -146,6 +144,7 @@ class Parallel(JobCollectives):
         self._models: list[nn.Module] = []
         self._model_inputs: list[nn.Module] = []  # what users passed: a second prepare is refused
         self._optimizer_inputs: list[torch.optim.Optimizer] = []
+        self._rebinder = ParameterRebinder()
         self._auto_batch = 32  # per-device batch the planner assumes for "auto"
         self._optimizers: list[PreparedOptimizer] = []
         self.console = MainConsole(self.is_main, self.rank)
@@ -240,7 +239,9 @@ class Parallel(JobCollectives):
             self._channels_last = True
             if self.strategy.channels_last_weights:
                 to_channels_last(model)  # in place: the user's module stays the one we hold
+        self._rebinder.before(model)
         wrapped = self.strategy.setup_module(model)
+        self._rebinder.after(self.strategy.unwrap(wrapped))
         self.precision.wrap_forward(wrapped)
         self.strategy.set_grad_sync(wrapped, self._accumulator.next_is_boundary)
         if self._steps is not None:
@@ -266,6 +267,7 @@ class Parallel(JobCollectives):
                 "keep using the optimizer it returned"
             )
         self._optimizer_inputs.append(optimizer)
+        self._rebinder.rebind(optimizer)  # built before a strategy replaced the parameters
         if fused_step_applies(optimizer, param_device_types(optimizer)):
             use_fused_step(optimizer)  # before the strategy: ZeRO-1 rebuilds from its defaults
         inner = self.strategy.setup_optimizer(optimizer)
@@ -511,6 +513,13 @@ class Parallel(JobCollectives):
         if slot is None:
             return torch.device("cpu")
         return choose_device(slot, self.config.device, envmod.gpus_bound_per_task(environ))
+
+    def _bind_device(self, device: torch.device, environ: envmod.Environ) -> None:
+        """This process's GPU, or its share of the CPU's threads."""
+        if device.type == "cuda":
+            torch.cuda.set_device(device)
+        else:
+            set_cpu_threads(self.cluster.local_world_size, environ)
 
     def _job_options(self, precision: str) -> JobOptions:
         cfg = self.config

@@ -14,20 +14,16 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar, Generic, TypeVar
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from manygpu.errors import UsageError
 from manygpu.runtime.cluster import ClusterInfo
 from manygpu.runtime.process_group import DistContext
-from manygpu.strategies.abilities import PlacesRanks
-from manygpu.strategies.mesh import MeshSpec, check_dims, composed_dims, job_mesh
+from manygpu.strategies.mesh import MeshSpec
 from manygpu.strategies.options import CompileOptions, compile_in_place
 from manygpu.strategies.spec import StrategySpec
 
 if TYPE_CHECKING:
-    from torch.distributed.device_mesh import DeviceMesh
-
     from manygpu.checkpoint_io.formats import Format
     from manygpu.strategies.registry import StrategyCard
 
@@ -174,50 +170,3 @@ class Strategy(ABC, Generic[OptionsT]):
         graph breaks fall on its gradient buckets).
         """
         compile_in_place(module, options)
-
-
-class MeshStrategy(Strategy[OptionsT]):
-    """A strategy that composes over named mesh dimensions (see :mod:`.mesh`)."""
-
-    mesh_dims: ClassVar[tuple[str, ...]] = ("dp", "fsdp")
-    """The dimensions it can use; others must be 1."""
-    default_mesh: ClassVar[dict[str, int]] = {"fsdp": -1}
-    """The mesh used when the user gives none."""
-
-    def __init__(self, ctx: DistContext, options: OptionsT, job: JobOptions) -> None:
-        super().__init__(ctx, options, job)
-        self.spec = self.resolve_mesh(ctx.world_size, job)
-        self.mesh_names = composed_dims(self.spec, tuple(self.default_mesh))
-        """The dimensions of the job's mesh this strategy composes, outermost first."""
-
-    @classmethod
-    def resolve_mesh(cls, world_size: int, job: JobOptions) -> MeshSpec:
-        """The user's mesh (or the default) with ``-1`` filled in, checked."""
-        spec = job.mesh if job.mesh is not None else MeshSpec(**cls.default_mesh)
-        check_dims(cls.name, spec, cls.mesh_dims)
-        return spec.resolve(world_size)
-
-    @classmethod
-    def validate_world(cls, cluster: ClusterInfo, options: OptionsT, job: JobOptions) -> None:
-        cls.resolve_mesh(cluster.world_size, job)
-
-    def data_shard(self) -> tuple[int, int]:
-        return self.spec.data_rank(self.ctx.rank), self.spec.data_size
-
-
-def device_mesh(strategy: Strategy[Any]) -> DeviceMesh:
-    """The job's mesh as ``strategy`` composes it; a 1-D ``dp`` mesh over the ranks for
-    one that replicates (ddp, zero1, model over dp)."""
-    if isinstance(strategy, MeshStrategy):
-        return job_mesh(strategy.ctx, strategy.spec, strategy.mesh_names)
-    if isinstance(strategy, PlacesRanks):
-        raise UsageError(
-            f"strategy {strategy.name!r} places its ranks in roles: it has no device mesh"
-        )
-    if not dist.is_initialized():
-        raise UsageError(
-            f"strategy {strategy.name!r} runs in one process without a process group: "
-            "it has no device mesh"
-        )
-    ctx = strategy.ctx
-    return job_mesh(ctx, MeshSpec(dp=ctx.world_size), ("dp",))

@@ -1,50 +1,79 @@
-"""The shared base of strategies that replace a model's parameters.
+"""The shared base of strategies that compose over a mesh and replace parameters.
 
 FSDP2 turns parameters into sharded DTensors, tensor parallelism into DTensor
-slices, a pipeline keeps only its stage's: in each case an optimizer built
-from the original parameters would train nothing. :class:`ReplacingMeshStrategy`
-remembers what ``prepare`` produced and refuses such an optimizer, and turns
-FSDP2's gradient sync on and off for accumulation. ``fsdp``, ``tensor``,
-``pipeline`` and ``parallelize`` derive from it; the FSDP2 calls that compose
-them over a mesh are in :mod:`.fsdp.sharding`.
+slices, a pipeline keeps only its stage's. Each composes over named dimensions
+of the job's mesh (:mod:`.mesh`) and turns FSDP2's gradient sync on and off for
+accumulation; an optimizer built before ``prepare`` is rebound to the new
+parameters by the core (:mod:`manygpu.core.rebind`), not here. ``fsdp``,
+``zero2``, ``tensor``, ``pipeline`` and ``parallelize`` derive from it; the
+FSDP2 calls that compose them are in :mod:`.fsdp.sharding`.
 """
 
 from __future__ import annotations
 
-import torch
+from typing import Any, ClassVar
+
+import torch.distributed as dist
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
 
 from manygpu.errors import UsageError
+from manygpu.runtime.cluster import ClusterInfo
 from manygpu.runtime.process_group import DistContext
-from manygpu.strategies.base import JobOptions, MeshStrategy, OptionsT
+from manygpu.strategies.abilities import PlacesRanks
+from manygpu.strategies.base import JobOptions, OptionsT, Strategy
 from manygpu.strategies.fsdp.sharding import set_fsdp_grad_sync
+from manygpu.strategies.mesh import MeshSpec, check_dims, composed_dims, job_mesh
 
 
-class ReplacingMeshStrategy(MeshStrategy[OptionsT]):
-    """A mesh strategy whose wrapping replaces parameters (FSDP2 shards, DTensors, stages)."""
+class MeshStrategy(Strategy[OptionsT]):
+    """A strategy that composes over named mesh dimensions and replaces parameters."""
 
+    mesh_dims: ClassVar[tuple[str, ...]] = ("dp", "fsdp")
+    """The dimensions it can use; others must be 1."""
+    default_mesh: ClassVar[dict[str, int]] = {"fsdp": -1}
+    """The mesh used when the user gives none."""
     # FSDP2 refuses non-contiguous parameters ("FSDP does not support
     # non-contiguous parameters yet"): weights stay as they are, inputs go channels_last.
     channels_last_weights = False
 
     def __init__(self, ctx: DistContext, options: OptionsT, job: JobOptions) -> None:
         super().__init__(ctx, options, job)
-        self.prepared_params: set[int] = set()
-        """``id`` of every parameter of the prepared model(s)."""
+        self.spec = self.resolve_mesh(ctx.world_size, job)
+        self.mesh_names = composed_dims(self.spec, tuple(self.default_mesh))
+        """The dimensions of the job's mesh this strategy composes, outermost first."""
 
-    def remember_prepared(self, module: nn.Module) -> None:
-        """Note the parameters the wrapper produced, to check the optimizer against them."""
-        self.prepared_params |= {id(p) for p in module.parameters()}
+    @classmethod
+    def resolve_mesh(cls, world_size: int, job: JobOptions) -> MeshSpec:
+        """The user's mesh (or the default) with ``-1`` filled in, checked."""
+        spec = job.mesh if job.mesh is not None else MeshSpec(**cls.default_mesh)
+        check_dims(cls.name, spec, cls.mesh_dims)
+        return spec.resolve(world_size)
 
-    def setup_optimizer(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
-        """Refuse an optimizer that holds parameters from before the model was prepared."""
-        for group in optimizer.param_groups:
-            if any(id(p) not in self.prepared_params for p in group["params"]):
-                raise UsageError(
-                    f"strategy {self.name!r} replaces the model's parameters: create the "
-                    "optimizer after model = par.prepare(model), from model.parameters()"
-                )
-        return optimizer
+    @classmethod
+    def validate_world(cls, cluster: ClusterInfo, options: OptionsT, job: JobOptions) -> None:
+        cls.resolve_mesh(cluster.world_size, job)
+
+    def data_shard(self) -> tuple[int, int]:
+        return self.spec.data_rank(self.ctx.rank), self.spec.data_size
 
     def set_grad_sync(self, module: nn.Module, enabled: bool) -> None:
         set_fsdp_grad_sync(module, enabled)
+
+
+def device_mesh(strategy: Strategy[Any]) -> DeviceMesh:
+    """The job's mesh as ``strategy`` composes it; a 1-D ``dp`` mesh over the ranks for
+    one that replicates (ddp, zero1, model over dp)."""
+    if isinstance(strategy, MeshStrategy):
+        return job_mesh(strategy.ctx, strategy.spec, strategy.mesh_names)
+    if isinstance(strategy, PlacesRanks):
+        raise UsageError(
+            f"strategy {strategy.name!r} places its ranks in roles: it has no device mesh"
+        )
+    if not dist.is_initialized():
+        raise UsageError(
+            f"strategy {strategy.name!r} runs in one process without a process group: "
+            "it has no device mesh"
+        )
+    ctx = strategy.ctx
+    return job_mesh(ctx, MeshSpec(dp=ctx.world_size), ("dp",))

@@ -32,8 +32,9 @@ class Zero1Strategy(DDPStrategy):
         # Param groups carry keys the constructor does not take (AdamW's
         # decoupled_weight_decay, "initial_lr" from a scheduler): keep them in
         # the groups, where the optimizer reads them, not in the constructor.
-        groups = [dict(g) for g in optimizer.param_groups]
-        return ZeroRedundancyOptimizer(groups, optimizer_class=cls, **defaults)
+        # The group dicts themselves are shared, not copied: a scheduler attached
+        # to the user's optimizer before prepare sets the lr ZeRO steps with.
+        return ZeroRedundancyOptimizer(optimizer.param_groups, optimizer_class=cls, **defaults)
 
     def consolidate_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
         # Each rank holds 1/N of the state; a "full" checkpoint needs all of it

@@ -38,6 +38,9 @@ class FSDP(StrategySpec):
         comm=CommModel(grads="reduce_scatter", weight_gathers=2), one_process=False,
         plan_ways="one",
     )  # fmt: skip
+    reshard_after_forward: ClassVar[bool] = True
+    """Free each unit's gathered parameters after its forward (ZeRO-3), to gather
+    them again for its backward; ``Zero2`` keeps them (less traffic, more memory)."""
 
     param_dtype: ShardDtype = None
     """Compute dtype of the gathered parameters (mixed precision); ``None`` keeps them."""
@@ -90,6 +93,7 @@ class Zero2(FSDP):
         comm=CommModel(grads="reduce_scatter", weight_gathers=1), one_process=False,
         plan_ways="one",
     )  # fmt: skip
+    reshard_after_forward: ClassVar[bool] = False
 
     @classmethod
     def implementation(cls) -> type[Strategy[Any]]:

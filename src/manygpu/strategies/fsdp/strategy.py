@@ -10,9 +10,8 @@
   and replicates across nodes, so the big all-gathers stay on the fast links
   and only gradients cross the slow ones.
 
-Parameters become DTensors sharded on dim 0; the optimizer must be created
-after :meth:`Parallel.prepare` has sharded the model (or be passed to the
-same ``prepare`` call, which handles models first).
+Parameters become DTensors sharded on dim 0; an optimizer built before
+:meth:`Parallel.prepare` is rebound to them (:mod:`manygpu.core.rebind`).
 """
 
 from __future__ import annotations
@@ -27,17 +26,16 @@ from manygpu.strategies.fsdp import FSDP, Zero2
 from manygpu.strategies.fsdp.sharding import fsdp_kwargs, shard_data_dims
 from manygpu.strategies.mesh import job_mesh
 from manygpu.strategies.options import CompileOptions, compile_in_place
-from manygpu.strategies.sharded import ReplacingMeshStrategy
+from manygpu.strategies.sharded import MeshStrategy
 
 
-class FSDPStrategy(ReplacingMeshStrategy[FSDP]):
+class FSDPStrategy(MeshStrategy[FSDP]):
     """ZeRO-3 through FSDP2: every rank holds 1/N of parameters, grads and optimizer state."""
 
     spec_class = FSDP
 
     needs_process_group = True
     shards_data = True
-    reshard_after_forward = True
     mesh_dims = ("dp", "fsdp")
     default_mesh: ClassVar[dict[str, int]] = {"fsdp": -1}
 
@@ -48,7 +46,7 @@ class FSDPStrategy(ReplacingMeshStrategy[FSDP]):
         names = self.mesh_names
         mesh = job_mesh(self.ctx, self.spec, names)
         kwargs = fsdp_kwargs(
-            opts, self.ctx.device, reshard_after_forward=self.reshard_after_forward
+            opts, self.ctx.device, reshard_after_forward=opts.reshard_after_forward
         )
         shard_data_dims(
             module,
@@ -57,7 +55,6 @@ class FSDPStrategy(ReplacingMeshStrategy[FSDP]):
             children=opts.shard_children,
             block_classes=tuple(opts.block_classes),  # type: ignore[arg-type]
         )
-        self.remember_prepared(module)
         return module
 
     def compile_module(self, module: nn.Module, options: CompileOptions) -> None:
@@ -75,8 +72,7 @@ class FSDPStrategy(ReplacingMeshStrategy[FSDP]):
 
 
 class Zero2Strategy(FSDPStrategy):
-    """ZeRO-2 through FSDP2: parameters stay gathered between forward and backward."""
+    """ZeRO-2 through FSDP2: the same class, named by its object (whose
+    ``reshard_after_forward`` is ``False``)."""
 
     spec_class = Zero2
-
-    reshard_after_forward = False

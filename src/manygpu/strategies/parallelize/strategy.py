@@ -11,10 +11,10 @@ from manygpu.runtime.process_group import DistContext
 from manygpu.strategies.base import JobOptions
 from manygpu.strategies.mesh import MESH_DIMS, job_mesh
 from manygpu.strategies.parallelize import Parallelize
-from manygpu.strategies.sharded import ReplacingMeshStrategy
+from manygpu.strategies.sharded import MeshStrategy
 
 
-class ParallelizeStrategy(ReplacingMeshStrategy[Parallelize]):
+class ParallelizeStrategy(MeshStrategy[Parallelize]):
     """``fn(model, mesh)`` on this rank's device; the parameters it leaves are the model's."""
 
     spec_class = Parallelize
@@ -39,5 +39,4 @@ class ParallelizeStrategy(ReplacingMeshStrategy[Parallelize]):
                 "(or None when it parallelizes the model in place)"
             )
         prepared = returned if returned is not None else module
-        self.remember_prepared(prepared)
         return prepared

@@ -38,7 +38,7 @@ from manygpu.strategies.fsdp.sharding import fsdp_kwargs, set_fsdp_grad_sync, sh
 from manygpu.strategies.mesh import job_mesh
 from manygpu.strategies.options import CompileOptions, compile_in_place
 from manygpu.strategies.pipeline import Pipeline
-from manygpu.strategies.sharded import ReplacingMeshStrategy
+from manygpu.strategies.sharded import MeshStrategy
 from manygpu.strategies.splitting import (
     balanced_cuts,
     layer_times,
@@ -49,7 +49,7 @@ from manygpu.strategies.splitting import (
 _SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}
 
 
-class PipelineStrategy(ReplacingMeshStrategy[Pipeline]):
+class PipelineStrategy(MeshStrategy[Pipeline]):
     """Pipeline parallelism over the ``pp`` mesh dimension (optionally x dp / fsdp)."""
 
     spec_class = Pipeline
@@ -127,7 +127,6 @@ class PipelineStrategy(ReplacingMeshStrategy[Pipeline]):
             opts.loss_fn,
         )
         wrapped.timeout_s = self.ctx.timeout_s
-        self.remember_prepared(wrapped)
         self._pipelines.append(wrapped)
         return wrapped
 

@@ -28,7 +28,7 @@ from torch.distributed.tensor.parallel import (
 from manygpu.errors import UsageError
 from manygpu.strategies.fsdp.sharding import fsdp_kwargs, shard_data_dims
 from manygpu.strategies.mesh import job_mesh
-from manygpu.strategies.sharded import ReplacingMeshStrategy
+from manygpu.strategies.sharded import MeshStrategy
 from manygpu.strategies.tensor import Tensor
 
 # Leaf names of common layers (Llama, GPT-2/NeoX, BERT-style, torch's MLPs).
@@ -47,7 +47,7 @@ _PATH_SUFFIXES = (
 _STYLES = {"colwise": ColwiseParallel, "rowwise": RowwiseParallel}
 
 
-class TensorParallelStrategy(ReplacingMeshStrategy[Tensor]):
+class TensorParallelStrategy(MeshStrategy[Tensor]):
     """Tensor parallelism over ``tp`` (optionally x dp / fsdp)."""
 
     spec_class = Tensor
@@ -68,7 +68,6 @@ class TensorParallelStrategy(ReplacingMeshStrategy[Tensor]):
         if len(names) > 1:
             kwargs = fsdp_kwargs(self.options.fsdp, self.ctx.device, reshard_after_forward=True)
             shard_data_dims(module, mesh[names[:-1]], kwargs, children=False)
-        self.remember_prepared(module)
         return module
 
 
