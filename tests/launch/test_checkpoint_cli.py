@@ -11,6 +11,7 @@ from typing import Any
 
 import torch
 from ckpt_job import train
+from ckpt_sign import resign
 
 from manygpu import Parallel
 
@@ -53,9 +54,7 @@ def test_cli_refuses_a_malicious_model_pt_in_one_line(tmp_path: Path) -> None:
     step = layout.step_dir(tmp_path / "ck", 3)
     marker = tmp_path / "pwned"
     torch.save({"weight": _Evil(marker)}, step / formats.MODEL)
-    meta = layout.read_meta(step)  # re-signed: only the loader's own safety can stop it
-    meta["files"] = layout.file_table(step)
-    (step / layout.META).write_text(json.dumps(meta))
+    resign(step)  # only the loader's own safety can stop it
     cli = [sys.executable, "-m", "manygpu", "checkpoint"]
     for args in (["inspect", str(step)], ["export", str(step), str(tmp_path / "w.st")]):
         res = subprocess.run([*cli, *args], capture_output=True, text=True)

@@ -20,18 +20,13 @@ from typing import Any
 import pytest
 import torch
 from ckpt_job import build
+from ckpt_sign import resign
 
 from manygpu import Parallel
 from manygpu.checkpoint import CheckpointError, TrainState
 from manygpu.checkpoint.export import export_safetensors, inspect
-from manygpu.checkpoint_io import formats, layout
+from manygpu.checkpoint_io import formats
 from manygpu.checkpoint_io.safe_dcp import load_metadata
-
-
-def _resign(step: Path, **meta_changes: Any) -> None:
-    meta = layout.read_meta(step) | meta_changes
-    meta["files"] = layout.file_table(step)
-    (step / layout.META).write_text(json.dumps(meta))
 
 
 def _two_checkpoints(tmp_path: Path) -> tuple[Parallel, Any, Path, Path]:
@@ -56,7 +51,7 @@ def _retarget(step: Path, where: Callable[[str], str]) -> None:
         for index, info in metadata.storage_data.items()
     }
     path.write_bytes(pickle.dumps(metadata))
-    _resign(step)
+    resign(step)
 
 
 def _damage(read: Callable[[], Any]) -> str:
@@ -81,13 +76,13 @@ def _outside(kind: str, step: Path, other: Path) -> str:
         for file in shards.glob("*.distcp"):
             file.unlink()
             file.symlink_to(theirs / file.name)
-        _resign(step)
+        resign(step)
     else:  # the whole shards directory is a link to the other checkpoint's
         for file in shards.iterdir():
             file.unlink()
         shards.rmdir()
         shards.symlink_to(theirs, target_is_directory=True)
-        _resign(step)
+        resign(step)
     return ".metadata" if kind == "dir-symlink" else ".distcp"
 
 
@@ -139,7 +134,7 @@ def _hostile_checkpoint(tmp_path: Path) -> Path:
         _, _, _, _, ckpt = build(par, tmp_path / "ck", every=0)
         step = ckpt.save(TrainState(step=1))
     (step / "x\x1b[2J[blue]y.bin").write_bytes(b"x")  # a listed file with a hostile name
-    _resign(step, **HOSTILE)
+    resign(step, **HOSTILE)
     return step
 
 

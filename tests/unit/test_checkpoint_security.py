@@ -18,6 +18,7 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 from ckpt_job import build
+from ckpt_sign import resign
 
 from manygpu import Parallel
 from manygpu.checkpoint import CheckpointError, TrainState
@@ -33,12 +34,6 @@ class _Evil:
 
     def __reduce__(self) -> tuple[Any, tuple[str]]:
         return (os.system, (f"touch {self.marker}",))
-
-
-def _resign(step: Path, **meta_changes: Any) -> None:
-    meta = layout.read_meta(step) | meta_changes
-    meta["files"] = layout.file_table(step)
-    (step / layout.META).write_text(json.dumps(meta))
 
 
 def _saved(tmp_path: Path, fmt: str) -> tuple[Parallel, Any, Path]:
@@ -76,7 +71,7 @@ def test_crafted_dcp_metadata_is_refused(
     try:
         (step / formats.SHARDS).mkdir(exist_ok=True)
         (step / formats.SHARDS / ".metadata").write_bytes(pickle.dumps(_Evil(marker)))
-        _resign(step, **({"format": meta_format} if meta_format else {}))
+        resign(step, **({"format": meta_format} if meta_format else {}))
         for error in _every_reader(ckpt, step, tmp_path):
             assert needle in error, error
         assert not marker.exists()
@@ -93,7 +88,7 @@ def test_crafted_dcp_bytes_item_is_refused(tmp_path: Path) -> None:
         groups = state["optim"]["param_groups"]
         groups[0]["lr"] = _Evil(marker)  # a key every resume asks for
         dcp.save(state, checkpoint_id=str(step / formats.SHARDS), no_dist=True)
-        _resign(step)
+        resign(step)
         resume_error, _, export_error = _every_reader(ckpt, step, tmp_path)
         assert "not plain data" in resume_error and "not plain data" in export_error
         assert not marker.exists()

@@ -49,24 +49,15 @@ def fsync_path(path: Path) -> None:
         os.close(fd)
 
 
-def _files(directory: Path) -> list[Path]:
+def data_files(directory: Path) -> list[Path]:
+    """Every file of a step directory but its meta.json, in a stable order."""
     return sorted(p for p in directory.rglob("*") if p.is_file() and p.name != META)
 
 
-def file_table(directory: Path) -> dict[str, dict[str, Any]]:
-    """Every file under ``directory`` (but meta.json) with its size and checksum.
-
-    Reads every file: for tools and tests (re-signing a directory); a save
-    gets its table from the writers instead.
-    """
+def file_entry(path: Path) -> dict[str, Any]:
+    """``path``'s meta.json entry: its size and its checksum (read once, in segments)."""
     with integrity.hashing_pool() as pool:
-        return {
-            str(path.relative_to(directory)): {
-                "bytes": path.stat().st_size,
-                KEY[SCHEMA]: integrity.file_digest(path, pool),
-            }
-            for path in _files(directory)
-        }
+        return {"bytes": path.stat().st_size, KEY[SCHEMA]: integrity.file_digest(path, pool)}
 
 
 def _complete_table(tmp: Path, table: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
@@ -76,15 +67,13 @@ def _complete_table(tmp: Path, table: dict[str, dict[str, Any]]) -> dict[str, di
     library through a path we do not wrap) is read once here rather than left
     unverified.
     """
-    present = {str(p.relative_to(tmp)): p for p in _files(tmp)}
+    present = {str(p.relative_to(tmp)): p for p in data_files(tmp)}
     out = {}
     for name, path in present.items():
-        size = path.stat().st_size
         entry = table.get(name)
-        if entry is None or entry["bytes"] != size:
+        if entry is None or entry["bytes"] != path.stat().st_size:
             fsync_path(path)
-            with integrity.hashing_pool() as pool:
-                entry = {"bytes": size, KEY[SCHEMA]: integrity.file_digest(path, pool)}
+            entry = file_entry(path)
         out[name] = entry
     return out
 
