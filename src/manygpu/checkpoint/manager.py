@@ -20,7 +20,6 @@ import contextlib
 import shutil
 import signal
 import threading
-import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from datetime import datetime, timedelta, timezone
@@ -37,6 +36,7 @@ from manygpu.checkpoint.preemption import (
     requeue_slurm_job,
     wants_requeue,
 )
+from manygpu.checkpoint.resumed import Position, Resumed, position
 from manygpu.checkpoint_io import formats, layout, rng, writer
 from manygpu.checkpoint_io.staging import Staging, pin_wanted
 from manygpu.comm.objects import all_gather_json, broadcast_json, parse_each
@@ -390,7 +390,8 @@ class Checkpointer:
         step number or a path must verify or raise :class:`CheckpointError`
         naming the bad file. When checkpoints exist but none verifies,
         starting again from step 0 would silently throw the run away: that
-        raises, naming them, unless ``fresh_ok=True``.
+        raises, naming them, unless ``fresh_ok=True``. A resume that loads
+        something says so in one line on the main rank (:mod:`.resumed`).
         """
         self.wait()
         verdict = ("none", "")
@@ -413,9 +414,20 @@ class Checkpointer:
         state = TrainState(
             step=int(meta["step"]), epoch=int(meta["epoch"]), extra=dict(meta.get("extra") or {})
         )
+        where = None
         if self.loader is not None and meta.get("loader"):
-            state.epoch = self._restore_loader(meta["loader"])
+            where = self._restore_loader(meta["loader"])
+            state.epoch = where.epoch
         self._barrier()
+        done = Resumed(
+            path=path,
+            step=state.step,
+            epoch=state.epoch,
+            saved_world=int(meta["world_size"]),
+            world=self.par.world_size,
+            where=where,
+        )
+        self.par.print(done.line(), markup=False)  # the main rank only
         return state
 
     def _choose(self, which: str | int | Path, fresh_ok: bool) -> tuple[str, str]:
@@ -432,22 +444,14 @@ class Checkpointer:
         # Another world size: no saved stream belongs to this rank; derive one.
         self.par.seed_everything((self.parts.seed or 0) + 1000 * int(meta["step"]))
 
-    def _restore_loader(self, saved: dict[str, int]) -> int:
+    def _restore_loader(self, saved: dict[str, int]) -> Position:
         assert self.loader is not None
-        epoch, batches = int(saved["epoch"]), int(saved["batches"])
-        batch = self.loader.batch_size or 1
-        if saved["world"] != self.par.world_size or saved["batch_size"] != batch:
-            # Same number of global samples consumed, spread over the new ranks.
-            samples = batches * saved["world"] * saved["batch_size"]
-            batches = samples // (self.par.world_size * batch)
-            if samples % (self.par.world_size * batch):
-                warnings.warn(
-                    "resuming on another world size: the epoch restarts a few "
-                    "samples early (global batches no longer line up)",
-                    stacklevel=3,
-                )
-        self.loader.set_epoch(epoch, batches)
-        return epoch
+        # On another world size or batch size, the same global samples stay
+        # consumed, spread over the new ranks (what that costs is in the line
+        # resume prints).
+        where = position(saved, world=self.par.world_size, batch=self.loader.batch_size or 1)
+        self.loader.set_epoch(where.epoch, where.batches)
+        return where
 
     def close(self) -> None:
         """Wait for a pending save, then let the snapshot buffers go."""
