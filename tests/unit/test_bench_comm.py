@@ -7,7 +7,14 @@ from pathlib import Path
 import pytest
 
 from manygpu.bench import report
-from manygpu.bench.comm import CommBenchConfig, CommRow, SweepConfig, bus_factor
+from manygpu.bench.comm import (
+    CommBenchConfig,
+    CommRow,
+    SweepConfig,
+    bus_factor,
+    memcpy_bytes,
+    memcpy_gbs,
+)
 from manygpu.cli.bench import comm_config
 from manygpu.cli.main import build_parser
 from manygpu.errors import UsageError
@@ -92,15 +99,73 @@ def test_each_row_is_one_line_under_the_header() -> None:
     lines = [report.row_line(r) for r in rows]
     assert all("\n" not in ln for ln in lines)
     # Right-aligned columns end where their header ends.
-    end = header.index("busbw (GB/s)") + len("busbw (GB/s)")
+    end = header.index("busbw") + len("busbw")
     for row, line in zip(rows, lines, strict=True):
-        assert line[:end].endswith(f"{row.busbw_gbs:.3f}")
+        assert line[:end].endswith(report.human_rate(row.busbw_gbs))
         assert line.split()[:2] == [row.op, row.algorithm]
 
 
 def test_no_file_unless_asked() -> None:
     assert CommBenchConfig().json_path == "" and CommBenchConfig().plot == ""
+    assert CommBenchConfig().markdown == ""
     ns = build_parser().parse_args(["bench", "comm"])
     assert comm_config(ns).json_path == ""
     ns = build_parser().parse_args(["bench", "comm", "--json", "out/c.json"])
     assert comm_config(ns).json_path == "out/c.json"
+
+
+def test_small_bandwidths_read_in_their_own_unit() -> None:
+    """An 8-byte all-reduce moves KB/s, not "0.000 GB/s"."""
+    assert report.human_rate(8 / 40e-6 / 1e9) == "200 KB/s"
+    assert report.human_rate(0.0123) == "12.3 MB/s"
+    assert report.human_rate(12.5) == "12.5 GB/s"
+    assert report.human_rate(3e-9) == "3 B/s"
+    assert report.human_rate(float("nan")) == "n/a"
+    line = report.row_line(_row(8, 40.0))
+    assert "0.000" not in line and "KB/s" in line
+
+
+def test_plot_labels_sizes_as_people_write_them() -> None:
+    assert [report.size_label(n) for n in (8, 1024, 1 << 20, 64 << 20, 3 << 30)] == [
+        "8 B",
+        "1 KiB",
+        "1 MiB",
+        "64 MiB",
+        "3 GiB",
+    ]
+    fig = report.figure([_row(8, 10.0), _row(1 << 20, 900.0)], "t")
+    fig.canvas.draw()
+    labels = [t.get_text() for t in fig.axes[0].get_xticklabels() if t.get_text()]
+    assert "1 KiB" in labels and not any("^" in t for t in labels), labels
+
+
+def test_markdown_table_has_every_row_and_column() -> None:
+    rows = [_row(8, 10.0), _row(1 << 20, 900.0)]
+    lines = report.markdown(rows, "2 ranks, gloo").splitlines()
+    assert lines[0] == "**2 ranks, gloo**"
+    assert lines[2] == "| " + " | ".join(report.COLUMNS) + " |"
+    assert lines[4:] == ["| " + " | ".join(report.cells(r)) + " |" for r in rows]
+    ns = build_parser().parse_args(["bench", "comm", "--markdown", "out/c.md"])
+    assert comm_config(ns).markdown == "out/c.md"
+
+
+def test_memcpy_probe_follows_the_sweep() -> None:
+    assert memcpy_bytes(64 << 10) == 64 << 10
+    assert memcpy_bytes(8) == 4 << 10  # too small to time
+    assert memcpy_bytes(1 << 40) == 256 << 20
+    assert memcpy_gbs(4 << 10, repeats=2) > 0
+
+
+def test_worker_writes_markdown_and_probes_the_largest_size(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The real per-rank program, as one in-process gloo rank."""
+    from manygpu.bench import comm_worker
+
+    sweep = SweepConfig(algorithms=("native",), max_bytes=64 << 10, iters=1, warmup=0)
+    md = tmp_path / "out" / "comm.md"
+    assert comm_worker.main(CommBenchConfig(sweep=sweep, markdown=str(md))) == 0
+    out = capsys.readouterr().out
+    assert "a 64 KiB memcpy" in out and "256" not in out.split("local limit")[1]
+    table = md.read_text().splitlines()
+    assert table[0].startswith("**1 ranks, gloo") and len(table) == 4 + len(sweep.sizes())

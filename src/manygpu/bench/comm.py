@@ -97,6 +97,8 @@ class CommBenchConfig:
     """Rank 0 writes the rows, fits and machine here (empty: no file)."""
     plot: str = ""
     """Also a busbw-vs-size PNG here (empty: none)."""
+    markdown: str = ""
+    """Also the table in markdown here (empty: none)."""
     label: str = ""
     """A name for this run in the table's title and the JSON."""
     command: str = ""
@@ -227,9 +229,19 @@ def sweep(cfg: SweepConfig, progress: Callable[[CommRow], None] | None = None) -
     return rows
 
 
-def memcpy_gbs(nbytes: int = 256 << 20, repeats: int = 5) -> float:
-    """A large local copy's bandwidth: the ceiling for loopback transfers."""
-    src = torch.ones(nbytes // 4, dtype=torch.float32)
+MEMCPY_MAX = 256 << 20
+"""The largest local copy the probe makes (a sweep beyond it is not slowed further)."""
+
+
+def memcpy_bytes(max_bytes: int) -> int:
+    """The probe's size: the sweep's largest message (its ceiling at that size), at least
+    4 KiB (a copy too small to time) and at most :data:`MEMCPY_MAX`."""
+    return min(max(max_bytes, 4 << 10), MEMCPY_MAX)
+
+
+def memcpy_gbs(nbytes: int = MEMCPY_MAX, repeats: int = 5) -> float:
+    """A local copy's bandwidth: the ceiling for loopback transfers of ``nbytes``."""
+    src = torch.ones(max(nbytes // 4, 1), dtype=torch.float32)
     dst = torch.empty_like(src)
     dst.copy_(src)
     best = float("inf")

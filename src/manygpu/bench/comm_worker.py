@@ -13,7 +13,7 @@ from pathlib import Path
 import torch.distributed as dist
 
 from manygpu.bench import report
-from manygpu.bench.comm import CommBenchConfig, CommRow, memcpy_gbs, sweep
+from manygpu.bench.comm import CommBenchConfig, CommRow, memcpy_bytes, memcpy_gbs, sweep
 from manygpu.core.parallel import Parallel
 from manygpu.runtime import handoff
 
@@ -38,10 +38,14 @@ def main(config: CommBenchConfig) -> int:
             for name, fit in fitted.items():
                 par.print(
                     f"alpha-beta fit {name}: alpha {fit.alpha_us:,.1f} us, "
-                    f"bandwidth {fit.bandwidth_gbs:.3f} GB/s"
+                    f"bandwidth {report.human_rate(fit.bandwidth_gbs)}"
                 )
-            memcpy = memcpy_gbs()
-            par.print(f"local limit: a 256 MB memcpy runs at {memcpy:.2f} GB/s")
+            probe = memcpy_bytes(cfg.max_bytes)
+            memcpy = memcpy_gbs(probe)
+            par.print(
+                f"local limit: a {report.size_label(probe)} memcpy runs at "
+                f"{report.human_rate(memcpy)}"
+            )
             _write(config, par.world_size, backend, rows, fitted, memcpy)
         wrong = any(r.wrong for r in rows)
     return 1 if wrong else 0
@@ -55,9 +59,11 @@ def _write(
     fitted: dict[str, report.AlphaBeta],
     memcpy: float,
 ) -> None:
-    """The JSON and the plot, each only when a path was given (never into the current
-    directory uninvited)."""
+    """The JSON, the plot and the markdown table, each only when a path was given (never
+    into the current directory uninvited)."""
     written = []
+    label = config.label + ": " if config.label else ""
+    title = f"{label}{world_size} ranks, {backend}, {config.sweep.dtype}"
     if config.json_path:
         payload = {
             "command": config.command,
@@ -67,16 +73,20 @@ def _write(
             "world_size": world_size,
             "machine": report.machine_info(),
             "memcpy_gbs": memcpy,
+            "memcpy_bytes": memcpy_bytes(config.sweep.max_bytes),
             "rows": [r.as_dict() for r in rows],
             "fits": {k: vars(v) for k, v in fitted.items()},
         }
         report.write_json(Path(config.json_path), payload)
         written.append(config.json_path)
     if config.plot:
-        label = config.label + ": " if config.label else ""
-        title = f"{label}{world_size} ranks, {backend}, {config.sweep.dtype}"
         report.plot(rows, Path(config.plot), title)
         written.append(config.plot)
+    if config.markdown:
+        path = Path(config.markdown)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(report.markdown(rows, title))
+        written.append(config.markdown)
     if written:
         print(f"wrote {' and '.join(written)}")
 

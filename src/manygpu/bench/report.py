@@ -3,18 +3,22 @@
 from __future__ import annotations
 
 import json
+import math
 import platform
 from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 from rich.console import Console
 from rich.table import Table
 
 from manygpu.bench.comm import CommRow
+
+if TYPE_CHECKING:
+    from matplotlib.figure import Figure
 
 
 def human_bytes(n: float) -> str:
@@ -25,6 +29,28 @@ def human_bytes(n: float) -> str:
     return f"{n} GB"  # pragma: no cover
 
 
+def human_rate(gbs: float) -> str:
+    """A bandwidth given in GB/s (10^9 bytes, nccl-tests' unit) with a unit that keeps
+    four significant digits, so an 8-byte message shows ``1.234 MB/s``, not ``0.000``."""
+    if not math.isfinite(gbs):
+        return "n/a"  # a fit of latency-bound sizes only: no bandwidth to speak of
+    value = gbs * 1e9
+    for unit in ("B/s", "KB/s", "MB/s", "GB/s"):
+        if abs(value) < 1000:
+            return f"{value:.4g} {unit}"
+        value /= 1000
+    return f"{value:.4g} TB/s"
+
+
+def size_label(n: float) -> str:
+    """A message size as people write it: ``8 B``, ``1 KiB``, ``64 MiB`` (powers of 1024)."""
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(n) < 1024 or unit == "GiB":
+            return f"{n:.4g} {unit}"
+        n /= 1024
+    return f"{n:.4g} GiB"  # pragma: no cover
+
+
 COLUMNS = (
     "op",
     "algorithm",
@@ -32,11 +58,12 @@ COLUMNS = (
     "count",
     "type",
     "time (us)",
-    "algbw (GB/s)",
-    "busbw (GB/s)",
+    "algbw",
+    "busbw",
     "#wrong",
 )
-"""nccl-tests' columns: size, count, type, time, algbw, busbw, #wrong (after op and algorithm)."""
+"""nccl-tests' columns: size, count, type, time, algbw, busbw, #wrong (after op and algorithm);
+the bandwidths carry their unit in each cell (:func:`human_rate`)."""
 _LEFT = ("op", "algorithm", "type")
 _WIDTHS = (14, 9, 9, 13, 8, 12, 12, 12, 6)
 
@@ -50,8 +77,8 @@ def cells(r: CommRow) -> list[str]:
         f"{r.count:,}",
         r.dtype,
         f"{r.time_us:,.1f}",
-        f"{r.algbw_gbs:.3f}",
-        f"{r.busbw_gbs:.3f}",
+        human_rate(r.algbw_gbs),
+        human_rate(r.busbw_gbs),
         str(r.wrong),
     ]
 
@@ -88,6 +115,19 @@ def table(rows: Sequence[CommRow], title: str) -> Table:
     return out
 
 
+def markdown(rows: Sequence[CommRow], title: str) -> str:
+    """The rows as a markdown table under a ``title`` line (what ``--markdown`` writes)."""
+    right = [name not in _LEFT for name in COLUMNS]
+    lines = [
+        f"**{title}**",
+        "",
+        "| " + " | ".join(COLUMNS) + " |",
+        "|" + "|".join("---:" if r else ":---" for r in right) + "|",
+        *("| " + " | ".join(cells(r)) + " |" for r in rows),
+    ]
+    return "\n".join(lines) + "\n"
+
+
 @dataclass(frozen=True)
 class AlphaBeta:
     """time = alpha + bytes * beta, fitted by least squares."""
@@ -120,12 +160,13 @@ def fits(rows: Sequence[CommRow]) -> dict[str, AlphaBeta]:
     return {k: fit_alpha_beta(v) for k, v in groups.items() if len({r.bytes for r in v}) >= 2}
 
 
-def plot(rows: Sequence[CommRow], path: Path, title: str) -> None:
-    """busbw vs size, one line per op/algorithm (log-log)."""
+def figure(rows: Sequence[CommRow], title: str) -> Figure:
+    """busbw vs size, one line per op/algorithm (log-log), sizes labelled ``1 KiB``..."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import FuncFormatter
 
     fig, ax = plt.subplots(figsize=(8, 5))
     groups: dict[str, list[CommRow]] = {}
@@ -134,13 +175,22 @@ def plot(rows: Sequence[CommRow], path: Path, title: str) -> None:
     for name, group in groups.items():
         ax.plot([r.bytes for r in group], [r.busbw_gbs for r in group], marker="o", label=name)
     ax.set_xscale("log", base=2)
+    ax.xaxis.set_major_formatter(FuncFormatter(lambda x, _pos: size_label(x)))
     ax.set_yscale("log")
-    ax.set_xlabel("message size (bytes)")
+    ax.set_xlabel("message size")
     ax.set_ylabel("bus bandwidth (GB/s)")
     ax.set_title(title)
     ax.grid(True, which="both", alpha=0.3)
     ax.legend()
     fig.tight_layout()
+    return fig
+
+
+def plot(rows: Sequence[CommRow], path: Path, title: str) -> None:
+    """:func:`figure` written to ``path`` as a PNG."""
+    fig = figure(rows, title)  # first: it picks the file-only backend before pyplot loads
+    import matplotlib.pyplot as plt
+
     fig.savefig(path, dpi=120)
     plt.close(fig)
 

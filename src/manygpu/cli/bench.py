@@ -26,7 +26,8 @@ def add_parser(sub: Any) -> None:
         description="Sweep message sizes for each collective and all-reduce "
         "algorithm (native, ring, parameter server, tree); print size, count, "
         "time, algbw, busbw and #wrong, one line per measurement; with --json / "
-        "--plot also write JSON / a PNG plot there (nothing is written otherwise).",
+        "--plot / --markdown also write JSON / a PNG plot / a markdown table there "
+        "(nothing is written otherwise).",
     )
     add_launch_options(c)
     c.help_later(c.add_argument("--ops", default="all_reduce"), _ops_help)
@@ -39,6 +40,7 @@ def add_parser(sub: Any) -> None:
     c.add_argument("--warmup", type=nonnegative_int, default=2)
     c.add_argument("--json", default="", help="write the results here as JSON (default: no file)")
     c.add_argument("--plot", default="", help="also write a busbw-vs-size PNG here")
+    c.add_argument("--markdown", default="", help="also write the table in markdown here")
     c.add_argument("--label", default="", help="a name for this run in the table and JSON")
     c.set_defaults(run=run_comm)
     bench_train.add_kind(kinds)
@@ -73,7 +75,12 @@ def comm_config(ns: argparse.Namespace) -> CommBenchConfig:
     )
     command = " ".join(["manygpu", *sys.argv[1:]])
     return CommBenchConfig(
-        sweep=sweep, json_path=ns.json, plot=ns.plot, label=ns.label, command=command
+        sweep=sweep,
+        json_path=ns.json,
+        plot=ns.plot,
+        markdown=ns.markdown,
+        label=ns.label,
+        command=command,
     )
 
 
