@@ -53,6 +53,20 @@ def test_mnist_recipe_on_two_ranks_equals_one_process(tmp_path: Path) -> None:
         assert torch.allclose(got[name], want[name], rtol=0, atol=TOL), name
 
 
+def test_mnist_recipe_learns_in_its_default_configuration(tmp_path: Path) -> None:
+    """Run as a new user would (defaults, two ranks): held-out accuracy far above chance (10%)."""
+    script = str(EXAMPLES / "train_mnist_style.py")
+    res = _run(
+        ["-m", "manygpu", "launch", "--nproc-per-node", "2", script, "--metrics", "m.json"],
+        tmp_path,
+    )  # fmt: skip
+    assert res.returncode == 0, res.stderr[-3000:]
+    metrics = json.loads((tmp_path / "m.json").read_text())
+    assert metrics["size"] == 2
+    assert metrics["accuracy"] > 0.9, res.stdout[-3000:]
+    assert metrics["test_loss"] < 1.0, res.stdout[-3000:]
+
+
 LAUNCHERS = {
     "manygpu": ["-m", "manygpu", "launch", "--nproc-per-node", "2"],
     "torchrun": ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"],
