@@ -40,7 +40,23 @@ def _precision_help() -> str:
     return f"one of: {', '.join(PRECISIONS)}"
 
 
+def announcement(epochs: int, workers: int | None) -> str:
+    """What the demo is about to do: said before anything slow, so it never starts in silence.
+
+    It is printed before PyTorch is even imported (seconds on a busy machine)
+    and long before the workers' first epoch, so it uses only the options.
+    """
+    where = f"{workers} worker(s)" if workers else "every local GPU (or 2 CPU workers)"
+    windows = max(epochs - 1, 1)
+    return (
+        f"manygpu demo: training a small CNN on scikit-learn's digits for {epochs} epoch(s) "
+        f"on {where}; with several workers, {windows} epoch(s) are timed, each against one "
+        "worker alone, for the speed-up. Starting PyTorch and the workers first."
+    )
+
+
 def run(ns: argparse.Namespace) -> int:
+    print(announcement(ns.epochs, ns.workers), flush=True)
     from manygpu.core.data import per_rank_batch
     from manygpu.demo.config import DemoConfig
     from manygpu.runtime import handoff
@@ -63,4 +79,5 @@ def run(ns: argparse.Namespace) -> int:
     )
     spec = resolve_request(request)
     per_rank_batch(config.global_batch_size, spec.nproc_per_node, split=True)
+    print(f"manygpu demo: launching {spec.nproc_per_node} worker process(es)", flush=True)
     return launch_spec(spec)

@@ -3,9 +3,11 @@
 Trains :class:`SimpleCNN` on the digits with the strategy of the
 :class:`~manygpu.demo.config.DemoConfig` the command handed over
 (:mod:`manygpu.runtime.handoff`), reports loss
-and held-out accuracy per epoch on the main process, then, with several workers,
-measures one worker alone on the same per-worker batch to state the speed-up and
-scaling efficiency (with one worker it says what a multi-device run would show).
+and held-out accuracy per epoch on the main process. With several workers, each
+epoch after the first is a timing window: one worker alone then trains the same
+steps on the same per-worker batch, and the speed-up is the median over windows
+with its spread and the machine's load (:mod:`manygpu.demo.windows`); with one
+worker it says what a multi-device run would show.
 """
 
 from __future__ import annotations
@@ -16,13 +18,24 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 import torch.nn.functional as F
-from torch.utils.data import DataLoader, TensorDataset
+from torch.utils.data import DataLoader
 
 from manygpu.core.data import PreparedLoader
 from manygpu.core.parallel import Parallel
 from manygpu.demo.config import DemoConfig
 from manygpu.demo.data import digits
 from manygpu.demo.model import SimpleCNN
+from manygpu.demo.solo import SoloWorker, window_rate
+from manygpu.demo.windows import (
+    Load,
+    Spread,
+    Window,
+    load_text,
+    machine_load,
+    speedup_spread,
+    speedup_text,
+    spread,
+)
 from manygpu.runtime import handoff
 
 
@@ -40,15 +53,28 @@ class DemoResult:
     losses: list[float] = field(default_factory=list)
     accuracies: list[float] = field(default_factory=list)
     samples_per_s: float = 0.0
+    """All workers together: the median over the timing windows."""
     single_worker_samples_per_s: float | None = None
-    """One worker alone on the same per-worker batch; ``None`` when the job had one worker
-    (comparing it with itself would only measure noise)."""
+    """One worker alone on the same per-worker batch (median over windows); ``None`` when
+    the job had one worker (comparing it with itself would only measure noise)."""
+    windows: list[Window] = field(default_factory=list)
+    """Every timing window: an epoch after the first (or the only one)."""
+    load: Load | None = None
+    """The machine's load average when training began and ended."""
     step_times: list[dict[str, object]] = field(default_factory=list)
     """Every rank's step split of the last straggler report (``Parallel.step_times``)."""
 
     @property
+    def speedup_spread(self) -> Spread | None:
+        """The windows' speed-ups: median, lowest, highest; ``None`` without a comparison."""
+        return speedup_spread(self.windows)
+
+    @property
     def speedup(self) -> float | None:
-        """Throughput / one worker's; ``None`` without a comparison."""
+        """The median window's speed-up (throughput / one worker's without windows);
+        ``None`` without a comparison."""
+        if (s := self.speedup_spread) is not None:
+            return s.median
         if not self.single_worker_samples_per_s:
             return None
         return self.samples_per_s / self.single_worker_samples_per_s
@@ -95,39 +121,6 @@ def train_epoch(
     return float(mean_loss), elapsed, seen * par.world_size
 
 
-def single_worker_rate(
-    par: Parallel, dataset: TensorDataset, batch: int, steps: int, image_size: int
-) -> float:
-    """Samples/s of one worker training alone (same batch, same threads).
-
-    Runs on the main process while the others wait at a barrier, so it uses
-    exactly the CPU share one worker of the job had.
-    """
-    if not par.is_main:
-        return 0.0
-    model = SimpleCNN(image_size).to(par.device)
-    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
-    loader = DataLoader(dataset, batch_size=batch, shuffle=True, drop_last=True)
-    warmup, timed, start = 3, 0, 0.0
-    while timed < steps:
-        for i, (x, y) in enumerate(loader):
-            if i == warmup and start == 0.0:
-                start = time.perf_counter()
-            x, y = x.to(par.device), y.to(par.device)
-            with par.autocast():
-                loss = F.cross_entropy(model(x), y)
-            loss.backward()
-            opt.step()
-            opt.zero_grad()
-            if start:
-                timed += 1
-            if timed >= steps:
-                break
-    if par.device.type == "cuda":
-        torch.cuda.synchronize()
-    return timed * batch / (time.perf_counter() - start)
-
-
 def main(config: DemoConfig) -> DemoResult:
     """Train, evaluate and compare with one worker; the results on every rank."""
     with Parallel(strategy=config.strategy, precision=config.precision, split_batches=True) as par:
@@ -153,27 +146,43 @@ def main(config: DemoConfig) -> DemoResult:
             f"({par.device.type}, {result.threads_per_worker} thread(s) each), "
             f"{len(train_set)} training / {len(test_set)} held-out digits"
         )
-        timed_s, timed_samples = 0.0, 0
+        solo = None
+        if par.world_size > 1 and par.is_main:  # one worker compared with one says nothing
+            per_worker = config.global_batch_size // par.world_size
+            solo = SoloWorker(par, train_set, per_worker, config.image_size)
+        load_start, cpus = machine_load()
         for epoch in range(1, config.epochs + 1):
             loss, seconds, samples = train_epoch(par, model, opt, train, epoch)
             acc = evaluate(par, model, test)
             result.losses.append(loss)
             result.accuracies.append(acc)
+            line = f"({samples / seconds:,.0f} samples/s"
             if epoch > 1 or config.epochs == 1:  # epoch 1 includes warm-up
-                timed_s, timed_samples = timed_s + seconds, timed_samples + samples
-            par.print(
-                f"epoch {epoch:2d}  loss {loss:.4f}  held-out accuracy {acc:.2%}  "
-                f"({samples / seconds:,.0f} samples/s)"
-            )
-        result.samples_per_s = timed_samples / timed_s
+                window = timing_window(par, solo, samples / seconds, len(train))
+                result.windows.append(window)
+                if window.single_samples_per_s is not None:
+                    line += f"; one worker alone {window.single_samples_per_s:,.0f}"
+            par.print(f"epoch {epoch:2d}  loss {loss:.4f}  held-out accuracy {acc:.2%}  {line})")
+        result.load = Load(start=load_start, end=machine_load()[0], cpus=cpus)
+        _medians(result)
         result.step_times = par.step_times
-        if par.world_size > 1:  # one worker compared with one worker says nothing
-            per_worker = config.global_batch_size // par.world_size
-            steps = min(2 * len(train), 100)  # ~1-2 s: enough to average out noise
-            rate = single_worker_rate(par, train_set, per_worker, steps, config.image_size)
-            result.single_worker_samples_per_s = float(par.reduce(torch.tensor([rate]), "max"))
         report(par, result, config.json_path)
     return result
+
+
+def timing_window(par: Parallel, solo: SoloWorker | None, rate: float, steps: int) -> Window:
+    """The epoch's throughput, then (with several workers) one worker's on as many steps."""
+    if par.world_size == 1:
+        return Window(workers_samples_per_s=rate)
+    return Window(workers_samples_per_s=rate, single_samples_per_s=window_rate(par, solo, steps))
+
+
+def _medians(result: DemoResult) -> None:
+    """Throughputs as the windows' medians: one slow window does not set them."""
+    workers = spread([w.workers_samples_per_s for w in result.windows])
+    single = spread([w.single_samples_per_s for w in result.windows if w.single_samples_per_s])
+    result.samples_per_s = workers.median if workers else 0.0
+    result.single_worker_samples_per_s = single.median if single else None
 
 
 def summary(result: DemoResult) -> str:
@@ -181,7 +190,8 @@ def summary(result: DemoResult) -> str:
 
     With one worker there is nothing to compare: the line says so and what a
     run on several devices would report, instead of a "speed-up" of one worker
-    over one worker that only measures noise.
+    over one worker that only measures noise. With several, the speed-up is the
+    median window's, with the windows' range and the machine's load beside it.
     """
     head = f"final held-out accuracy {result.accuracies[-1]:.2%}; "
     speedup, efficiency = result.speedup, result.efficiency
@@ -192,18 +202,28 @@ def summary(result: DemoResult) -> str:
             "(every local GPU, or --workers N on the CPU) the demo compares N workers' "
             "samples/s with one worker's; ideally N times as many, a scaling efficiency of 100%."
         )
-    return (
+    s = result.speedup_spread
+    scaling = f"speed-up {speedup:.2f}x" if s is None else speedup_text(s)
+    line = (
         f"{head}throughput {result.samples_per_s:,.0f} samples/s with {result.workers} workers "
         f"vs {result.single_worker_samples_per_s:,.0f} with one: "
-        f"speed-up {speedup:.2f}x, scaling efficiency {efficiency:.0%}"
+        f"{scaling}, scaling efficiency {efficiency:.0%}"
     )
+    if result.load is not None:
+        line += f"; {load_text(result.load, result.workers, s)}"
+    return line
 
 
 def report(par: Parallel, result: DemoResult, json_path: str | None) -> None:
     """Final lines on the main process, and the JSON file when asked."""
     par.print(summary(result))
     if json_path and par.is_main:
-        payload = asdict(result) | {"speedup": result.speedup, "efficiency": result.efficiency}
+        s = result.speedup_spread
+        payload = asdict(result) | {
+            "speedup": result.speedup,
+            "efficiency": result.efficiency,
+            "speedup_spread": None if s is None else asdict(s),
+        }
         with open(json_path, "w") as fh:
             json.dump(payload, fh, indent=2)
 
