@@ -96,6 +96,31 @@ def test_module_cli_runs_a_command_per_host() -> None:
     assert "[host1] host=1 addr=10.213.0.2 master=10.213.0.1" in res.stdout
 
 
+_STORE = (
+    "import datetime, torch.distributed as d\n"
+    "s = d.TCPStore('{master}', 29531, 2, {host} == 0, timeout=datetime.timedelta(seconds=30))\n"
+    "s.set('k{host}', 'v'); s.wait(['k0', 'k1']); print('met')\n"
+)
+
+
+def test_a_store_across_hosts_resolves_its_peers_quietly() -> None:
+    """Every address has a name in the hosts' /etc/hosts (IPv4 and the IPv4-mapped form a
+    dual-stack listener sees), so the TCPStore's reverse lookup of each client neither
+    asks an unreachable DNS server nor warns "hostname of the client socket cannot be
+    retrieved"."""
+    argv = [sys.executable, "-m", "manygpu.emulate", "--hosts", "2", "--timeout", "60"]
+    res = subprocess.run(
+        [*argv, "--", sys.executable, "-c", _STORE],
+        capture_output=True,
+        text=True,
+        env=subprocess_env(namespace=True),
+        timeout=120,
+    )
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert res.stdout.count("met") == 2, res.stdout
+    assert "hostname of the client socket" not in res.stdout + res.stderr
+
+
 _OWNER = """
 import time
 from manygpu.emulate import EmulatedCluster

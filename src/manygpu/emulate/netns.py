@@ -55,6 +55,19 @@ def netns_available() -> tuple[bool, str]:
     return True, ""
 
 
+def hosts_file(
+    base: str, names: Sequence[str], addresses: Sequence[str], extra: Mapping[str, int]
+) -> str:
+    """The ``/etc/hosts`` each emulated host sees: ``base``, then every host by its
+    namespace's name, then the ``extra`` names (name -> host index)."""
+    pairs = [*zip(addresses, names, strict=True), *((addresses[i], n) for n, i in extra.items())]
+    lines = [*base.splitlines(), *(f"{a} {n}" for a, n in pairs)]
+    # A dual-stack listener (the TCPStore's) sees IPv4 peers as ::ffff:a.b.c.d, which the
+    # resolver looks up as that IPv6 address: name those too.
+    lines += [f"::ffff:{a} {n}" for a, n in pairs[: len(names)]]
+    return "\n".join(lines) + "\n"
+
+
 def _sh(cmd: Sequence[str], check: bool = True) -> subprocess.CompletedProcess[str]:
     res = subprocess.run(list(cmd), capture_output=True, text=True)
     if check and res.returncode != 0:
@@ -139,6 +152,11 @@ class EmulatedCluster:
             self._in(name, "ip", "link", "set", "lo", "up")
             self._shape(name, "eth0", self.shape)
             self._shape(self.switch, port, self.shape)
+        # Every address gets a name, both ways: a reverse lookup of a peer (the TCPStore
+        # does one per connection) otherwise asks a DNS server these namespaces cannot
+        # reach, waits for it and warns "hostname of the client socket cannot be retrieved".
+        root = Path("/etc/hosts")
+        self._write_hosts(root.read_text() if root.is_file() else "", {})
 
     def _add_ns(self, name: str) -> None:
         _sh(["ip", "netns", "add", name])
@@ -149,14 +167,19 @@ class EmulatedCluster:
         """Make ``names`` resolve to hosts' addresses inside every host, as a cluster's DNS
         would (a Kubernetes headless service's pod names): ``{"pod-0.svc": 0, ...}``.
 
-        ``ip netns exec`` mounts ``/etc/netns/<namespace>/hosts`` over ``/etc/hosts``.
+        Replaces this machine's own entries: only localhost, the hosts and ``names`` resolve.
         """
-        lines = ["127.0.0.1 localhost", *(f"{self.addresses[i]} {n}" for n, i in names.items())]
+        self._write_hosts("127.0.0.1 localhost\n", names)
+
+    def _write_hosts(self, base: str, extra: Mapping[str, int]) -> None:
+        """``ip netns exec`` mounts ``/etc/netns/<namespace>/hosts`` over ``/etc/hosts``."""
+        text = hosts_file(base, self.names, self.addresses, extra)
         for ns in self.names:
             where = Path("/etc/netns") / ns
             where.mkdir(parents=True, exist_ok=True)
-            self._etc.append(where)
-            (where / "hosts").write_text("\n".join(lines) + "\n")
+            if where not in self._etc:
+                self._etc.append(where)
+            (where / "hosts").write_text(text)
 
     def reshape(self, host: int, shape: LinkShape) -> None:
         """Shape host ``host``'s link alone, both ways (a slow NIC or a congested port)."""
