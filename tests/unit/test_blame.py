@@ -79,3 +79,60 @@ def test_the_lost_peers_line_names_remote_hosts_never_this_one() -> None:
     assert own.startswith("the first failure was not here: ranks 0 of this node lost")
     unnamed = blame.lost_peers_line([0], ["Timed out"], here, hosts)
     assert unnamed.startswith("the first failure was not here")
+
+
+def _o(rank: int, t: int, consequence: bool = False) -> blame.Outcome:
+    return blame.Outcome(rank, 1, t, consequence, "failed with exit code 1")
+
+
+USAGE = "failed with exit code 1: UsageError: unknown strategy 'fdsp'; did you mean 'fsdp'?"
+
+
+def test_the_same_configuration_error_on_every_rank_is_one_line_without_its_class() -> None:
+    lines = blame.report_lines([(f"rank 1 {USAGE}", _o(1, 5)), (f"rank 0 {USAGE}", _o(0, 7))])
+    assert lines == ["ranks 0,1: unknown strategy 'fdsp'; did you mean 'fsdp'?"]
+
+
+def test_only_ranks_that_failed_because_of_another_are_consequences() -> None:
+    boom = "failed with exit code 1: ValueError: boom"
+    lines = blame.report_lines(
+        [
+            ("rank 2 failed with exit code 1: KeyError: 'x'", _o(2, 9)),
+            (f"rank 0 {boom}", _o(0, 5)),
+            ("rank 3 was killed by SIGTERM", _o(3, 8, consequence=True)),
+            (f"rank 1 {boom}", _o(1, 6)),
+            ("rank 4 was killed by SIGTERM", _o(4, 8, consequence=True)),
+        ]
+    )
+    assert lines == [
+        f"ranks 0,1 {boom}",
+        "  then (a consequence) ranks 3,4 were killed by SIGTERM",
+        "  also rank 2 failed with exit code 1: KeyError: 'x'",
+    ]
+
+
+def test_hosts_prefixes_keep_hosts_apart_and_a_lost_host_stays_whole() -> None:
+    lines = blame.report_lines(
+        [
+            (f"10.0.0.1: rank 0 {USAGE}", _o(0, 5)),
+            (f"10.0.0.2: rank 1 {USAGE}", _o(1, 6)),
+            ("10.0.0.3: stopped (exit code 143)", _o(-1, 7, consequence=True)),
+        ]
+    )
+    assert lines[0] == "10.0.0.1: rank 0: unknown strategy 'fdsp'; did you mean 'fsdp'?"
+    assert lines[1:] == [
+        "  also 10.0.0.2: rank 1 " + USAGE,
+        "  then (a consequence) 10.0.0.3: stopped (exit code 143)",
+    ]
+
+
+def test_without_a_lead_every_group_is_a_consequence() -> None:
+    lost = "failed with exit code 1: RuntimeError: Connection closed by peer"
+    entries = [(f"rank {r} {lost}", _o(r, 5 + r, consequence=True)) for r in range(4)]
+    assert blame.report_lines(entries, lead=False) == [f"  then (a consequence) ranks 0-3 {lost}"]
+
+
+def test_rank_lists_read_as_ranks() -> None:
+    assert blame.rank_list([3]) == "rank 3"
+    assert blame.rank_list([1, 0]) == "ranks 0,1"
+    assert blame.rank_list([0, 1, 2, 3, 5, 7, 8]) == "ranks 0-3,5,7,8"

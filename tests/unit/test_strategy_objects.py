@@ -94,7 +94,10 @@ def test_the_old_keywords_map_to_every_strategy_that_read_them() -> None:
         ({"strategy": DDP(), "ddp": DDPOptions()}, r"ddp= and a strategy object both give"),
         ({"strategy": DDP}, r"strategy=DDP is the class: give an object, strategy=DDP\(\)"),
         ({"strategy": 3}, "strategy takes a name"),
-        ({"strategy": "fdsp"}, "unknown strategy 'fdsp'; choose one of"),
+        (
+            {"strategy": "fdsp"},
+            r"unknown strategy 'fdsp'; did you mean 'fsdp'\? choose one of: auto",
+        ),
         ({"strategy": "parallelize"}, r"needs your plan: give strategy=Parallelize\(fn\)"),
         ({"strategy": "ddp", "ddp": FSDP()}, r"ddp= takes DDP\(...\), not FSDP"),
         ({"strategy": "ps", "ps": {"mode": "async"}}, r"ps= takes PS\(...\), not \{"),

@@ -42,3 +42,17 @@ def test_the_rendezvous_state_has_the_fields_our_json_state_carries() -> None:
     node = dynamic_rendezvous._NodeDesc("10.0.0.1", 7, 0)
     fields = [f.name for f in dataclasses.fields(node)]
     assert fields == ["addr", "pid", "local_id"], f"_NodeDesc is now {fields} {WHERE}"
+
+
+def test_the_flight_recorder_keeps_a_destroyed_groups_configuration() -> None:
+    """``launch.evidence`` tells a worker that never formed a process group from one
+    whose group is gone by reading the recorder's ``pg_config`` (private dump)."""
+    import torch.distributed as dist
+
+    from manygpu.launch import evidence
+
+    store = dist.HashStore()
+    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+    dist.destroy_process_group()
+    assert evidence.fr_records().get("pg_config"), f"the recorder forgot the group {WHERE}"
+    assert evidence._ever_in_group()

@@ -202,14 +202,9 @@ def report_failure(err: ChildFailedError, to_driver: bool = False) -> int:
     root = blame.root_cause(outcomes)
     if root.consequence:  # every rank here failed because of a rank elsewhere
         print(f"manygpu: {_lost_peers(outcomes, err)}", file=sys.stderr)
-    else:
-        print(f"manygpu: {_describe(root, err.failures[root.rank])}", file=sys.stderr)
-    for o in sorted(outcomes, key=lambda o: (o.time_ns, o.rank)):
-        if o.rank != root.rank or root.consequence:
-            print(
-                f"manygpu:   then (a consequence) {_describe(o, err.failures[o.rank])}",
-                file=sys.stderr,
-            )
+    entries = [(_describe(o, err.failures[o.rank]), o) for o in outcomes]
+    for line in blame.report_lines(entries, lead=not root.consequence):
+        print(f"manygpu: {line}", file=sys.stderr)
     return root.exit_code
 
 
@@ -252,11 +247,25 @@ def _run(spec: LaunchSpec, secret: JobSecret | None, log_dir: str | None) -> int
     executable, args = worker_command(spec)
     with watching(spec, log_dir) as watch, notices.forwarding():
         code = _agent(spec, config, executable, args)
+        if code == 0:
+            _say_if_alone(watch.out, spec.nproc_per_node)
         if watch.verdict is not None:
             if spec.driven:
                 _verdict_to_driver(watch)
             return HUNG
     return code
+
+
+def _say_if_alone(evidence: Path, workers: int) -> None:
+    """One line when every worker of this node ran the script without a process group."""
+    alone = len(list(evidence.glob("alone-rank*")))
+    if workers > 1 and alone >= workers:
+        print(
+            f"manygpu: the {workers} workers never formed a process group: each ran the "
+            "whole script alone (same data, same output files); create a Parallel(...) "
+            "or call torch.distributed.init_process_group() in the script",
+            file=sys.stderr,
+        )
 
 
 HUNG = 124

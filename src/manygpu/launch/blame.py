@@ -185,6 +185,66 @@ def lost_peers_line(
     )
 
 
+_RANK_TEXT = re.compile(r"^(?P<where>[^\n]*?: )?rank (?P<rank>\d+) (?P<rest>.*)$", re.S)
+_USAGE = re.compile(r"^failed with exit code \d+: UsageError: (?P<message>.*)$", re.S)
+_INDENT = "  "
+
+
+def rank_list(ranks: list[int]) -> str:
+    """``[0, 1]`` -> ``ranks 0,1``; runs of three or more as ranges (``ranks 0-7,9``)."""
+    parts: list[list[int]] = []
+    for r in sorted(set(ranks)):
+        if parts and parts[-1][-1] == r - 1:
+            parts[-1].append(r)
+        else:
+            parts.append([r])
+    text = ",".join(f"{p[0]}-{p[-1]}" if len(p) > 2 else ",".join(map(str, p)) for p in parts)
+    return f"{'rank' if len(set(ranks)) == 1 else 'ranks'} {text}"
+
+
+def report_lines(entries: list[tuple[str, Outcome]], *, lead: bool = True) -> list[str]:
+    """The failure summary: the root cause first, ranks with the same words merged.
+
+    ``entries`` pair each outcome with its line ("rank 1 failed with exit code 1:
+    UsageError: ..."; a host's prefix allowed). The first line is the root cause
+    and every rank that failed the same way on its own (a configuration error
+    hits every rank alike: ``ranks 0,1: unknown strategy ...``, without the
+    exception's class); then ranks that failed otherwise on their own
+    (``also``), then those that failed because of another (``then (a
+    consequence)``), each group once, in order of time.
+    """
+    root = root_cause([o for _, o in entries])
+    first = next(text for text, o in entries if o is root)
+    head = _split(first)
+    groups: dict[tuple[str, str, str], list[int]] = {}
+    for text, o in sorted(entries, key=lambda e: (e[1] is not root, e[1].time_ns, e[1].rank)):
+        where, rank, rest = _split(text)
+        same = (where, rest) == (head[0], head[2]) and not o.consequence
+        kind = "" if lead and (o is root or same) else "then (a consequence) "
+        kind = "also " if kind and lead and not o.consequence else kind
+        groups.setdefault((kind, where, rest), []).append(rank)
+    return [_render(kind, where, rest, ranks) for (kind, where, rest), ranks in groups.items()]
+
+
+def _split(text: str) -> tuple[str, int, str]:
+    match = _RANK_TEXT.match(text)
+    if match is None:  # a host's launcher, not a rank: never merged
+        return text, -1, ""
+    return match["where"] or "", int(match["rank"]), match["rest"]
+
+
+def _render(kind: str, where: str, rest: str, ranks: list[int]) -> str:
+    indent = _INDENT + kind if kind else ""
+    if ranks == [-1]:
+        return f"{indent}{where}"
+    usage = _USAGE.match(rest)
+    if usage is not None and not kind:
+        return f"{where}{rank_list(ranks)}: {usage['message']}"
+    if len(ranks) > 1 and rest.startswith("was "):
+        rest = "were " + rest[4:]
+    return f"{indent}{where}{rank_list(ranks)} {rest}"
+
+
 def root_cause(outcomes: list[Outcome]) -> Outcome:
     """The first failure in time that is not a consequence (else the first of all)."""
     return min(outcomes, key=lambda o: (o.consequence, o.time_ns, o.rank))

@@ -19,6 +19,7 @@ cannot answer; for that the launcher sends ``SIGUSR2``, on which
 
 from __future__ import annotations
 
+import contextlib
 import faulthandler
 import json
 import os
@@ -59,11 +60,46 @@ def start(env: envmod.Environ) -> threading.Thread | None:
     return thread
 
 
+_FORMED = threading.Event()
+"""Set once this worker is seen in a process group (a poll, or the end's own look)."""
+
+
+def _in_group() -> bool:
+    dist = sys.modules.get("torch.distributed")
+    return bool(dist is not None and dist.is_available() and dist.is_initialized())
+
+
+def note_if_alone(env: envmod.Environ) -> None:
+    """At a clean end: leave ``alone-rank<R>`` if this worker never joined a process group.
+
+    A script that never calls ``init_process_group`` (nor ``Parallel``) runs whole
+    on every rank: N copies of one training, each writing the same files. The
+    launcher says so once when every worker left this mark.
+    """
+    where, rank = envmod.evidence_dir(env), envmod.get_int(env, "RANK")
+    if where is None or rank is None or _FORMED.is_set() or _ever_in_group():
+        return
+    with contextlib.suppress(OSError):
+        (Path(where) / f"alone-rank{rank}").touch()
+
+
+def _ever_in_group() -> bool:
+    """Whether a process group existed in this process, even one destroyed since: the
+    Flight Recorder keeps every group's configuration after ``destroy_process_group``."""
+    if _in_group():
+        return True
+    if sys.modules.get("torch.distributed") is None:
+        return False
+    with contextlib.suppress(Exception):  # no recorder: judge by the polls alone
+        return bool(fr_records().get("pg_config"))
+    return False
+
+
 def fr_status() -> dict[str, Any] | None:
     """The Flight Recorder's per-group counters, ``None`` before a group exists."""
-    dist = sys.modules.get("torch.distributed")
-    if dist is None or not dist.is_available() or not dist.is_initialized():
+    if not _in_group():
         return None
+    _FORMED.set()
     from torch._C._distributed_c10d import _dump_fr_trace_json  # type: ignore[attr-defined]
 
     status: dict[str, Any] = json.loads(_dump_fr_trace_json(False, True)).get("pg_status", {})

@@ -118,6 +118,12 @@ def error_file(env: Environ) -> str | None:
 _DEBUG_STRICT = {"strict", "2"}
 
 
+def traceback_wanted(env: Environ) -> bool:
+    """``MANYGPU_TRACEBACK=1``: a worker's configuration error prints its traceback too
+    (by default the launcher's one line says it, once for every rank alike)."""
+    return env.get("MANYGPU_TRACEBACK", "0").lower() in {"1", "true", "yes", "on"}
+
+
 def debug_enabled(env: Environ) -> bool:
     """``MANYGPU_DEBUG=1`` (or ``strict``) turns on cross-rank consistency checks."""
     value = env.get("MANYGPU_DEBUG", "0").lower()

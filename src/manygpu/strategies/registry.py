@@ -12,6 +12,7 @@ pipelining are loaded by the jobs that use them, not by every ``import manygpu``
 
 from __future__ import annotations
 
+import difflib
 import importlib
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any, Literal, TypeVar
@@ -114,9 +115,15 @@ def spec_class(name: str) -> type[StrategySpec]:
     try:
         return _specs()[name]
     except KeyError:
-        raise UsageError(
-            f"unknown strategy {name!r}; choose one of: {', '.join(available())}"
-        ) from None
+        raise UsageError(unknown_name(name)) from None
+
+
+def unknown_name(name: object) -> str:
+    """One line for a name that is no strategy: the nearest one, then every choice."""
+    names = sorted([*available(), "hybrid", "auto"])
+    close = difflib.get_close_matches(str(name).lower(), names, n=1, cutoff=0.6)
+    hint = f" did you mean {close[0]!r}?" if close else ""
+    return f"unknown strategy {name!r};{hint} choose one of: {', '.join(names)}"
 
 
 def card(name: str) -> StrategyCard:

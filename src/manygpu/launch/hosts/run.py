@@ -431,10 +431,6 @@ def report(nodes: Sequence[_Running], plan: HostPlan, signum: int | None) -> int
             outcomes.append((lost.how, lost))
     if not outcomes:
         return 1
-    first = blame.root_cause([o for _, o in outcomes])  # the one rule, as on one node
-    root = next(p for p in outcomes if p[1] is first)
-    print(f"manygpu: {root[0]}", file=sys.stderr)
-    for text, o in sorted(outcomes, key=lambda p: p[1].time_ns):
-        if o is not root[1]:
-            print(f"manygpu:   then (a consequence) {text}", file=sys.stderr)
-    return root[1].exit_code
+    for line in blame.report_lines(outcomes):  # the one rule, as on one node
+        print(f"manygpu: {line}", file=sys.stderr)
+    return blame.root_cause([o for _, o in outcomes]).exit_code

@@ -146,6 +146,7 @@ def _guard_descendants() -> None:
 
 def _finish() -> None:
     """The script has returned: wait for its threads as Python would, then arm the exit timer."""
+    evidence.note_if_alone(envmod.current())
     _release_group()
     _shut_threads_down()
     sys.stdout.flush()
@@ -201,8 +202,21 @@ def main() -> None:
     except BaseException as exc:
         _record(exc)
         blame.write(kind="exception", code=1, consequence=blame.is_peer_failure(exc))
-        traceback.print_exc()
+        _print_error(exc)
         _end(1)
+
+
+def _print_error(exc: BaseException) -> None:
+    """The traceback, except for a configuration error (a :class:`UsageError`): that one
+    line is the launcher's to say, once for every rank that hit it, unless
+    ``MANYGPU_TRACEBACK=1``; with no launcher to read the error file, this rank says it."""
+    from manygpu.errors import UsageError
+
+    env = envmod.current()
+    if not isinstance(exc, UsageError) or envmod.traceback_wanted(env):
+        traceback.print_exc()
+    elif not envmod.error_file(env):
+        print(f"manygpu: rank {env.get('RANK', '?')}: {exc}", file=sys.stderr)
 
 
 def _exit_code(code: object) -> int:

@@ -1,0 +1,65 @@
+"""A new user's first mistakes under ``manygpu launch``, each answered in one line.
+
+Real launches of 2 workers (tests/launch/scripts/first_hour.py and neighbours).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from test_launch import ROOT, SCRIPTS, manygpu
+
+ENV = {"PYTHONPATH": str(ROOT / "src")}
+
+
+def _ours(stderr: str) -> list[str]:
+    return [ln for ln in stderr.splitlines() if ln.startswith("manygpu:")]
+
+
+def test_a_typo_in_the_strategy_is_one_line_for_the_whole_job() -> None:
+    res = manygpu(
+        "launch", "--nproc-per-node", "2", str(SCRIPTS / "first_hour.py"), "typo", env=ENV
+    )
+    assert res.returncode == 1, res.stderr
+    assert "Traceback" not in res.stderr, res.stderr
+    assert len(res.stderr.strip().splitlines()) <= 3, res.stderr
+    assert _ours(res.stderr) == [
+        "manygpu: ranks 0,1: unknown strategy 'fdsp'; did you mean 'fsdp'? choose one of: "
+        "auto, ddp, dp, fsdp, hybrid, model, parallelize, pipeline, ps, single, tensor, "
+        "zero1, zero2"
+    ], res.stderr
+
+
+def test_the_traceback_of_a_configuration_error_is_there_on_request() -> None:
+    env = ENV | {"MANYGPU_TRACEBACK": "1"}
+    res = manygpu(
+        "launch", "--nproc-per-node", "2", str(SCRIPTS / "first_hour.py"), "typo", env=env
+    )
+    assert res.stderr.count("Traceback (most recent call last)") == 2, res.stderr
+
+
+def test_workers_that_never_form_a_group_are_told_so_once() -> None:
+    res = manygpu(
+        "launch", "--nproc-per-node", "2", str(SCRIPTS / "first_hour.py"), "alone", env=ENV
+    )
+    assert res.returncode == 0, res.stderr
+    assert res.stdout.count("trained on its own") == 2
+    assert _ours(res.stderr) == [
+        "manygpu: the 2 workers never formed a process group: each ran the whole script "
+        "alone (same data, same output files); create a Parallel(...) or call "
+        "torch.distributed.init_process_group() in the script"
+    ], res.stderr
+
+
+def test_a_group_destroyed_before_the_end_still_counts_as_formed(tmp_path: Path) -> None:
+    """Formed, used and destroyed within one poll of the watcher: no false alarm."""
+    script = tmp_path / "quick_group.py"
+    script.write_text(
+        "import torch.distributed as dist\n"
+        "dist.init_process_group('gloo')\n"
+        "dist.barrier()\n"
+        "dist.destroy_process_group()\n"
+    )
+    res = manygpu("launch", "--nproc-per-node", "2", str(script), env=ENV)
+    assert res.returncode == 0, res.stderr
+    assert _ours(res.stderr) == [], res.stderr
