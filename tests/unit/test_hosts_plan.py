@@ -346,3 +346,38 @@ def test_boot_sets_the_variables_from_stdin_then_runs_the_command(tmp_path: Path
     assert not any("s3cr3t" in word for word in argv)
     empty = subprocess.run(argv, input="", capture_output=True, text=True)
     assert empty.returncode == 1 and "no job description" in empty.stderr
+
+
+def _no_dns(host: str) -> list[str]:
+    return {"gpu0": ["127.0.1.1"], "node0": ["10.0.0.1"]}.get(host, [])
+
+
+@pytest.mark.parametrize(
+    ("endpoint", "shown"),
+    [
+        ("127.0.0.1:29400", "127.0.0.1"),
+        ("localhost:29400", "localhost"),
+        ("gpu0:29400", "gpu0 (127.0.1.1)"),  # a hostname /etc/hosts maps to loopback
+    ],
+)
+def test_dry_run_warns_once_when_remote_hosts_would_meet_on_loopback(
+    endpoint: str, shown: str
+) -> None:
+    lines = hostplan.dry_run(_plan(rdzv_endpoint=endpoint), resolve=_no_dns)
+    warnings = [line for line in lines if "warning" in line]
+    assert warnings == [
+        f"# warning: the rendezvous host {shown} is loopback here, which node1 cannot "
+        "reach; give --master-addr (or --rdzv-endpoint) this machine's address on their network"
+    ]
+    assert lines[1] == warnings[0] and len(lines) == 4
+
+
+def test_dry_run_says_nothing_more_when_the_rendezvous_is_reachable() -> None:
+    assert not any("warning" in ln for ln in hostplan.dry_run(_plan(), resolve=_no_dns))
+    assert not any(
+        "warning" in ln
+        for ln in hostplan.dry_run(_plan(rdzv_endpoint="node0:29400"), resolve=_no_dns)
+    )
+    # Every host here: loopback is right.
+    alone = _plan("node0:2", rdzv_endpoint="127.0.0.1:29400")
+    assert not any("warning" in ln for ln in hostplan.dry_run(alone, resolve=_no_dns))

@@ -12,9 +12,11 @@ as :class:`Here`, so every rule is testable without a network.
 
 from __future__ import annotations
 
+import ipaddress
 import math
 import shlex
-from collections.abc import Mapping, Sequence
+import socket
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -30,6 +32,7 @@ from manygpu.launch.spec import (
     TorchrunOptions,
     parse_nnodes,
 )
+from manygpu.runtime.secret import is_loopback
 
 DEFAULT_RDZV_PORT = 29400
 """torchrun's c10d port: where the hosts meet unless --master-port / --rdzv-endpoint say."""
@@ -328,9 +331,54 @@ def _node(
     )
 
 
-def dry_run(plan_: HostPlan) -> list[str]:
-    """The lines ``--dry-run`` prints: the rendezvous, then each host's exact command."""
+def dry_run(plan_: HostPlan, resolve: Callable[[str], Sequence[str]] | None = None) -> list[str]:
+    """The lines ``--dry-run`` prints: the rendezvous (and a warning when the other hosts
+    could not reach it), then each host's exact command.
+
+    Args:
+        resolve: a host name's addresses (default: this machine's resolver).
+    """
     nodes = f"{plan_.min_nodes}..{plan_.max_nodes}" if plan_.elastic else f"{plan_.max_nodes}"
     nodes += " host" if nodes == "1" else " hosts"
     head = f"# {nodes}, rendezvous {plan_.endpoint} (c10d); each line runs on its host"
-    return [head, *(node.shown() for node in plan_.nodes)]
+    warning = loopback_warning(plan_, resolve or resolved_addresses)
+    return [head, *([warning] if warning else []), *(node.shown() for node in plan_.nodes)]
+
+
+def loopback_warning(plan_: HostPlan, resolve: Callable[[str], Sequence[str]]) -> str | None:
+    """One line when the rendezvous host is loopback here while some hosts are remote.
+
+    The doctor's rule for gloo's interface, applied to the rendezvous: a loopback
+    address (127.0.0.1, or Debian's 127.0.1.1 for the hostname) is fine on one node
+    and unreachable from every other one, so their launchers would wait and time out.
+    """
+    remote = [n.host for n in plan_.nodes if not n.local]
+    host, _ = split_endpoint(plan_.endpoint, DEFAULT_RDZV_PORT)
+    if not remote:
+        return None
+    addresses = [host] if is_loopback(host) else list(resolve(host))
+    if not addresses or not all(_is_loopback_address(a) for a in addresses):
+        return None
+    shown = host if addresses == [host] else f"{host} ({', '.join(addresses)})"
+    return (
+        f"# warning: the rendezvous host {shown} is loopback here, which "
+        f"{', '.join(remote)} cannot reach; give --master-addr (or --rdzv-endpoint) this "
+        "machine's address on their network"
+    )
+
+
+def _is_loopback_address(address: str) -> bool:
+    try:
+        return ipaddress.ip_address(address.split("%")[0]).is_loopback
+    except ValueError:
+        return address == "localhost"
+
+
+def resolved_addresses(host: str) -> list[str]:
+    """``host``'s addresses from this machine's resolver (none when it does not resolve:
+    the preflight reports that)."""
+    try:
+        infos = socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)
+    except (OSError, UnicodeError):
+        return []
+    return sorted({str(info[4][0]) for info in infos})
