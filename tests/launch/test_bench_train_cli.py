@@ -20,6 +20,10 @@ def test_real_run_one_then_two_processes(tmp_path: Path) -> None:
     env = subprocess_env() | {"CUDA_VISIBLE_DEVICES": ""}
     res = subprocess.run(cmd, capture_output=True, text=True, timeout=150, env=env, cwd=tmp_path)
     assert res.returncode == 0, res.stderr[-3000:]
+    # Each job says what it does and when it is done, on stderr; stdout keeps the results.
+    for job in ("job 1/2: demo-cnn on 1 worker(s)", "job 2/2: demo-cnn on 2 worker(s)"):
+        assert f"manygpu bench train: {job}" in res.stderr and job not in res.stdout
+    assert "manygpu bench train: job 2/2 done in" in res.stderr
     assert [p.name for p in tmp_path.iterdir()] == ["results"]
     assert sorted(p.name for p in out.parent.iterdir()) == ["train.json", "train.md", "train.png"]
     data = json.loads(out.read_text())

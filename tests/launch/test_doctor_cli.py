@@ -38,6 +38,9 @@ def test_local_doctor_json_with_live_test() -> None:
     res = manygpu("--json")
     report = json.loads(res.stdout)  # stdout is the JSON and nothing else
     assert res.returncode == (1 if report["status"] == "fail" else 0), res.stderr
+    # What took the time was said, on stderr: the probes, then the live test.
+    assert "manygpu doctor: probing this machine" in res.stderr
+    assert "manygpu doctor: live test: starting the local workers" in res.stderr
     assert set(report) == {"status", "counts", "checks", "nodes", "live"}
     assert all(set(c) == CHECK_KEYS for c in report["checks"])
     assert all(c["status"] in ("ok", "warn", "fail") for c in report["checks"])

@@ -7,10 +7,12 @@ import copy
 import json
 import sys
 import tempfile
+import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from manygpu.cli.launch import add_launch_options, launch_job
+from manygpu.cli.notes import Notes, add_quiet
 from manygpu.errors import UsageError
 from manygpu.flags import positive_float, positive_int
 
@@ -71,6 +73,7 @@ def add_kind(kinds: Any) -> None:
     t.add_argument("--json", default="", help="write the results here (default: no files)")
     t.add_argument("--markdown", default="", help="a markdown table (default: --json's path, .md)")
     t.add_argument("--plot", default="", help="a PNG plot (default: --json's path, .png)")
+    add_quiet(t)
     t.set_defaults(run=run_train)
 
 
@@ -157,14 +160,17 @@ def run_train(ns: argparse.Namespace) -> int:
             n: TrainJob(bench=config, threads=threads, out=str(Path(tmp) / f"run-{n}.json"))
             for n in counts
         }  # built before the first job starts, so bad input fails at once
-        for count, job in jobs.items():
-            print(f"bench train: {ns.model} on {count} worker(s) per node", flush=True)
+        note = Notes.of("manygpu bench train", ns)
+        for index, (count, job) in enumerate(jobs.items(), 1):
+            note(job_note(index, len(jobs), count, ns.model, config))
             options = copy.copy(ns)
             options.nproc_per_node = count
             env = handoff.worker_env(job)
+            start = time.monotonic()
             rc = launch_job(options, "manygpu.bench.train_worker", True, (), worker_env=env)
             if rc != 0:
                 return rc
+            note(f"job {index}/{len(jobs)} done in {time.monotonic() - start:.0f} s")
             out = Path(job.out)
             if out.exists():  # only node 0 holds rank 0's file
                 runs.append(RunStats(**json.loads(out.read_text())))
@@ -174,6 +180,15 @@ def run_train(ns: argparse.Namespace) -> int:
     train_report.print_table(rows)
     write_views(ns, rows)
     return 0
+
+
+def job_note(index: int, jobs: int, workers: int, model: str, config: TrainBenchConfig) -> str:
+    """What one job is about to do: the 20-40 s it takes are no longer silent."""
+    return (
+        f"job {index}/{jobs}: {model} on {workers} worker(s) per node: starting the workers, "
+        f"then {config.warmup} warm-up and {config.steps} timed steps"
+        + (" (and as many without gradient sync)" if workers > 1 else "")
+    )
 
 
 def view_paths(

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from manygpu.cli.launch import add_launch_options, launch_job
+from manygpu.cli.notes import Notes, add_quiet
 from manygpu.errors import UsageError
 from manygpu.flags import parse_size, positive_float
 
@@ -52,6 +53,7 @@ def add_parser(sub: Any) -> None:
     op_timeout = p.add_argument("--op-timeout", type=positive_float)
     p.help_later(op_timeout, _op_timeout_help)
     p.add_argument("--p2p-bytes", default="4M", help="bytes each way per rank pair (default 4M)")
+    add_quiet(p)
     add_launch_options(p)
     p.set_defaults(run=run)
 
@@ -96,8 +98,11 @@ def run(ns: argparse.Namespace) -> int:
         # A node that cannot reach the rendezvous (firewall, wrong address)
         # should be reported in minutes, not after the launcher's 15.
         ns.timeout_s = RENDEZVOUS_TIMEOUT_S
+    note = Notes.of("manygpu doctor", ns)
     if ns.all_ranks:
+        note("running the doctor on every rank under the launcher, then comparing them")
         return _launch_live(ns, live_config(ns, nbytes, "json" if ns.json else "text", ""))
+    note("probing this machine: PyTorch, CUDA, GPUs, limits, network")
     from manygpu.doctor import probes
     from manygpu.doctor.checks import run_checks
     from manygpu.doctor.report import DoctorReport
@@ -106,6 +111,10 @@ def run(ns: argparse.Namespace) -> int:
     checks = run_checks(facts)
     report = DoctorReport(nodes=[facts], checks=checks)
     if not ns.no_live:
+        note(
+            "live test: starting the local workers for an all-reduce and a send/receive "
+            "between every pair (--no-live skips it)"
+        )
         report.live, live_checks = local_live(ns, nbytes)
         report.checks += live_checks
     show(report, as_json=ns.json)
