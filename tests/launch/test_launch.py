@@ -359,6 +359,18 @@ def test_demo_reaches_accuracy(tmp_path: Path) -> None:
     assert result["workers"] == 2 and result["strategy"] == "ddp"
     assert result["accuracies"][-1] >= 0.95
     assert result["speedup"] > 0 and "scaling efficiency" in res.stdout
+    # It speaks first, before PyTorch and the workers start; then it launches.
+    first, second = res.stdout.splitlines()[:2]
+    assert first.startswith("manygpu demo: training a small CNN")
+    assert "4 epoch(s) are timed" in first
+    assert second == "manygpu demo: launching 2 worker process(es)"
+    # The speed-up is the median of one window per epoch after the first, with its range.
+    windows, spread = result["windows"], result["speedup_spread"]
+    assert len(windows) == spread["windows"] == 4
+    ratios = sorted(w["workers_samples_per_s"] / w["single_samples_per_s"] for w in windows)
+    assert spread["low"] == pytest.approx(ratios[0]) and spread["high"] == pytest.approx(ratios[-1])
+    assert result["speedup"] == pytest.approx((ratios[1] + ratios[2]) / 2)
+    assert result["load"]["cpus"] >= 1 and "load average" in res.stdout
 
 
 def test_bench_comm_every_op_correct(tmp_path: Path) -> None:
