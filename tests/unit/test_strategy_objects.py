@@ -250,3 +250,14 @@ def test_the_user_s_plan_gets_the_job_s_mesh_and_a_wrong_one_is_one_line() -> No
         par.prepare(nn.Linear(2, 2))
     with pytest.raises(UsageError, match=r"Parallelize needs your plan: Parallelize\(fn\)"):
         Parallelize(None)  # type: ignore[arg-type]
+
+
+def test_a_strategy_reads_as_its_options_and_mesh() -> None:
+    """``repr(par.strategy)`` names the class, the options given and the mesh it composes,
+    not an object address; defaults are left out."""
+    with Parallel(strategy=DDP(bucket_cap_mb=50)) as par:
+        assert repr(par.strategy) == "DDPStrategy(DDP(bucket_cap_mb=50))"
+    with Parallel(strategy=FSDP(param_dtype="bf16")) as par:
+        assert repr(par.strategy) == "FSDPStrategy(FSDP(param_dtype='bf16'), mesh=fsdp:1)"
+    with Parallel(strategy="ddp") as par:
+        assert repr(par.strategy) == "DDPStrategy(DDP())"

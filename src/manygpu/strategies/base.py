@@ -10,7 +10,7 @@ abilities in :mod:`.abilities`, asked for by capability.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from dataclasses import dataclass
+from dataclasses import MISSING, dataclass, fields
 from typing import TYPE_CHECKING, Any, ClassVar, Generic, TypeVar
 
 import torch
@@ -45,6 +45,27 @@ class JobOptions:
     """``torch.compile`` settings when the job compiles its model (``None``: it does not)."""
     channels_last: bool | None = None
     """The job's channels_last setting (``None``: automatic), for strategies that refuse it."""
+
+
+def given_repr(obj: Any) -> str:
+    """``FSDP(param_dtype='bf16')``: a dataclass with only the fields that differ from
+    their defaults (a strategy object's full repr buries the one option that was set)."""
+    shown = []
+    for f in fields(obj):
+        value = getattr(obj, f.name)
+        if f.default is not MISSING:
+            default: Any = f.default
+        elif f.default_factory is not MISSING:
+            default = f.default_factory()
+        else:
+            default = MISSING
+        try:
+            same = bool(value == default)
+        except Exception:  # a value whose == is not a bool (a tensor): show it
+            same = False
+        if f.repr and not same:
+            shown.append(f"{f.name}={value!r}")
+    return f"{type(obj).__name__}({', '.join(shown)})"
 
 
 class Strategy(ABC, Generic[OptionsT]):
@@ -94,6 +115,11 @@ class Strategy(ABC, Generic[OptionsT]):
         self.options = options
         """This strategy's object, as the user gave it (``DDP(bucket_cap_mb=50)``)."""
         self.job = job
+
+    def __repr__(self) -> str:
+        """``DDPStrategy(DDP(bucket_cap_mb=50))``: what a log or a debugger should show,
+        the options the user gave (defaults left out), not an object address."""
+        return f"{type(self).__name__}({given_repr(self.options)})"
 
     @classmethod
     def validate_world(cls, cluster: ClusterInfo, options: OptionsT, job: JobOptions) -> None:

@@ -21,7 +21,7 @@ from manygpu.errors import UsageError
 from manygpu.runtime.cluster import ClusterInfo
 from manygpu.runtime.process_group import DistContext
 from manygpu.strategies.abilities import PlacesRanks
-from manygpu.strategies.base import JobOptions, OptionsT, Strategy
+from manygpu.strategies.base import JobOptions, OptionsT, Strategy, given_repr
 from manygpu.strategies.fsdp.sharding import set_fsdp_grad_sync
 from manygpu.strategies.mesh import MeshSpec, check_dims, composed_dims, job_mesh
 
@@ -42,6 +42,12 @@ class MeshStrategy(Strategy[OptionsT]):
         self.spec = self.resolve_mesh(ctx.world_size, job)
         self.mesh_names = composed_dims(self.spec, tuple(self.default_mesh))
         """The dimensions of the job's mesh this strategy composes, outermost first."""
+
+    def __repr__(self) -> str:
+        """The options and the mesh this strategy composes: ``..., mesh=dp:2,fsdp:4``."""
+        sizes = self.spec.sizes()
+        mesh = ",".join(f"{n}:{sizes[n]}" for n in self.mesh_names)
+        return f"{type(self).__name__}({given_repr(self.options)}, mesh={mesh})"
 
     @classmethod
     def resolve_mesh(cls, world_size: int, job: JobOptions) -> MeshSpec:
