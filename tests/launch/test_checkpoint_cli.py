@@ -27,7 +27,7 @@ def test_cli_inspect_and_export(tmp_path: Path) -> None:
     res = subprocess.run(
         [*cli, "inspect", str(tmp_path / "ck"), "--json"], capture_output=True, text=True
     )
-    assert res.returncode == 0 and json.loads(res.stdout)["step"] == 3
+    assert res.returncode == 0 and json.loads(res.stdout)["checkpoints"][-1]["step"] == 3
     out = tmp_path / "m.safetensors"
     res = subprocess.run(
         [*cli, "export", str(tmp_path / "ck"), str(out)], capture_output=True, text=True

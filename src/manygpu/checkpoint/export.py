@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import contextlib
+import os
+import stat
 from pathlib import Path
 from typing import Any
 
@@ -12,16 +14,32 @@ from manygpu.checkpoint_io import formats, layout
 from manygpu.errors import CheckpointError
 
 
-def locate(path: Path) -> Path:
-    """A step directory, or the newest good one under a checkpoint root."""
+def locate(path: Path, step: int | None = None) -> Path:
+    """A step directory; or under a checkpoint root, ``step``'s (default: the newest good one)."""
     if (path / layout.META).is_file():
+        if step is not None:
+            raise CheckpointError(
+                f"{path} is one checkpoint; give the directory holding it to pick one by --step"
+            )
         return path
+    if step is not None:
+        return _by_step(path, step)
     for candidate in reversed(layout.committed(path)):
         try:
             return layout.verify(candidate).path
         except CheckpointError:
             continue
     raise CheckpointError(f"no complete checkpoint in {path}")
+
+
+def _by_step(root: Path, step: int) -> Path:
+    """Step ``step``'s checkpoint under ``root``; the error lists the steps there are."""
+    wanted = layout.step_dir(root, step)
+    if wanted.is_dir():
+        return wanted
+    steps = [p.name.removeprefix(layout.PREFIX).lstrip("0") or "0" for p in layout.committed(root)]
+    there = f"it has steps {', '.join(steps)}" if steps else "it holds no checkpoints"
+    raise CheckpointError(f"no checkpoint of step {step} in {root} ({there}); give one of those")
 
 
 def model_state(path: Path) -> dict[str, torch.Tensor]:
@@ -38,20 +56,37 @@ def model_state(path: Path) -> dict[str, torch.Tensor]:
     return {k: v for k, v in full.get("model", {}).items() if isinstance(v, torch.Tensor)}
 
 
-def export_safetensors(path: Path, out: Path) -> dict[str, Any]:
-    """Write the model weights of the checkpoint at ``path`` to ``out``; returns a summary."""
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+"""What ``export --dtype`` casts floating tensors to (integer tensors keep their type)."""
+
+
+def export_safetensors(
+    path: Path, out: Path, *, step: int | None = None, dtype: str | None = None
+) -> dict[str, Any]:
+    """Write the model weights of the checkpoint at ``path`` to ``out``; returns a summary.
+
+    ``step`` picks a checkpoint under a root (default: the newest good one);
+    ``dtype`` (a key of :data:`DTYPES`) casts every floating tensor.
+    """
     from safetensors.torch import save_file
 
-    step_path = locate(path)
+    step_path = locate(path, step)
     layout.verify(step_path)
     if out.is_dir():
         raise CheckpointError(f"{out} is a directory; give the path of a .safetensors file")
-    state = {k: v.contiguous() for k, v in model_state(step_path).items()}
+    cast = DTYPES[dtype] if dtype is not None else None
+    state = {k: _cast(v, cast).contiguous() for k, v in model_state(step_path).items()}
     tmp = out.with_suffix(out.suffix + ".tmp")
     try:
         out.parent.mkdir(parents=True, exist_ok=True)
+        mode = _new_file_mode(tmp)
         save_file(state, str(tmp), metadata={"source": str(step_path)})
-        tmp.replace(out)
+        # safetensors writes its file owner-only (0600), whatever the umask
+        # says; an exported model is meant to be shared like any other file.
+        os.chmod(tmp, mode)
+        layout.fsync_path(tmp)
+        tmp.replace(out)  # atomic: a reader sees the old file or the whole new one
+        layout.fsync_path(out.parent)
     except Exception as exc:  # OSError, or safetensors' own error for the same I/O
         with contextlib.suppress(OSError):
             tmp.unlink(missing_ok=True)
@@ -61,8 +96,29 @@ def export_safetensors(path: Path, out: Path) -> dict[str, Any]:
         "checkpoint": str(step_path),
         "tensors": len(state),
         "parameters": sum(v.numel() for v in state.values()),
+        "dtypes": sorted({str(v.dtype).removeprefix("torch.") for v in state.values()}),
         "bytes": out.stat().st_size,
     }
+
+
+def _cast(tensor: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
+    if dtype is None or not tensor.is_floating_point():
+        return tensor
+    return tensor.to(dtype)
+
+
+def _new_file_mode(path: Path) -> int:
+    """The mode a new file gets here (0666 less the umask): ``path`` is created to see it.
+
+    Read from a file the kernel just created rather than by setting the
+    umask to read it back, which would race with other threads creating files.
+    """
+    path.unlink(missing_ok=True)  # a leftover keeps its own mode
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
+    try:
+        return stat.S_IMODE(os.fstat(fd).st_mode)
+    finally:
+        os.close(fd)
 
 
 def inspect(path: Path, *, hashes: bool = True) -> dict[str, Any]:
@@ -81,6 +137,7 @@ def inspect(path: Path, *, hashes: bool = True) -> dict[str, Any]:
         "status": status,
         "step": meta.get("step"),
         "epoch": meta.get("epoch"),
+        "sample": sample_of(meta),
         "format": formats.detect(step_path),
         "world_size": meta.get("world_size"),
         "strategy": meta.get("strategy"),
@@ -94,3 +151,14 @@ def inspect(path: Path, *, hashes: bool = True) -> dict[str, Any]:
         "model_parameters": sum(v.numel() for v in state.values()),
         "dtypes": dtypes,
     }
+
+
+def sample_of(meta: dict[str, Any]) -> int | None:
+    """Where in its epoch the checkpoint's loader stood (global samples read), if it had one."""
+    saved = meta.get("loader")
+    if not isinstance(saved, dict):
+        return None
+    try:
+        return int(saved["batches"]) * int(saved["world"]) * int(saved["batch_size"])
+    except (KeyError, TypeError, ValueError):  # not a position we wrote
+        return None

@@ -40,14 +40,28 @@ def shown(value: Any) -> str:
 def add_parser(sub: Any) -> None:
     p = sub.add_parser("checkpoint", help="inspect or export checkpoints")
     verbs = p.add_subparsers(dest="verb", metavar="VERB", parser_class=OneLineParser, required=True)
-    i = verbs.add_parser("inspect", help="what a checkpoint holds, and whether it verifies")
-    i.add_argument("path", help="a checkpoint directory (step-N) or their parent (newest)")
+    i = verbs.add_parser("inspect", help="what checkpoints hold, and whether they verify")
+    i.add_argument(
+        "path", help="a checkpoint directory (step-N): what it holds; or their parent: every one"
+    )
     i.add_argument("--json", action="store_true", help="print JSON")
     i.set_defaults(run=run_inspect)
     e = verbs.add_parser("export", help="write the model weights as safetensors")
     e.add_argument("path", help="a checkpoint directory (step-N) or their parent (newest)")
     e.add_argument("out", help="output .safetensors file")
+    e.add_argument(
+        "--step", type=_step, metavar="N", help="step N's checkpoint under PATH (default: newest)"
+    )
+    e.add_argument(
+        "--dtype", choices=("bf16", "fp16", "fp32"), help="cast floating tensors to this type"
+    )
     e.set_defaults(run=run_export)
+
+
+def _step(text: str) -> int:
+    if not text.isdigit():
+        raise argparse.ArgumentTypeError(f"{text!r} is not a step number (an integer >= 0)")
+    return int(text)
 
 
 def _existing(path: str) -> Path:
@@ -57,7 +71,45 @@ def _existing(path: str) -> Path:
     return p
 
 
+def _number(value: Any, unit: str = "") -> str:
+    """Every number the same way: thousands separators (``130,713 bytes``); None as ``-``."""
+    if value is None:
+        return "-"
+    if isinstance(value, int) and not isinstance(value, bool):
+        return f"{value:,}{unit}"
+    return shown(value)
+
+
 def run_inspect(ns: argparse.Namespace) -> int:
+    from manygpu.checkpoint_io.layout import META
+
+    path = _existing(ns.path)
+    if (path / META).is_file():
+        return _inspect_one(path, ns.json)
+    return _inspect_all(path, ns.json)
+
+
+_ROWS = (
+    "status",
+    "step",
+    "epoch",
+    "sample",
+    "format",
+    "strategy",
+    "world_size",
+    "precision",
+    "created",
+    "model_tensors",
+    "model_parameters",
+    "dtypes",
+    "bytes",
+    "loader",
+    "extra",
+)
+
+
+def _inspect_one(path: Path, as_json: bool) -> int:
+    """One checkpoint: what it holds, file by file."""
     from rich.console import Console
     from rich.table import Table
     from rich.text import Text
@@ -66,34 +118,64 @@ def run_inspect(ns: argparse.Namespace) -> int:
     from manygpu.errors import CheckpointError
 
     try:
-        info = inspect(_existing(ns.path))
+        info = inspect(path)
     except CheckpointError as exc:
         raise UsageError(shown(exc)) from None
-    if ns.json:  # JSON escapes every control character itself (ensure_ascii)
+    if as_json:  # JSON escapes every control character itself (ensure_ascii)
         print(json.dumps(info, indent=2))
     else:
         table = Table(title=Text(f"checkpoint {shown(info['path'])}"), show_header=False)
-        for key in (
-            "status",
-            "step",
-            "epoch",
-            "format",
-            "strategy",
-            "world_size",
-            "precision",
-            "created",
-            "model_tensors",
-            "model_parameters",
-            "dtypes",
-            "bytes",
-            "loader",
-            "extra",
-        ):
-            table.add_row(key, Text(shown(info[key])))
+        for key in _ROWS:
+            value = ", ".join(info[key]) if key == "dtypes" else info[key]
+            table.add_row(key, Text(_number(value, " bytes" if key == "bytes" else "")))
         for name, size in info["files"].items():
-            table.add_row(Text(f"  {shown(name)}"), f"{size:,} bytes")
+            table.add_row(Text(f"  {shown(name)}"), Text(_number(size, " bytes")))
         Console(soft_wrap=True).print(table)
     return 0 if info["status"] == "ok" else 1
+
+
+def _inspect_all(root: Path, as_json: bool) -> int:
+    """Every checkpoint under ``root``, one row each; exit 1 if any is not complete."""
+    from manygpu.checkpoint.listing import COMPLETE, list_checkpoints
+
+    rows = list_checkpoints(root)
+    if not rows:
+        raise UsageError(
+            f"no checkpoints in {shown(root)}; give the directory a Checkpointer saves into"
+        )
+    if as_json:
+        print(json.dumps({"path": str(root), "checkpoints": rows}, indent=2))
+    else:
+        _print_rows(root, rows)
+    return 0 if all(r["state"] == COMPLETE for r in rows) else 1
+
+
+def _print_rows(root: Path, rows: list[dict[str, Any]]) -> None:
+    from rich import box
+    from rich.console import Console
+    from rich.table import Table
+    from rich.text import Text
+
+    from manygpu.checkpoint.listing import COMPLETE
+
+    table = Table(title=Text(f"checkpoints in {shown(root)}"), box=box.SIMPLE, pad_edge=False)
+    table.add_column("checkpoint", no_wrap=True)
+    for header in ("step", "epoch", "sample", "world", "format", "bytes"):
+        table.add_column(header, justify="left" if header == "format" else "right", no_wrap=True)
+    table.add_column("state", min_width=len("incomplete"))
+    for r in rows:
+        state = r["state"] + (" (moved aside)" if r["moved_aside"] else "")
+        cells = (r["step"], r["epoch"], r["sample"], r["world_size"], r["format"], r["bytes"])
+        table.add_row(Text(shown(r["name"])), *(Text(_number(c)) for c in cells), Text(state))
+    console = Console(soft_wrap=True)
+    console.print(table)
+    for r in rows:
+        if r["problem"]:
+            console.print(Text(f"{shown(r['name'])}: {shown(r['problem'])}"))
+    good = [r for r in rows if r["state"] == COMPLETE]
+    if good:
+        newest = shown(root / good[-1]["name"])
+        console.print(Text(f"what one holds: manygpu checkpoint inspect {newest}"))
 
 
 def run_export(ns: argparse.Namespace) -> int:
@@ -101,11 +183,12 @@ def run_export(ns: argparse.Namespace) -> int:
     from manygpu.errors import CheckpointError
 
     try:
-        summary = export_safetensors(_existing(ns.path), Path(ns.out))
+        summary = export_safetensors(_existing(ns.path), Path(ns.out), step=ns.step, dtype=ns.dtype)
     except CheckpointError as exc:
         raise UsageError(shown(exc)) from None
     print(
-        f"wrote {shown(ns.out)}: {summary['tensors']} tensors, {summary['parameters']:,} "
-        f"parameters from {shown(summary['checkpoint'])}"
+        f"wrote {shown(ns.out)}: {summary['tensors']:,} tensors, {summary['parameters']:,} "
+        f"parameters ({', '.join(summary['dtypes'])}), {summary['bytes']:,} bytes, "
+        f"from {shown(summary['checkpoint'])}"
     )
     return 0
