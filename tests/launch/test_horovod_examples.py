@@ -5,7 +5,7 @@ different initial weights, so the broadcast from rank 0 is what makes the two
 ranks train as one: their result must equal one process on the same global
 batch (twice the per-rank batch at the same scaled learning rate).
 ``synthetic_benchmark.py`` must run and report images per second, under
-``manygpu launch`` and plain torchrun. Both are
+``manygpu launch`` and plain torchrun, with the CPU-sized model it picks by default. Both are
 run by their path, as a multi-host launch (``-H``) would run them.
 """
 
@@ -77,7 +77,6 @@ LAUNCHERS = {
 def test_synthetic_benchmark_reports_images_per_second(tmp_path: Path, launcher: str) -> None:
     res = _run(
         [*LAUNCHERS[launcher], str(EXAMPLES / "synthetic_benchmark.py"),
-         "--model", "resnet_cnn", "--image-size", "32",
          "--num-classes", "10", "--batch-size", "4", "--num-warmup-batches", "1",
          "--num-batches-per-iter", "2", "--num-iters", "2", "--fp16-allreduce",
          "--json", "bench.json"],
@@ -85,6 +84,8 @@ def test_synthetic_benchmark_reports_images_per_second(tmp_path: Path, launcher:
     )  # fmt: skip
     assert res.returncode == 0, res.stderr[-3000:]
     assert "Total img/sec on 2 CPU(s)" in res.stdout
+    assert "Model: resnet_cnn at 32x32 (the default on a CPU" in res.stdout
     result = json.loads((tmp_path / "bench.json").read_text())
     assert result["size"] == 2 and len(result["iters"]) == 2
+    assert (result["model"], result["image_size"]) == ("resnet_cnn", 32)
     assert result["img_sec_total"] > 0
