@@ -29,20 +29,36 @@ def test_zero_stages_shard_over_n() -> None:
     z2 = memory.estimate(_desc(), "zero2", world=n, batch=1)
     z3 = memory.estimate(_desc(), "fsdp", world=n, batch=1)
     assert z1.total == pytest.approx(4 * P + 4 * P + 8 * P / n)
-    assert z2.total == pytest.approx(4 * P + (4 + 8) * P / n)
+    # FSDP2's ZeRO-2: sharded fp32 state, plus every unit gathered from forward to backward.
+    assert z2.held == pytest.approx(16 * P / n) and z2.gathered == 4 * P
     assert z3.total == pytest.approx(16 * P / n)  # no layer size given: nothing gathered
     gathered = memory.estimate(_desc(largest_layer_parameters=1000), "fsdp", world=n, batch=1)
     assert gathered.total == pytest.approx(16 * P / n + 2 * 1000 * 4)
 
 
-def test_mixed_precision_keeps_fp32_master_weights_with_the_optimizer() -> None:
+def test_mixed_precision_is_autocast_over_fp32_weights() -> None:
+    """manygpu's bf16 keeps fp32 weights, grads and Adam state (no master copy), and
+    autocast's 16-bit weight copies live from forward to backward."""
     b = memory.bytes_per_param("bf16", "adam")
-    assert (b.weights, b.grads, b.optimizer, b.total) == (2, 2, 12, 16)
+    assert (b.weights, b.grads, b.optimizer, b.total, b.compute) == (4, 4, 8, 16, 2)
     z1 = memory.estimate(_desc(activation_bytes_per_sample=100.0), "zero1", world=4,
                          batch=2, precision="bf16")  # fmt: skip
-    assert z1.params + z1.grads == 4 * P and z1.optimizer == 12 * P / 4
+    assert z1.params + z1.grads == 8 * P and z1.optimizer == 8 * P / 4
+    assert z1.gathered == 2 * P  # the autocast copies, whole
     assert z1.activations == 100.0  # 2 samples x 100 B at fp32, halved for bf16
     assert memory.bytes_per_param("fp32", "sgd").total == 8
+
+
+def test_16_bit_fsdp_gathers_16_bit_units_over_fp32_shards() -> None:
+    """FSDP(param_dtype="bf16"): the shards, grads and Adam state stay fp32; only the
+    gathered copies are 16-bit, and autocast finds nothing to cast."""
+    d = _desc(largest_layer_parameters=1000)
+    z3 = memory.estimate(d, "fsdp", world=8, batch=1, precision="bf16")
+    assert z3.held == pytest.approx(16 * P / 8) and z3.gathered == 2 * 1000 * 2
+    z2 = memory.estimate(d, "zero2", world=8, batch=1, precision="bf16")
+    assert z2.held == pytest.approx(16 * P / 8) and z2.gathered == 2 * P
+    tp = memory.estimate(d, "tensor", world=8, batch=1, stages=4, precision="bf16")
+    assert tp.held == 16 * P / 4 and tp.gathered == 2 * P / 4  # its shard's autocast copies
 
 
 def test_pipeline_and_tensor_split_states() -> None:
@@ -52,7 +68,16 @@ def test_pipeline_and_tensor_split_states() -> None:
     # Per-device batch 2: a 4-stage replica trains 8 samples, 4 of 16 micro-batches in flight,
     # each stage holding a quarter of the layers -> 8 x 1000 x 4/16 / 4 ... = 2 x 1000 / 4.
     assert pp.total == pytest.approx(16 * P / 4 + 2 * 1000 / 4)
-    assert tp.total == pytest.approx(16 * P / 2 + 2 * 1000)
+    assert tp.total == pytest.approx(16 * P / 2 + 2 * 1000)  # nothing known to be TP-split
+
+
+def test_tensor_parallel_divides_the_activations_of_the_layers_it_splits() -> None:
+    d = transformer("t", parameters=P, layers=2, hidden=64, seq_len=16)
+    whole = memory.estimate(d, "ddp", world=8, batch=1).activations
+    tp = memory.estimate(d, "tensor", world=8, batch=1, stages=4).activations
+    # Per layer 34 x s x h bytes at 16 bits: 24 inside attention and the MLP divide by 4.
+    assert whole == 2 * 34 * 16 * 64 * 2
+    assert tp == pytest.approx(2 * (10 + 24 / 4) * 16 * 64 * 2)
 
 
 def test_bad_names() -> None:

@@ -25,14 +25,17 @@ if TYPE_CHECKING:
     from manygpu.plan.recommend import Plan
 
 DESCRIPTION = """Estimate per-device memory (parameters, gradients, optimizer state,
-activations) and step time / scaling efficiency (alpha-beta ring all-reduce with
+gathered weights, activations: what manygpu allocates, whose mixed precision is
+autocast over fp32 weights) and step time / scaling efficiency (alpha-beta ring all-reduce with
 DDP's bucketed overlap) of ddp, zero1, zero2, fsdp, pipeline and tensor parallelism,
 and recommend one. The model is a published one (resnet50, gpt2, gpt2-medium), a
 built-in or module:function workload (measured on this CPU), or numbers: --params
 (and --layers/--hidden/--seq for a transformer). Compute is timed at what each
 device reaches in training at the precision (published figures, not the data-sheet
-peak). The cluster is a preset (p100-roce25, v100, t4, a100, h100) resized by
---nodes and --gpus-per-node, with any field overridden, or 'this' (measured here)."""
+peak); without FLOPs (--params alone) plans are ranked by memory only. The
+cluster is a preset (p100-roce25, v100, t4, a100, h100) resized by --nodes and
+--gpus-per-node, with any field overridden, or 'this' (measured here). Each
+plan comes with the Parallel(...) line that runs what was counted."""
 
 
 def add_parser(sub: Any) -> None:
@@ -113,9 +116,9 @@ def build_desc(ns: argparse.Namespace, measure_step: bool) -> ModelDesc:
         )
     if ns.params:
         if all(shape.values()):
-            return transformer("transformer", parameters=int(ns.params), layers=ns.layers,
+            return transformer("custom transformer", parameters=int(ns.params), layers=ns.layers,
                                hidden=ns.hidden, seq_len=ns.seq, heads=ns.heads)  # fmt: skip
-        return ModelDesc(name="model", parameters=int(ns.params),
+        return ModelDesc(name="custom", parameters=int(ns.params),
                          flops_per_sample=ns.flops_per_sample,
                          activation_bytes_per_sample=ns.activation_mb * 1e6)  # fmt: skip
     from manygpu.plan.published import MODELS
@@ -130,31 +133,55 @@ def build_desc(ns: argparse.Namespace, measure_step: bool) -> ModelDesc:
                     time_batch=ns.batch if measure_step else 0)  # fmt: skip
 
 
+SPEED_COLUMNS = ("step ms", "exposed comm ms", "efficiency", "samples/s")
+SPEED_UNKNOWN = (
+    "speed not estimated (no FLOPs per sample): plans are ranked by memory fit only; "
+    "add --layers, --hidden and --seq (or --flops-per-sample, or a named --model) to rank by speed"
+)
+
+
 def table(plan: Plan, acts_known: bool = True) -> Table:
+    """Every candidate's memory (and speed, when any was estimated) as a rich table."""
     from rich.table import Table
 
+    timed = any(c.step for c in plan.candidates)
     out = Table(title=f"manygpu plan: {plan.world_size} device(s)")
-    for name in ("strategy", "ways", "params GB", "grads GB", "optim GB", "acts GB",
-                 "total GB", "fits", "step ms", "exposed comm ms", "efficiency",
-                 "samples/s"):  # fmt: skip
-        out.add_column(name, justify="left" if name == "strategy" else "right")
+    for name in ("strategy", "layout", "params GB", "grads GB", "optim GB", "gathered GB",
+                 "acts GB", "total GB", "fits", *(SPEED_COLUMNS if timed else ())):  # fmt: skip
+        words = name in ("strategy", "layout")
+        out.add_column(name, justify="left" if words else "right", no_wrap=words)
     for c in plan.candidates:
-        m = c.memory
-        step = c.step
+        m, step = c.memory, c.step
+        speed = ["n/a"] * 4
+        if step:
+            speed = [f"{step.step_s * 1e3:,.1f}", f"{step.exposed_s * 1e3:,.1f}",
+                     f"{step.efficiency:.1%}", f"{step.samples_per_s:,.0f}"]  # fmt: skip
         out.add_row(
-            c.strategy, str(c.ways), *(f"{v / 1e9:,.3f}" for v in (m.params, m.grads, m.optimizer)),
+            c.strategy, c.recipe.layout(),
+            *(f"{v / 1e9:,.3f}" for v in (m.params, m.grads, m.optimizer, m.gathered)),
             f"{m.activations / 1e9:,.3f}" if acts_known else "?", f"{m.total / 1e9:,.3f}",
-            "yes" if c.fits else "no",
-            f"{step.step_s * 1e3:,.1f}" if step else "n/a",
-            f"{step.exposed_s * 1e3:,.1f}" if step else "n/a",
-            f"{step.efficiency:.1%}" if step else "n/a",
-            f"{step.samples_per_s:,.0f}" if step else "n/a",
+            "yes" if c.fits else "no", *(speed if timed else ()),
         )  # fmt: skip
     return out
 
 
+def summary(plan: Plan) -> list[str]:
+    """The recommendation in words, then the line that runs it; no speed when none is known."""
+    head = f"recommended: [bold]{plan.strategy}[/] ({plan.layout}); {plan.reason}"
+    if plan.samples_per_s is None or plan.efficiency is None:
+        lines = [SPEED_UNKNOWN, f"{head}; memory counted at {plan.precision}"]
+    else:
+        lines = [
+            f"{head}; predicted {plan.samples_per_s:,.1f} samples/s at {plan.precision} "
+            f"({plan.samples_per_s / plan.world_size:,.1f} per device), scaling efficiency "
+            f"{plan.efficiency:.1%}"
+        ]
+    return [*lines, f"run it with: {plan.parallel_line}"]
+
+
 def run(ns: argparse.Namespace) -> int:
     from rich.console import Console
+    from rich.markup import escape
 
     from manygpu.plan.recommend import recommend
 
@@ -166,20 +193,17 @@ def run(ns: argparse.Namespace) -> int:
                      optimizer=ns.optimizer, mfu=ns.mfu)  # fmt: skip
     console = Console(soft_wrap=True, width=160)
     console.print(
-        f"model {desc.name}: {desc.parameters / 1e6:,.2f}M parameters; cluster: {cluster.name}"
+        f"model: {desc.name}, {desc.parameters / 1e6:,.2f}M parameters; cluster: {cluster.name}"
     )
     acts_known = desc.activation_bytes_per_sample > 0
     console.print(table(plan, acts_known))
     if not acts_known:
         console.print("activations unknown ('?', not counted): give --activation-mb, the "
                       "transformer's --layers/--hidden/--seq, or a --model to measure")  # fmt: skip
-    console.print(
-        f"recommended: [bold]{plan.strategy}[/] (dp {plan.data_parallel}, pp "
-        f"{plan.pipeline_parallel}, tp {plan.tensor_parallel}); {plan.reason}; predicted "
-        f"{plan.samples_per_s:,.1f} samples/s at {plan.precision} "
-        f"({plan.samples_per_s / plan.world_size:,.1f} per device), scaling efficiency "
-        f"{plan.efficiency:.1%}"
-    )
+    *said, line = summary(plan)
+    for text in said:
+        console.print(text)
+    console.print(escape(line), highlight=False)
     if ns.json:
         data = {"model": asdict(desc), "cluster": asdict(cluster), "plan": _plan_dict(plan)}
         _write_json(Path(ns.json), data)
@@ -197,10 +221,10 @@ def _write_json(path: Path, data: dict[str, Any]) -> None:
 
 
 def _plan_dict(plan: Plan) -> dict[str, Any]:
-    out = {k: v for k, v in asdict(plan).items() if k != "candidates"}
+    out = {k: getattr(plan, k) for k in plan.__dataclass_fields__ if k != "candidates"}
     out["candidates"] = [
-        {"strategy": c.strategy, "ways": c.ways, "fits": c.fits,
-         "memory_bytes": c.memory.total,
+        {"strategy": c.strategy, "ways": c.ways, "layout": c.recipe.layout(), "fits": c.fits,
+         "memory_bytes": c.memory.total, "parallel": c.recipe.parallel_line(),
          "step_s": c.step.step_s if c.step else None,
          "efficiency": c.step.efficiency if c.step else None}
         for c in plan.candidates

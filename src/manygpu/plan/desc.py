@@ -37,6 +37,10 @@ class ModelDesc:
     """The batch ``step_compute_s`` was measured at."""
     activation_bytes_per_sample: float = 0.0
     """Saved-for-backward bytes per sample in fp32."""
+    tp_sharded_activation_bytes_per_sample: float = 0.0
+    """The part of ``activation_bytes_per_sample`` inside layers that tensor
+    parallelism splits (attention and MLP), which divides by the tensor ways
+    (0: unknown, nothing divides)."""
     largest_layer_parameters: int = 0
     """Biggest module's own parameters (FSDP gathers one unit at a time)."""
     layers: int = 0
@@ -49,6 +53,8 @@ class ModelDesc:
             raise UsageError(f"a model needs >= 1 parameter, got {self.parameters}")
         if self.flops_per_sample < 0 or self.activation_bytes_per_sample < 0:
             raise UsageError("FLOPs and activation bytes per sample must be >= 0")
+        if not 0 <= self.tp_sharded_activation_bytes_per_sample <= self.activation_bytes_per_sample:
+            raise UsageError("tensor-parallel activation bytes must be >= 0 and at most the total")
         if not 0 <= self.conv_flops_per_sample <= self.flops_per_sample:
             raise UsageError("convolution FLOPs must be >= 0 and at most the FLOPs per sample")
         if self.step_compute_s is not None and (self.step_compute_s <= 0 or self.compute_batch < 1):
@@ -90,18 +96,23 @@ def transformer(
     and nanoGPT's MFU), times the sequence. Activations: 34 x seq x hidden bytes
     per layer at 16 bits without recomputation, plus 5 x heads x seq^2 for
     attention scores when ``heads`` is given (Korthikanti et al. 2022; fused
-    attention keeps no scores: leave ``heads`` 0); doubled for fp32. With
+    attention keeps no scores: leave ``heads`` 0); doubled for fp32. Of the
+    34, 24 (and all the scores) are inside attention and the MLP, which tensor
+    parallelism splits; the 10 of the norms' inputs and dropout masks are not
+    (the same paper's equation 2, without sequence parallelism). With
     ``vocab``, the output layer's logits and the loss's log-softmax too
     (4 + 4 bytes per token and vocabulary entry in fp32), which for a small
     model with a large vocabulary (GPT-2 124M) is a third of the total.
     """
-    per_layer = 34 * seq_len * hidden + 5 * heads * seq_len * seq_len
+    split = 24 * seq_len * hidden + 5 * heads * seq_len * seq_len
+    per_layer = 10 * seq_len * hidden + split
     logits = 8.0 * seq_len * vocab
     return ModelDesc(
         name=name,
         parameters=parameters,
         flops_per_sample=(6.0 * parameters + 12.0 * layers * hidden * seq_len) * seq_len,
         activation_bytes_per_sample=2.0 * per_layer * layers + logits,
+        tp_sharded_activation_bytes_per_sample=2.0 * split * layers,
         largest_layer_parameters=max(12 * hidden * hidden, vocab * hidden),
         layers=layers,
         hidden=hidden,

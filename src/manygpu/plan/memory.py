@@ -1,17 +1,28 @@
-"""Per-device memory of each strategy: parameters, gradients, optimizer state, activations.
+"""Per-device memory of each strategy: what manygpu allocates, not an idealised recipe.
 
-Bytes per parameter follow the ZeRO paper (Rajbhandari et al. 2020, section 3.1):
+manygpu's mixed precision is autocast over fp32 weights (:mod:`manygpu.core.precision`),
+so under every precision a parameter costs what it costs in fp32:
 
-* fp32 with Adam: 4 (weights) + 4 (gradients) + 8 (Adam's m and v) = 16;
-* mixed precision (``bf16``/``fp16`` weights and gradients, fp32 master copy in
-  the optimizer): 2 + 2 + (4 + 8) = 16, but only the 4 bytes of weights and
-  gradients stay whole under ZeRO-1;
-* ZeRO-1 shards the optimizer state over N, ZeRO-2 also the gradients,
-  ZeRO-3 / FSDP also the weights (plus one gathered unit at a time);
-* pipeline (P stages) and tensor (T ways) parallelism split everything by P or T.
+* 4 bytes of weights + 4 of gradients + the optimizer's fp32 state (Adam's m
+  and v: 8) = 16 with Adam: there is no separate master copy, and no 2-byte
+  weights or gradients as in the ZeRO paper's mixed-precision accounting;
+* under ``bf16``/``fp16`` autocast casts each weight a layer computes with to
+  16 bits and autograd keeps that copy for the backward: 2 more bytes per
+  parameter from forward to backward, even under FSDP2 (the copies outlive the
+  resharded fp32 units) -- an upper bound (a first layer whose input needs no
+  gradient keeps none);
+* FSDP2 with ``param_dtype`` (``FSDP(param_dtype="bf16")``, the card's
+  ``compute_dtype_option``) gathers 16-bit units instead: the sharded fp32
+  weights, gradients and optimizer state stay, the gathered copies take 2
+  bytes, and autocast has nothing to cast.
 
+Where each piece lives is data on the strategy's card
+(:class:`~manygpu.strategies.costs.MemoryModel`): whole, split over the
+data-parallel ranks (ZeRO / FSDP) or over the model-split ways (pipeline
+stages, tensor shards); plus the unsharded units FSDP2 gathers (one and the
+prefetched next, or all of them for ZeRO-2 from forward to backward).
 ``tf32`` stores everything in fp32 (only the math differs), so it counts as fp32.
-Activations are what autograd saves for backward; mixed precision halves them.
+Activations are what autograd saves for backward; 16-bit halves them.
 Allocator fragmentation and workspace are not modelled (keep ~10% headroom).
 """
 
@@ -22,33 +33,40 @@ from dataclasses import dataclass
 from manygpu.errors import UsageError
 from manygpu.plan.desc import ModelDesc
 from manygpu.plan.devices import PRECISIONS
-from manygpu.strategies.costs import Split
+from manygpu.strategies.costs import MemoryModel, Split
 from manygpu.strategies.registry import card
 
 OPTIMIZER_STATE_BYTES = {"adam": 8, "adamw": 8, "sgd-momentum": 4, "sgd": 0}
 """fp32 state bytes per parameter (Adam: m and v; SGD: the momentum buffer)."""
 FP32_STORAGE = ("fp32", "tf32")
 """Precisions whose tensors are fp32 (TF32 changes the multiply, not what is stored)."""
+FP32_BYTES = 4
+"""Bytes of a parameter or gradient as manygpu holds it, under every precision."""
 
 
 def element_bytes(precision: str) -> int:
-    """Bytes of one activation element at ``precision``."""
+    """Bytes of one activation (or computed-with weight) element at ``precision``."""
     return 4 if precision in FP32_STORAGE else 2
 
 
 @dataclass(frozen=True)
 class BytesPerParam:
+    """What one parameter costs between steps, and the width layers compute it in."""
+
     weights: float
     grads: float
     optimizer: float
+    compute: float
+    """Bytes of the weight as a layer uses it: 4 in fp32, 2 under 16-bit autocast."""
 
     @property
     def total(self) -> float:
+        """Held between steps: weights, gradients and optimizer state."""
         return self.weights + self.grads + self.optimizer
 
 
 def bytes_per_param(precision: str, optimizer: str) -> BytesPerParam:
-    """Weights, gradients and optimizer state (master weights included) per parameter."""
+    """Weights, gradients and optimizer state per parameter, as manygpu holds them."""
     if precision not in PRECISIONS:
         raise UsageError(f"unknown precision {precision!r}; choose {', '.join(PRECISIONS)}")
     if optimizer not in OPTIMIZER_STATE_BYTES:
@@ -56,9 +74,13 @@ def bytes_per_param(precision: str, optimizer: str) -> BytesPerParam:
             f"unknown optimizer {optimizer!r}; choose {', '.join(OPTIMIZER_STATE_BYTES)}"
         )
     state = OPTIMIZER_STATE_BYTES[optimizer]
-    if precision in FP32_STORAGE:
-        return BytesPerParam(4, 4, state)
-    return BytesPerParam(2, 2, 4 + state)  # fp32 master weights live with the optimizer
+    return BytesPerParam(FP32_BYTES, FP32_BYTES, state, element_bytes(precision))
+
+
+def params_in_compute_dtype(strategy: str, precision: str) -> bool:
+    """Whether the planner runs ``strategy`` with its parameters gathered in 16 bits
+    (its card names a ``compute_dtype_option`` and the precision is 16-bit)."""
+    return bool(card(strategy).memory.compute_dtype_option) and element_bytes(precision) == 2
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -67,13 +89,22 @@ class MemoryEstimate:
 
     strategy: str
     params: float
+    """fp32 parameters held between steps (this device's shard or split)."""
     grads: float
     optimizer: float
     activations: float
+    gathered: float = 0.0
+    """Whole copies of weights alive during a step: FSDP2's unsharded units and
+    autocast's 16-bit copies kept for the backward."""
+
+    @property
+    def held(self) -> float:
+        """Parameters, gradients and optimizer state: what stays between steps."""
+        return self.params + self.grads + self.optimizer
 
     @property
     def total(self) -> float:
-        return self.params + self.grads + self.optimizer + self.activations
+        return self.held + self.gathered + self.activations
 
     def fits(self, memory_gb: float, headroom: float = 0.9) -> bool:
         return self.total <= memory_gb * 1e9 * headroom
@@ -90,7 +121,8 @@ def estimate(
     stages: int = 1,
     microbatches: int = 1,
 ) -> MemoryEstimate:
-    """Bytes per device of ``strategy`` on ``world`` devices.
+    """Bytes per device of ``strategy`` on ``world`` devices, as the planner runs it
+    (16-bit gathers where :func:`params_in_compute_dtype`).
 
     ``batch`` is per device (a pipeline / tensor replica trains ``stages x batch``);
     ``stages``: pipeline / tensor / model ways; ``microbatches``: the pipeline's.
@@ -100,20 +132,49 @@ def estimate(
         raise UsageError("world size, stages and batch must be >= 1")
     b = bytes_per_param(precision, optimizer)
     p = float(desc.parameters)
-    act = desc.activation_bytes_per_sample * batch * element_bytes(precision) / 4
     divisor = {"whole": 1, "world": world, "ways": stages}
 
     def split(nbytes: float, how: Split) -> float:
         return nbytes / divisor[how]
 
-    w = split(p * b.weights, model.weights)
-    g = split(p * b.grads, model.grads)
-    o = split(p * b.optimizer, model.optimizer)
-    if model.gathered_unit:  # this unit + the prefetched one, whole
-        w += 2 * desc.largest_layer_parameters * b.weights
+    return MemoryEstimate(
+        strategy=strategy,
+        params=split(p * b.weights, model.weights),
+        grads=split(p * b.grads, model.grads),
+        optimizer=split(p * b.optimizer, model.optimizer),
+        gathered=_gathered(desc, model, b, params_in_compute_dtype(strategy, precision), stages),
+        activations=_activations(desc, model, batch, precision, stages, microbatches),
+    )
+
+
+def _gathered(
+    desc: ModelDesc, model: MemoryModel, b: BytesPerParam, low: bool, stages: int
+) -> float:
+    """FSDP2's unsharded units (16-bit with ``low``) plus autocast's weight copies."""
+    p = float(desc.parameters)
+    width = b.compute if low else b.weights
+    units = {"none": 0.0, "unit": 2.0 * desc.largest_layer_parameters, "whole": p}
+    out = units[model.gathered] * width
+    if b.compute < b.weights and not low:  # autocast's 16-bit copies, kept for the backward
+        out += p * b.compute / (stages if model.weights == "ways" else 1)
+    return out
+
+
+def _activations(
+    desc: ModelDesc,
+    model: MemoryModel,
+    batch: int,
+    precision: str,
+    stages: int,
+    microbatches: int,
+) -> float:
+    scale = batch * element_bytes(precision) / 4
+    act = desc.activation_bytes_per_sample * scale
     if model.activations == "ways":  # one process's batch, its layers spread over the devices
         act /= stages
     elif model.activations == "in_flight":
         # 1F1B keeps at most `stages` micro-batches in flight, each of 1/stages of the layers.
         act *= min(stages, microbatches) / max(microbatches, 1)
-    return MemoryEstimate(strategy=strategy, params=w, grads=g, optimizer=o, activations=act)
+    elif model.activations == "tp_sharded":  # attention's and the MLP's split over the ways
+        act -= desc.tp_sharded_activation_bytes_per_sample * scale * (1 - 1 / stages)
+    return act

@@ -158,7 +158,7 @@ def estimate(
     one = desc.compute_s(replica, cluster.tflops(precision, "matmul", mfu),
                          cluster.tflops(precision, "conv", mfu))  # fmt: skip
     gb = bytes_per_param(precision, "sgd")
-    grad = desc.parameters * (gb.grads if grad_bytes is None else grad_bytes)
+    grad = desc.parameters * (gb.compute if grad_bytes is None else grad_bytes)
     if model.replica == "one_process":
         return StepEstimate(
             strategy=strategy, world=n, replica_devices=n, batch=batch, compute_s=one,
@@ -167,7 +167,7 @@ def estimate(
     if model.split != "none":
         return _model_parallel(desc, cluster, strategy, one, n, stages, replica, microbatches,
                                grad / stages, bucket_mb, precision)  # fmt: skip
-    comm, exposed = _data_parallel(model, cluster, n, one, grad, desc.parameters * gb.weights,
+    comm, exposed = _data_parallel(model, cluster, n, one, grad, desc.parameters * gb.compute,
                                    bucket_mb)  # fmt: skip
     return StepEstimate(
         strategy=strategy, world=n, replica_devices=1, batch=batch, compute_s=one,
@@ -266,7 +266,7 @@ def _parameter_server(
     one = desc.compute_s(batch, cluster.tflops(precision, "matmul", mfu),
                          cluster.tflops(precision, "conv", mfu))  # fmt: skip
     gb = bytes_per_param(precision, "sgd")
-    grad = desc.parameters * (gb.grads if grad_bytes is None else grad_bytes)
+    grad = desc.parameters * (gb.compute if grad_bytes is None else grad_bytes)
     bw, lat = cluster.ring_link(n)
     comm = push_pull_s(grad, desc.parameters * 4.0, n - servers, servers, bw, lat)
     return StepEstimate(

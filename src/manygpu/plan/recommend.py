@@ -1,5 +1,8 @@
 """Pick a strategy: the fastest predicted one whose memory fits, simplest on a near-tie.
 
+When no speed can be estimated (no FLOPs or measured step), the pick is the
+simplest that fits, and nothing is called the fastest.
+
 ``recommend`` is what ``strategy="auto"`` calls. It returns a registered
 strategy name (the candidates and their costs come from the registry's cards) and
 the sizes (data-parallel, pipeline or tensor ways) with every candidate's
@@ -17,6 +20,7 @@ from manygpu.plan import memory, perf
 from manygpu.plan.desc import ModelDesc
 from manygpu.plan.devices import resolve_precision
 from manygpu.plan.hardware import Cluster
+from manygpu.plan.recipe import Recipe
 from manygpu.strategies.registry import StrategyCard, card, cards
 
 NEAR_TIE = 0.02
@@ -34,6 +38,8 @@ class Candidate:
     step: perf.StepEstimate | None
     """``None`` when the step cannot be modelled (e.g. tensor without a shape)."""
     fits: bool
+    recipe: Recipe
+    """Its sizes and the ``Parallel(...)`` line whose memory was counted."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -48,10 +54,15 @@ class Plan:
     pipeline_parallel: int
     tensor_parallel: int
     memory_per_device_gb: float
-    step_s: float
-    efficiency: float
-    samples_per_s: float
+    step_s: float | None
+    """``None`` (as efficiency and samples/s) when the speed cannot be estimated."""
+    efficiency: float | None
+    samples_per_s: float | None
     reason: str
+    layout: str
+    """The sizes in words (``dp 8``, ``dp 4 x tp 2``), as the candidates' table shows them."""
+    parallel_line: str
+    """The ``Parallel(...)`` call that runs what was counted."""
     candidates: tuple[Candidate, ...]
 
 
@@ -72,17 +83,18 @@ def _candidates(
     ]
     out = []
     for strategy, ways in options:
+        recipe = Recipe(strategy=strategy, world=world, ways=ways, precision=precision)
         mem = memory.estimate(desc, strategy, world=world, batch=batch, precision=precision,
                               optimizer=optimizer, stages=ways,
                               microbatches=min(4 * ways, ways * batch))  # fmt: skip
         try:
             step = perf.estimate(desc, cluster, strategy, batch=batch, precision=precision,
                                  world=ways if card(strategy).one_process else world, stages=ways,
-                                 mfu=mfu)  # fmt: skip
+                                 mfu=mfu, grad_bytes=recipe.grad_bytes)  # fmt: skip
         except UsageError:
             step = None
         out.append(Candidate(strategy=strategy, ways=ways, memory=mem, step=step,
-                             fits=mem.fits(cluster.memory_gb)))  # fmt: skip
+                             fits=mem.fits(cluster.memory_gb), recipe=recipe))  # fmt: skip
     return out
 
 
@@ -133,26 +145,33 @@ def recommend(
             f"{f' x{best.ways}' if best.ways > 1 else ''}, needs "
             f"{best.memory.total / 1e9:,.1f} GB per device; lower the batch or add devices"
         )
-    chosen = _choose(fitting)
-    step = chosen.step
-    chosen_card = card(chosen.strategy)
-    dp = 1 if chosen_card.one_process else world // chosen.ways
+    return _plan(_choose(fitting), cands, world, precision, cluster.memory_gb)
+
+
+def _plan(
+    chosen: Candidate, cands: list[Candidate], world: int, precision: str, memory_gb: float
+) -> Plan:
+    step, recipe = chosen.step, chosen.recipe
     simplest = min(cands, key=_simplicity).strategy
-    why = "fits in memory" if chosen.strategy == simplest else "the fastest that fits"
-    split = chosen_card.comm.split
+    if step is None:  # memory is all that is known: no candidate is called fastest
+        why = "the simplest that fits"
+    else:
+        why = "fits in memory" if chosen.strategy == simplest else "the fastest that fits"
     return Plan(
         strategy=chosen.strategy,
         world_size=world,
         precision=precision,
-        data_parallel=dp,
-        pipeline_parallel=chosen.ways if split == "stages" else 1,
-        tensor_parallel=chosen.ways if split == "layer_shards" else 1,
+        data_parallel=recipe.data_parallel,
+        pipeline_parallel=recipe.pipeline_parallel,
+        tensor_parallel=recipe.tensor_parallel,
         memory_per_device_gb=chosen.memory.total / 1e9,
-        step_s=step.step_s if step else float("nan"),
-        efficiency=step.efficiency if step else float("nan"),
-        samples_per_s=step.samples_per_s if step else float("nan"),
+        step_s=step.step_s if step else None,
+        efficiency=step.efficiency if step else None,
+        samples_per_s=step.samples_per_s if step else None,
         reason=f"{chosen.strategy}: {why} ({chosen.memory.total / 1e9:,.2f} GB per device "
-        f"of {cluster.memory_gb:,.1f})",
+        f"of {memory_gb:,.1f})",
+        layout=recipe.layout(),
+        parallel_line=recipe.parallel_line(),
         candidates=tuple(cands),
     )
 

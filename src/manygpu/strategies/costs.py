@@ -20,16 +20,26 @@ tensor shards, model-parallel devices)."""
 
 @dataclass(frozen=True, kw_only=True)
 class MemoryModel:
-    """Bytes per device, from the ZeRO paper's per-parameter accounting."""
+    """Where a strategy keeps the fp32 parameters, gradients and optimizer state
+    that manygpu allocates (mixed precision is autocast over fp32 weights), and
+    which extra whole copies of the weights it holds during a step."""
 
     weights: Split = "whole"
+    """The fp32 parameters held between steps (FSDP2: the sharded ones)."""
     grads: Split = "whole"
     optimizer: Split = "whole"
-    """Optimizer state, fp32 master weights included."""
-    activations: Literal["whole", "ways", "in_flight"] = "whole"
-    """``in_flight``: a 1F1B pipeline keeps at most ``stages`` micro-batches alive."""
-    gathered_unit: bool = False
-    """FSDP also holds one gathered unit and the prefetched next one, whole."""
+    """Optimizer state (Adam's moments): fp32, like the parameters it updates."""
+    activations: Literal["whole", "ways", "in_flight", "tp_sharded"] = "whole"
+    """``in_flight``: a 1F1B pipeline keeps at most ``stages`` micro-batches alive;
+    ``tp_sharded``: the activations of tensor-parallel layers are split over the ways."""
+    gathered: Literal["none", "unit", "whole"] = "none"
+    """Unsharded parameters held during a step: none, one unit and the prefetched
+    next one (FSDP2 resharding after forward), or every unit from its forward to
+    its backward (ZeRO-2's ``reshard_after_forward=False``)."""
+    compute_dtype_option: str = ""
+    """The option of the strategy's object that gathers parameters in the compute
+    dtype (FSDP2's ``param_dtype``): the planner sets it under 16-bit precision,
+    so gathered copies take 2 bytes and autocast casts no weights."""
 
 
 @dataclass(frozen=True, kw_only=True)

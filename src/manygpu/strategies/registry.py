@@ -51,6 +51,13 @@ class StrategyCard:
     (``local_devices``), divisors of the world within a node (``node_divisors``)
     or across nodes (``divisors``), server counts (``servers``: 1, 2, 4... up to
     half the world); ``never``: not a planner candidate."""
+    ways_option: str = ""
+    """How a user asks for the planner's ways: a mesh dimension (``"tp"``, ``"pp"``;
+    the rest of the world on ``dp``) or an option of the strategy's object
+    (``"servers"``, ``"stages"``); empty when it has no ways."""
+    required_options: tuple[str, ...] = ()
+    """Options its object cannot train without, shown in the planner's
+    ``Parallel(...)`` line for the user to fill in (``"loss_fn=..."``)."""
     serves: bool = False
     """Its first ranks serve the others (parameter servers): ``manygpu launch
     --ps K`` picks it when the script names no strategy."""

@@ -34,7 +34,8 @@ class FSDP(StrategySpec):
     name: ClassVar[str] = "fsdp"
     card: ClassVar[StrategyCard] = StrategyCard(
         simplicity=4, changes_loop=False, checkpoint=DCP,
-        memory=MemoryModel(weights="world", grads="world", optimizer="world", gathered_unit=True),
+        memory=MemoryModel(weights="world", grads="world", optimizer="world", gathered="unit",
+                           compute_dtype_option="param_dtype"),
         comm=CommModel(grads="reduce_scatter", weight_gathers=2), one_process=False,
         plan_ways="one",
     )  # fmt: skip
@@ -89,7 +90,8 @@ class Zero2(FSDP):
     name: ClassVar[str] = "zero2"
     card: ClassVar[StrategyCard] = StrategyCard(
         simplicity=3, changes_loop=False, checkpoint=DCP,
-        memory=MemoryModel(grads="world", optimizer="world"),
+        memory=MemoryModel(weights="world", grads="world", optimizer="world", gathered="whole",
+                           compute_dtype_option="param_dtype"),
         comm=CommModel(grads="reduce_scatter", weight_gathers=1), one_process=False,
         plan_ways="one",
     )  # fmt: skip

@@ -34,6 +34,7 @@ class Pipeline(StrategySpec):
         simplicity=7, changes_loop=True, checkpoint=DCP,
         memory=MemoryModel(weights="ways", grads="ways", optimizer="ways", activations="in_flight"),
         comm=CommModel(replica="ways", split="stages"), one_process=False, plan_ways="divisors",
+        ways_option="pp", required_options=("loss_fn=...",),
     )  # fmt: skip
 
     loss_fn: Callable[[Any, Any], Any] | None = None

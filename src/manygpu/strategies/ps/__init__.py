@@ -38,6 +38,7 @@ class PS(StrategySpec):
     card: ClassVar[StrategyCard] = StrategyCard(
         simplicity=9, changes_loop=True, checkpoint=FULL, memory=MemoryModel(optimizer="ways"),
         comm=CommModel(grads="push_pull"), one_process=False, plan_ways="servers", serves=True,
+        ways_option="servers",
     )  # fmt: skip
 
     servers: int | None = None

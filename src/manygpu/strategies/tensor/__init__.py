@@ -28,9 +28,10 @@ class Tensor(StrategySpec):
     name: ClassVar[str] = "tensor"
     card: ClassVar[StrategyCard] = StrategyCard(
         simplicity=6, changes_loop=True, checkpoint=DCP,
-        memory=MemoryModel(weights="ways", grads="ways", optimizer="ways"),
+        memory=MemoryModel(weights="ways", grads="ways", optimizer="ways",
+                           activations="tp_sharded"),
         comm=CommModel(replica="ways", split="layer_shards"), one_process=False,
-        plan_ways="node_divisors",
+        plan_ways="node_divisors", ways_option="tp",
     )  # fmt: skip
 
     plan: Mapping[str, Any] | None = None
