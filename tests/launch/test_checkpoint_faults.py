@@ -100,3 +100,23 @@ def test_a_notice_saves_and_exits_cleanly(signum: int, to: str, tmp_path: Path) 
     assert len(steps) == 1 and steps[0].startswith("step-")
     meta = inspect(ckpt)  # what `manygpu checkpoint inspect --json` prints (test_checkpoint_cli)
     assert meta["status"] == "ok" and 0 < meta["step"] < 100_000 and meta["world_size"] == 2
+
+
+def test_ctrl_c_saves_once_and_says_so_in_one_line(tmp_path: Path) -> None:
+    """Ctrl-C at the launcher (the terminal's SIGINT reaches it; it passes SIGINT on):
+    the Checkpointer saves as on SIGTERM, and the launcher's one line replaces
+    torch's death-signal warning and every rank's KeyboardInterrupt traceback."""
+    out, ckpt = tmp_path / "run", tmp_path / "ck"
+    job = _launch(out, ckpt, total=100_000, every=0, sleep_s=0.05)
+    deadline = time.monotonic() + 60
+    while not (out / "started").exists():
+        assert time.monotonic() < deadline and job.poll() is None, job.stderr
+        time.sleep(0.2)
+    time.sleep(0.5)
+    job.send_signal(signal.SIGINT)
+    said, err = job.communicate(timeout=60)
+    assert job.returncode == 128 + signal.SIGINT, err
+    assert "manygpu: SIGINT: saved step" in said + err, said + err
+    assert err.strip().splitlines()[-1] == "manygpu: interrupted; stopped 2 workers", err
+    assert "Traceback" not in err and "death signal" not in err, err
+    assert len([p for p in ckpt.iterdir() if p.name.startswith("step-")]) == 1

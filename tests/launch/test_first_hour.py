@@ -5,6 +5,11 @@ Real launches of 2 workers (tests/launch/scripts/first_hour.py and neighbours).
 
 from __future__ import annotations
 
+import os
+import signal
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 from test_launch import ROOT, SCRIPTS, manygpu
@@ -63,3 +68,19 @@ def test_a_group_destroyed_before_the_end_still_counts_as_formed(tmp_path: Path)
     res = manygpu("launch", "--nproc-per-node", "2", str(script), env=ENV)
     assert res.returncode == 0, res.stderr
     assert _ours(res.stderr) == [], res.stderr
+
+
+def test_ctrl_c_without_a_checkpointer_is_one_line(tmp_path: Path) -> None:
+    cmd = [sys.executable, "-m", "manygpu", "launch", "--nproc-per-node", "2"]
+    cmd += [str(SCRIPTS / "first_hour.py"), "wait", str(tmp_path)]
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE")} | ENV
+    job = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    deadline = time.monotonic() + 90
+    while len(list(tmp_path.glob("started*"))) < 2:
+        assert time.monotonic() < deadline and job.poll() is None, job.communicate()[1]
+        time.sleep(0.2)
+    job.send_signal(signal.SIGINT)
+    _, err = job.communicate(timeout=60)
+    assert job.returncode == 128 + signal.SIGINT, err
+    assert _ours(err) == ["manygpu: interrupted; stopped 2 workers"], err
+    assert "Traceback" not in err and "death signal" not in err, err

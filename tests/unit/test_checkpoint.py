@@ -165,7 +165,7 @@ def test_saving_leaves_the_state_alone(tmp_path: Path) -> None:
 @pytest.fixture
 def clean_notices() -> Iterator[None]:
     """Signals and their record are process-wide: restore both."""
-    previous = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGUSR1)}
+    previous = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)}
     notice.forget()
     try:
         yield
@@ -196,6 +196,27 @@ def test_slurms_warning_signal_is_a_notice_that_outranks_sigterm() -> None:
     preemption.listen()
     os.kill(os.getpid(), signal.SIGTERM)
     assert preemption.agreed(**cpu) == signal.SIGUSR1
+
+
+@pytest.mark.usefixtures("clean_notices")
+def test_a_first_ctrl_c_is_a_notice_and_a_second_one_stops_at_once() -> None:
+    cpu = {"device": torch.device("cpu"), "world_size": 1, "timeout_s": 5.0}
+    signal.signal(signal.SIGINT, signal.default_int_handler)  # as in a fresh process
+    preemption = PreemptionNotice()
+    preemption.listen()
+    os.kill(os.getpid(), signal.SIGINT)  # handled: the loop goes on to its step boundary
+    assert preemption.agreed(**cpu) == signal.SIGINT
+    with pytest.raises(KeyboardInterrupt):
+        os.kill(os.getpid(), signal.SIGINT)
+
+
+@pytest.mark.usefixtures("clean_notices")
+def test_a_scripts_own_ctrl_c_handler_is_kept() -> None:
+    def mine(signum: int, frame: object) -> None: ...
+
+    signal.signal(signal.SIGINT, mine)
+    notice.listen()
+    assert signal.getsignal(signal.SIGINT) is mine
 
 
 @pytest.mark.usefixtures("clean_notices")

@@ -1,4 +1,5 @@
-"""Preemption: a SIGTERM or SIGUSR1 means "save at the next step boundary, then stop".
+"""Preemption: a SIGTERM, SIGUSR1 or a first Ctrl-C means "save at the next step boundary,
+then stop" (a second Ctrl-C stops at once).
 
 Schedulers (Slurm, Kubernetes, spot instances) send SIGTERM some time before
 they kill a job; Slurm sends the signal a job asked for (``--signal=USR1@N``)
@@ -48,7 +49,7 @@ class PreemptionNotice:
         return _SIGNALS.get(int(flag.item()))
 
 
-_CODES = {int(signal.SIGTERM): 1, int(notice.WARNING): 2}
+_CODES = {int(signal.SIGINT): 1, int(signal.SIGTERM): 2, int(notice.WARNING): 3}
 _SIGNALS = {v: k for k, v in _CODES.items()}
 
 

@@ -242,6 +242,8 @@ def _run(spec: LaunchSpec, secret: JobSecret | None, log_dir: str | None) -> int
     logging.getLogger("torch.distributed.elastic").setLevel(logging.WARNING)
     # Its per-worker "failed (exitcode ...)" lines repeat what report_failure says.
     logging.getLogger("torch.distributed.elastic.multiprocessing.api").setLevel(logging.CRITICAL)
+    # Its "Received SIGINT death signal, shutting down workers" is ours to say, once.
+    logging.getLogger("torch.distributed.elastic.agent.server.api").setLevel(logging.ERROR)
     os.environ.update(worker_env(spec))
     config = build_config(spec, secret)
     executable, args = worker_command(spec)
@@ -344,7 +346,15 @@ def _agent(spec: LaunchSpec, config: LaunchConfig, executable: str, args: list[s
         return 1
     except SignalException as exc:
         # The agent has already stopped the workers; exit like the signal did.
+        _say_stopped(int(exc.sigval), spec.nproc_per_node)
         return 128 + int(exc.sigval)
     except KeyboardInterrupt:
+        _say_stopped(signal.SIGINT, spec.nproc_per_node)
         return 128 + signal.SIGINT
     return 0
+
+
+def _say_stopped(signum: int, workers: int) -> None:
+    """The one line for a job stopped by a signal (torch's own warning is silenced)."""
+    why = "interrupted" if signum == signal.SIGINT else f"stopped by {signal.Signals(signum).name}"
+    print(f"manygpu: {why}; stopped {workers} worker{'s' * (workers != 1)}", file=sys.stderr)

@@ -1,4 +1,4 @@
-"""Schedulers' notices, recorded process-wide: SIGTERM and SIGUSR1.
+"""Schedulers' notices, recorded process-wide: SIGTERM and SIGUSR1 (and a user's Ctrl-C).
 
 A scheduler warns a job before it stops it: SIGTERM (Kubernetes, Slurm's
 preemption, ``scontrol requeue``, spot instances) or a signal the user chose,
@@ -46,13 +46,25 @@ def record_warnings() -> bool:
     return _install(WARNING)
 
 
+def _on_interrupt(signum: int, frame: Any) -> None:
+    """The first Ctrl-C is a notice (save, then stop); a second one stops at once."""
+    if signal.SIGINT in _received:
+        raise KeyboardInterrupt
+    _received.append(signum)
+
+
 def listen() -> None:
-    """Record SIGTERM and SIGUSR1 (a Checkpointer saves, then stops, on either)."""
+    """Record SIGTERM, SIGUSR1 and a first SIGINT (a Checkpointer saves, then stops,
+    on each). SIGINT only while it has Python's default handler: a script's own
+    Ctrl-C handling stays the script's."""
     if threading.current_thread() is not threading.main_thread():
         return
     signal.signal(signal.SIGTERM, _on_signal)
     signal.siginterrupt(signal.SIGTERM, False)
     _install(WARNING)
+    if signal.getsignal(signal.SIGINT) in (signal.default_int_handler, _on_interrupt):
+        signal.signal(signal.SIGINT, _on_interrupt)
+        signal.siginterrupt(signal.SIGINT, False)
 
 
 def received() -> int | None:

@@ -2,6 +2,7 @@
 
 - ``typo``: every rank builds ``Parallel(strategy="fdsp")`` (a configuration error).
 - ``alone``: each rank trains without ever joining a process group.
+- ``wait DIR``: every rank waits in a barrier, forever, after writing ``DIR/started<R>``.
 """
 
 import os
@@ -18,3 +19,11 @@ elif mode == "alone":
     model = torch.nn.Linear(2, 1)
     model(torch.ones(1, 2)).sum().backward()
     print(f"rank {os.environ['RANK']} trained on its own")
+elif mode == "wait":
+    import time
+
+    from manygpu import Parallel
+
+    with Parallel(strategy="ddp", timeout_s=600):
+        open(os.path.join(sys.argv[2], f"started{os.environ['RANK']}"), "w").close()
+        time.sleep(600)

@@ -189,7 +189,11 @@ def main() -> None:
         run(sys.argv[1:])
         _finish()
     except KeyboardInterrupt:
-        raise
+        # Ctrl-C reaches the workers through the launcher, which says it once.
+        blame.write(kind="interrupted", code=130, consequence=True)
+        if envmod.traceback_wanted(envmod.current()):
+            traceback.print_exc()
+        _end(130)
     except SystemExit as exc:
         code = _exit_code(exc.code)
         if code == 0:
