@@ -12,6 +12,7 @@ from typing import Any
 
 from manygpu.cli.parser import add_flags, given_flags
 from manygpu.errors import UsageError
+from manygpu.launch.entry import script_problem
 from manygpu.launch.spec import (
     HostOptions,
     JobOptions,
@@ -54,7 +55,7 @@ def add_parser(sub: Any) -> None:
         dest="is_module",
         help="run ENTRY as a module, like python -m",
     )
-    p.add_argument("entry", metavar="SCRIPT", help="training script (or module with -m)")
+    p.add_argument("entry", metavar="SCRIPT", nargs="?", help="training script (or module with -m)")
     p.add_argument("args", nargs=argparse.REMAINDER, help="arguments for the script")
     p.set_defaults(run=run)
 
@@ -95,7 +96,16 @@ def launch_request(
 
 
 def run(ns: argparse.Namespace) -> int:
+    if ns.entry is None:
+        raise UsageError(
+            "give the script to run: manygpu launch [options] train.py [ARGS...] "
+            "(or -m MODULE); see manygpu launch --help"
+        )
     hosts = HostOptions(**given_flags(HostOptions, ns))
+    if not hosts.given and not ns.is_module and not getattr(ns, "no_python", False):
+        problem = script_problem(ns.entry)  # before torch loads: a typo costs no seconds
+        if problem is not None:
+            raise UsageError(problem)
     if hosts.given:
         return launch_hosts(launch_request(ns, ns.entry, ns.is_module, tuple(ns.args)), hosts)
     if hosts.np is not None:

@@ -17,6 +17,7 @@ from typing import Any
 from manygpu.errors import UsageError
 from manygpu.launch import engines
 from manygpu.launch.engines import OuterJob
+from manygpu.launch.entry import script_problem
 from manygpu.launch.netcheck import split_endpoint
 from manygpu.launch.spec import AGREED_ID, JobOptions, LaunchRequest, LaunchSpec, parse_nnodes
 from manygpu.runtime import env as envmod
@@ -238,8 +239,8 @@ def _check_entry(req: LaunchRequest) -> None:
         return
     if req.is_module:
         _check_module(req.entry)
-    elif not os.path.isfile(req.entry):
-        raise UsageError(f"script {req.entry!r} not found; give the path of a Python file")
+    elif (problem := script_problem(req.entry)) is not None:
+        raise UsageError(problem)
 
 
 def _check_module(name: str) -> None:

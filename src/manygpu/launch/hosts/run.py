@@ -32,6 +32,7 @@ from typing import IO
 
 from manygpu.errors import UsageError
 from manygpu.launch import blame, driven
+from manygpu.launch.entry import script_problem
 from manygpu.launch.hosts import hostfile as hosts
 from manygpu.launch.hosts import plan as hostplan
 from manygpu.launch.hosts import probe as hostprobe
@@ -125,8 +126,9 @@ def launch_hosts(req: LaunchRequest, opts: HostOptions, env: Environ, cwd: str) 
         return 0
     runs_here = any(n.local for n in plan.nodes) or opts.remote_dir is None
     is_script = not (req.is_module or req.torchrun.no_python)
-    if runs_here and is_script and not os.path.isfile(os.path.join(cwd, req.entry)):
-        raise UsageError(f"script {req.entry!r} not found; give the path of a Python file")
+    missing = script_problem(req.entry, cwd) if runs_here and is_script else None
+    if missing is not None:
+        raise UsageError(missing)
     problem = preflight(plan, req.entry)
     if problem is not None:
         print(f"manygpu: {problem[0]}", file=sys.stderr)
