@@ -75,6 +75,10 @@ def _no_job_env(monkeypatch: pytest.MonkeyPatch) -> None:
         "MANYGPU_TIMEOUT",
     ):
         monkeypatch.delenv(name, raising=False)
+    # A thread count the user chose: the launcher's one-line note on the count it
+    # picks would otherwise join every launch test's expected stderr (its own test
+    # unsets this: tests/launch/test_threads_note.py).
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
 
 
 def _starts_python(args: Any) -> bool:

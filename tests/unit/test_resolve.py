@@ -10,8 +10,9 @@ import pytest
 
 from manygpu.errors import UsageError
 from manygpu.launch.netcheck import check_port_free, split_endpoint
-from manygpu.launch.resolve import LaunchRequest, parse_gpus, resolve
+from manygpu.launch.resolve import LaunchRequest, parse_gpus, resolve, threads_note
 from manygpu.launch.spec import LaunchSpec
+from manygpu.runtime.device import cpu_count
 
 SLURM_PER_NODE = {
     "SLURM_JOB_ID": "98765",
@@ -182,6 +183,16 @@ def test_omp_threads_set_only_when_user_did_not(script: str) -> None:
     assert int(_resolve(script).extra_env["OMP_NUM_THREADS"]) >= 1
     spec = _resolve(script, env={"OMP_NUM_THREADS": "3"})
     assert "OMP_NUM_THREADS" not in spec.extra_env
+
+
+def test_the_chosen_thread_count_is_said_and_only_when_chosen(script: str) -> None:
+    spec = _resolve(script, nproc_per_node=2)
+    threads = spec.extra_env["OMP_NUM_THREADS"]
+    assert threads_note(spec) == (
+        f"OMP_NUM_THREADS={threads} for each of the 2 workers on this node ({cpu_count()} "
+        "CPUs split among them); set OMP_NUM_THREADS to choose"
+    )
+    assert threads_note(_resolve(script, env={"OMP_NUM_THREADS": "3"})) is None
 
 
 def test_check_port_free_on_held_port() -> None:

@@ -152,7 +152,9 @@ def resolve_request(request: LaunchRequest) -> LaunchSpec:
 def launch_spec(spec: LaunchSpec) -> int:
     """Run the resolved job under torch's elastic agent; its exit code."""
     from manygpu.launch.agent import launch
+    from manygpu.launch.resolve import threads_note
 
-    if spec.note:
-        print(f"manygpu: {spec.note}", file=sys.stderr, flush=True)
+    for note in (spec.note, threads_note(spec)):
+        if note:
+            print(f"manygpu: {note}", file=sys.stderr, flush=True)
     return launch(spec)

@@ -22,7 +22,7 @@ from manygpu.launch.netcheck import split_endpoint
 from manygpu.launch.spec import AGREED_ID, JobOptions, LaunchRequest, LaunchSpec, parse_nnodes
 from manygpu.runtime import env as envmod
 from manygpu.runtime.cluster import DEFAULT_PORT, mpi_port, mpi_ranks, slurm_master
-from manygpu.runtime.device import threads_per_process
+from manygpu.runtime.device import cpu_count, threads_per_process
 from manygpu.runtime.env import Environ
 
 CPU_DEFAULT_PROCS = 2
@@ -206,6 +206,7 @@ def resolve(req: LaunchRequest, env: Environ, cuda_count: int) -> LaunchSpec:
     backend, endpoint, node_rank = _rendezvous(
         req, outer, multi=max_nodes > 1, elastic=min_nodes != max_nodes
     )
+    extra_env = _worker_env(env, nproc, gpus, single_node=max_nodes == 1) | req.worker_env
     return LaunchSpec(
         **_as_given(req),
         nproc_per_node=nproc,
@@ -220,7 +221,7 @@ def resolve(req: LaunchRequest, env: Environ, cuda_count: int) -> LaunchSpec:
         or _default_run_id(env, multi_node=max_nodes > 1),
         local_addr=req.local_addr or ("127.0.0.1" if max_nodes == 1 else None),
         rdzv_conf=parse_rdzv_conf(req.rdzv_conf),
-        extra_env=_worker_env(env, nproc, gpus, single_node=max_nodes == 1) | req.worker_env,
+        extra_env=extra_env,
         note=outer.note if outer is not None else None,
     )
 
@@ -285,6 +286,21 @@ def _default_run_id(env: Environ, multi_node: bool) -> str:
     if slurm_job:
         return slurm_job
     return AGREED_ID if multi_node else f"manygpu-{uuid.uuid4().hex[:16]}"
+
+
+def threads_note(spec: LaunchSpec) -> str | None:
+    """Said once at launch when we chose the workers' thread count (torchrun says it
+    too): a silent OMP_NUM_THREADS=1 otherwise reads as a slow CPU. ``None`` when the
+    user set the variable (theirs passes through untouched)."""
+    threads = spec.extra_env.get("OMP_NUM_THREADS")
+    if threads is None:
+        return None
+    n = spec.nproc_per_node
+    workers = "the 1 worker" if n == 1 else f"each of the {n} workers"
+    return (
+        f"OMP_NUM_THREADS={threads} for {workers} on this node ({cpu_count()} CPUs split "
+        "among them); set OMP_NUM_THREADS to choose"
+    )
 
 
 def _worker_env(
