@@ -142,13 +142,35 @@ def fraction(text: str) -> float:
     return value
 
 
-def parse_size(text: str) -> int:
-    """``"64M"`` -> 67108864; K, M, G are powers of 1024."""
-    units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
+SIZE_UNITS = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
+"""Size suffixes, powers of 1024 (a trailing ``B`` is allowed: ``64KB``)."""
+MAX_SIZE = 1 << 40
+"""The largest size accepted (1024G): more is a typo, and would otherwise run
+until memory ran out instead of failing in a second."""
+SIZE_EXAMPLES = "write e.g. 8, 64K, 1M or 1G"
+
+
+def parse_size(text: str, flag: str = "size") -> int:
+    """``"64M"`` -> 67108864; K, M, G are powers of 1024; fractions of a byte drop.
+
+    ``flag`` (e.g. ``"--max-bytes"``) starts each error, so it names what to fix.
+
+    Raises:
+        UsageError: one line, for text that is not a number with an optional
+            unit, or a size that is infinite, not a number, below 0 or above
+            :data:`MAX_SIZE` (``int(float("inf"))`` would otherwise escape as
+            an ``OverflowError`` traceback).
+    """
     clean = text.strip().upper().removesuffix("B")
+    unit = SIZE_UNITS.get(clean[-1:], 1)
     try:
-        if clean and clean[-1] in units:
-            return int(float(clean[:-1]) * units[clean[-1]])
-        return int(clean)
+        value = float(clean[:-1] if unit > 1 else clean) * unit
     except ValueError:
-        raise UsageError(f"{text!r} is not a size; write e.g. 8, 64K, 1M or 1G") from None
+        raise UsageError(f"{flag} {text!r} is not a size; {SIZE_EXAMPLES}") from None
+    if not math.isfinite(value):
+        raise UsageError(f"{flag} {text!r} is not a finite size; {SIZE_EXAMPLES}")
+    if value < 0:
+        raise UsageError(f"{flag} {text!r} must be 0 or more bytes; {SIZE_EXAMPLES}")
+    if value > MAX_SIZE:
+        raise UsageError(f"{flag} {text!r} is more than 1024G; {SIZE_EXAMPLES}")
+    return int(value)

@@ -70,6 +70,18 @@ CLI_BAD: list[tuple[list[str], str]] = [
     (["bench", "comm", "--warmup", "-3"], "0 or more"),
     (["bench", "comm", "--ops", "nope"], "nope"),
     (["bench", "comm", "--min-bytes", "xyz"], "xyz"),
+    (["bench", "comm", "--max-bytes", "inf"], "--max-bytes 'inf' is not a finite size"),
+    (["bench", "comm", "--max-bytes", "infK"], "--max-bytes 'infK' is not a finite size"),
+    (["bench", "comm", "--max-bytes", "nan"], "--max-bytes 'nan' is not a finite size"),
+    (["bench", "comm", "--max-bytes", "1e400M"], "not a finite size"),
+    (["bench", "comm", "--max-bytes=-1K"], "--max-bytes '-1K' must be 0 or more bytes"),
+    (["bench", "comm", "--max-bytes", "1e30"], "--max-bytes '1e30' is more than 1024G"),
+    (["bench", "comm", "--min-bytes", "1e30K"], "--min-bytes '1e30K' is more than 1024G"),
+    (["doctor", "--p2p-bytes", "inf"], "--p2p-bytes 'inf' is not a finite size"),
+    (["doctor", "--p2p-bytes", "infG"], "--p2p-bytes 'infG' is not a finite size"),
+    (["doctor", "--p2p-bytes", "nanK"], "--p2p-bytes 'nanK' is not a finite size"),
+    (["doctor", "--p2p-bytes=-4"], "--p2p-bytes '-4' must be 0 or more bytes"),
+    (["doctor", "--p2p-bytes", "1e30"], "--p2p-bytes '1e30' is more than 1024G"),
     (["bench", "comm", "--dtype", "float7"], "float7"),
     (["bench", "nope"], "invalid choice"),
     (["plan"], "--model or --params"),
@@ -109,6 +121,22 @@ def test_cli_bad_input_is_one_line_and_exit_2(
     assert code == 2, err
     assert len(lines) == 1 and "Traceback" not in err, err
     assert needle in lines[0], lines[0]
+
+
+@pytest.mark.parametrize("text", ["inf", "-infK", "nanM", "1e400", "-1", "1e30K", "1025G"])
+def test_size_parser_refuses_sizes_no_run_could_use(text: str) -> None:
+    """A huge --max-bytes once ran until memory ran out; inf escaped as an OverflowError."""
+    from manygpu.flags import parse_size
+
+    with pytest.raises(UsageError, match=f"^--max-bytes '{text}' "):
+        parse_size(text, "--max-bytes")
+
+
+def test_size_parser_still_reads_sizes() -> None:
+    from manygpu.flags import parse_size
+
+    sizes = ["0", "8", "1e3", "64K", "1.5M", " 1gb ", "1024G"]
+    assert [parse_size(s) for s in sizes] == [0, 8, 1000, 64 << 10, 3 << 19, 1 << 30, 1 << 40]
 
 
 def test_cli_checkpoint_export_to_a_directory_or_unwritable_path(

@@ -67,8 +67,8 @@ def comm_config(ns: argparse.Namespace) -> CommBenchConfig:
     sweep = SweepConfig(
         ops=tuple(ns.ops.split(",")),
         algorithms=tuple(algorithms.split(",")),
-        min_bytes=parse_size(ns.min_bytes),
-        max_bytes=parse_size(ns.max_bytes),
+        min_bytes=parse_size(ns.min_bytes, "--min-bytes"),
+        max_bytes=parse_size(ns.max_bytes, "--max-bytes"),
         dtype=ns.dtype,
         iters=ns.iters,
         warmup=ns.warmup,

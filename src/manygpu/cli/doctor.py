@@ -81,7 +81,7 @@ def _launch_live(ns: argparse.Namespace, config: LiveConfig) -> int:
 
 def validate(ns: argparse.Namespace) -> int:
     """Bad input fails here, in a second; returns the p2p size in bytes."""
-    nbytes = parse_size(ns.p2p_bytes)
+    nbytes = parse_size(ns.p2p_bytes, "--p2p-bytes")
     if not 4 <= nbytes <= MAX_NBYTES:
         raise UsageError(f"--p2p-bytes {ns.p2p_bytes} is outside 4 bytes .. 1G")
     if not ns.all_ranks and (ns.nnodes or ns.node_rank or ns.master_addr or ns.rdzv_endpoint):
