@@ -99,6 +99,22 @@ def positive_int(text: str) -> int:
         raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
 
 
+NPROC_WORDS = ("auto", "cpu", "gpu")
+"""torchrun's words for --nproc-per-node: the GPUs, else the CPUs; the CPUs; the GPUs."""
+
+
+def nproc_value(text: str) -> int | str:
+    """argparse type: a worker count, or one of torchrun's words (:data:`NPROC_WORDS`)."""
+    if text in NPROC_WORDS:
+        return text
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not an integer or one of {', '.join(NPROC_WORDS)}"
+        ) from None
+
+
 def positive_float(text: str) -> float:
     """argparse type: a finite number greater than zero (inf and nan are refused)."""
     value = finite_float(text)

@@ -14,6 +14,8 @@ from pathlib import Path
 
 from test_launch import ROOT, SCRIPTS, manygpu
 
+from manygpu.runtime.device import cpu_count
+
 ENV = {"PYTHONPATH": str(ROOT / "src")}
 
 
@@ -84,3 +86,19 @@ def test_ctrl_c_without_a_checkpointer_is_one_line(tmp_path: Path) -> None:
     assert job.returncode == 128 + signal.SIGINT, err
     assert _ours(err) == ["manygpu: interrupted; stopped 2 workers"], err
     assert "Traceback" not in err and "death signal" not in err, err
+
+
+def test_launcher_flags_from_accelerate_and_horovodrun(tmp_path: Path) -> None:
+    """--nproc-per-node auto, --strategy/--precision as Parallel()'s defaults,
+    --network-interface, and --output-filename's per-rank files."""
+    logs = tmp_path / "logs"
+    flags = ["--nproc-per-node", "auto", "--strategy", "fsdp", "--precision", "bf16"]
+    flags += ["--network-interface", "lo", "--output-filename", str(logs)]
+    res = manygpu("launch", *flags, str(SCRIPTS / "first_hour.py"), "show", env=ENV)
+    assert res.returncode == 0, res.stderr
+    said = sorted(ln.split(":", 1)[1] for ln in res.stdout.splitlines() if "rank " in ln)
+    assert said == [f"rank {r}: fsdp bf16 lo" for r in range(len(said))], res.stdout
+    assert len(said) == cpu_count()  # auto on a node without GPUs: its CPUs
+    stdout_files = sorted(logs.rglob("stdout.log"))
+    assert len(stdout_files) == len(said), list(logs.rglob("*"))
+    assert "fsdp bf16 lo" in stdout_files[0].read_text()

@@ -10,6 +10,7 @@ import argparse
 import sys
 from typing import Any
 
+from manygpu.cli.launch_extras import add_extras, apply_extras
 from manygpu.cli.parser import add_flags, given_flags
 from manygpu.errors import UsageError
 from manygpu.launch.entry import script_problem
@@ -48,6 +49,7 @@ def add_parser(sub: Any) -> None:
     add_launch_options(p)
     add_torchrun_options(p)
     add_flags(p, HostOptions)
+    add_extras(p)
     p.add_argument(
         "-m",
         "--module",
@@ -106,8 +108,10 @@ def run(ns: argparse.Namespace) -> int:
         problem = script_problem(ns.entry)  # before torch loads: a typo costs no seconds
         if problem is not None:
             raise UsageError(problem)
+    extra_env = apply_extras(ns, local=not hosts.given)
     if hosts.given:
-        return launch_hosts(launch_request(ns, ns.entry, ns.is_module, tuple(ns.args)), hosts)
+        request = launch_request(ns, ns.entry, ns.is_module, tuple(ns.args), extra_env)
+        return launch_hosts(request, hosts)
     if hosts.np is not None:
         # Horovod's `horovodrun -np 2 python train.py`: processes on this machine.
         if ns.nproc_per_node not in (None, hosts.np):
@@ -115,7 +119,7 @@ def run(ns: argparse.Namespace) -> int:
                 f"-np {hosts.np} and --nproc-per-node {ns.nproc_per_node} disagree; give one"
             )
         ns.nproc_per_node = hosts.np
-    return launch_job(ns, ns.entry, ns.is_module, tuple(ns.args))
+    return launch_job(ns, ns.entry, ns.is_module, tuple(ns.args), extra_env)
 
 
 def launch_hosts(request: LaunchRequest, hosts: HostOptions) -> int:

@@ -103,8 +103,10 @@ class Parallel(JobCollectives):
         cluster: ClusterInfo | None = None,
         **fields: Any,
     ) -> None:
-        self.config = config if config is not None else ParallelConfig(**fields)
         environ = envmod.current()
+        if config is None:  # the code's own fields win over the launcher's defaults
+            config = ParallelConfig(**(envmod.launcher_defaults(environ, fields) | fields))
+        self.config = config
         self.cluster = cluster if cluster is not None else detect_cluster(environ)
         self.strategy_name = self.config.resolved_strategy(
             self.cluster.world_size, served=envmod.ps_servers(environ) is not None

@@ -180,6 +180,18 @@ def _rendezvous(
     return backend, _join(addr or "127.0.0.1", port or DEFAULT_PORT), node_rank
 
 
+def nproc_count(value: int | str, gpus: int) -> int:
+    """``--nproc-per-node`` as a count: a number as given, or torchrun's words on
+    this node (``auto``: its GPUs, else its CPUs; ``cpu``; ``gpu``)."""
+    if isinstance(value, int):
+        return value
+    if value == "gpu" and gpus == 0:
+        raise UsageError("--nproc-per-node gpu: this node has no CUDA GPU; give a number or cpu")
+    if value == "gpu" or (value == "auto" and gpus > 0):
+        return gpus
+    return cpu_count()
+
+
 def _join(host: str, port: int) -> str:
     return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
@@ -191,7 +203,7 @@ def resolve(req: LaunchRequest, env: Environ, cuda_count: int) -> LaunchSpec:
         _check_standalone(req)
     gpus = parse_gpus(req.gpus, env, cuda_count) if req.gpus is not None else None
     if req.nproc_per_node is not None:
-        nproc = req.nproc_per_node
+        nproc = nproc_count(req.nproc_per_node, len(gpus) if gpus is not None else cuda_count)
     elif gpus is not None:
         nproc = len(gpus)
     else:

@@ -14,7 +14,15 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from manygpu.errors import UsageError
-from manygpu.flags import HIDDEN, nonnegative_int, option, positive_float, positive_int, switch
+from manygpu.flags import (
+    HIDDEN,
+    nonnegative_int,
+    nproc_value,
+    option,
+    positive_float,
+    positive_int,
+    switch,
+)
 
 RDZV_BACKENDS = ("c10d", "static")
 START_METHODS = ("spawn", "fork", "forkserver")
@@ -182,13 +190,14 @@ class Placement:
         "--gpus", help="GPUs to use, e.g. 0,1 or all (sets CUDA_VISIBLE_DEVICES)"
     )
     """GPU indices as typed (``"0,1"`` or ``"all"``)."""
-    nproc_per_node: int | None = option(
+    nproc_per_node: int | str | None = option(
         "--nproc-per-node",
         "--nproc_per_node",
-        parse=positive_int,
-        help="workers on this node (default: GPUs, or 2 on CPU)",
+        parse=nproc_value,
+        help="workers on this node: a number, or torchrun's auto (GPUs, else CPUs), "
+        "cpu (CPUs) or gpu (GPUs) (default: GPUs, or 2 on CPU)",
     )
-    """Workers on this node."""
+    """Workers on this node, or one of torchrun's words (resolved on the node)."""
     nnodes: str | None = option("--nnodes", help="nodes: N, or MIN:MAX for an elastic job")
     """Nodes: ``"N"``, or ``"MIN:MAX"`` for an elastic job."""
     node_rank: int | None = option("--node-rank", "--node_rank", parse=positive_int)

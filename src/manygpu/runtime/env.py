@@ -118,6 +118,19 @@ def error_file(env: Environ) -> str | None:
 _DEBUG_STRICT = {"strict", "2"}
 
 
+def launcher_defaults(env: Environ, given: Mapping[str, object]) -> dict[str, str]:
+    """``manygpu launch --strategy/--precision``: defaults for the ``Parallel`` fields the
+    code did not give (``MANYGPU_STRATEGY``, ``MANYGPU_PRECISION``). A mesh in the
+    code implies its own strategy, so the launcher's does not apply then."""
+    out: dict[str, str] = {}
+    strategy, precision = get_str(env, "MANYGPU_STRATEGY"), get_str(env, "MANYGPU_PRECISION")
+    if strategy and "strategy" not in given and "mesh" not in given:
+        out["strategy"] = strategy
+    if precision and "precision" not in given:
+        out["precision"] = precision
+    return out
+
+
 def traceback_wanted(env: Environ) -> bool:
     """``MANYGPU_TRACEBACK=1``: a worker's configuration error prints its traceback too
     (by default the launcher's one line says it, once for every rank alike)."""

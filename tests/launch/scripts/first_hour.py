@@ -2,6 +2,7 @@
 
 - ``typo``: every rank builds ``Parallel(strategy="fdsp")`` (a configuration error).
 - ``alone``: each rank trains without ever joining a process group.
+- ``show``: prints what ``Parallel()`` (naming nothing) became, and the gloo interface.
 - ``wait DIR``: every rank waits in a barrier, forever, after writing ``DIR/started<R>``.
 """
 
@@ -27,3 +28,9 @@ elif mode == "wait":
     with Parallel(strategy="ddp", timeout_s=600):
         open(os.path.join(sys.argv[2], f"started{os.environ['RANK']}"), "w").close()
         time.sleep(600)
+elif mode == "show":
+    from manygpu import Parallel
+
+    with Parallel() as par:
+        iface = os.environ.get("GLOO_SOCKET_IFNAME")
+        print(f"rank {par.rank}: {par.strategy_name} {par.config.precision} {iface}")
