@@ -9,7 +9,7 @@ import pytest
 import torch
 from torch import nn
 
-from manygpu import DDP, FSDP, Parallel, Pipeline, UsageError
+from manygpu import DDP, FSDP, Parallel, ParallelConfig, Pipeline, UsageError
 
 
 @pytest.mark.parametrize("strategy", ["single", "ddp"])
@@ -168,6 +168,11 @@ API_BAD: list[tuple[Any, type[Exception], str]] = [
     (lambda: _parallel(strategy="single", timeout_s="5"), UsageError, "timeout_s"),
     (lambda: _parallel(strategy="single", timeout_s=-1), UsageError, "timeout_s"),
     (lambda: _parallel(strategy="nope"), UsageError, "unknown strategy"),
+    (lambda: _parallel(device="tpu9"), UsageError, "'tpu9' is not a device; use \"cpu\""),
+    (lambda: _parallel(device="cuda:x"), UsageError, '"cuda:N"'),
+    (lambda: _parallel(device=""), UsageError, "'' is not a device"),
+    (lambda: _parallel(device=0), UsageError, "device takes a string"),
+    (lambda: ParallelConfig(device="tpu9"), UsageError, "'tpu9' is not a device"),
     (lambda: _parallel(strategy="single", grad_accum_steps=0), UsageError, "grad_accum_steps"),
     (lambda: _parallel(strategy="single", precision="fp8"), UsageError, "precision"),
     (lambda: _parallel(mesh={"xx": 2}), UsageError, "unknown mesh dimension"),

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from manygpu.errors import UsageError
+from manygpu.runtime.device import parse_device
 from manygpu.strategies import CompileOptions, Legacy, MeshSpec, StrategySpec, spec_class
 from manygpu.strategies.registry import AUTO, RULES, check_name, resolve_name
 from manygpu.warn import warn_user
@@ -105,6 +106,8 @@ class ParallelConfig:
         k = self.stragglers
         if not isinstance(k, bool) and (not isinstance(k, int) or k < 1):
             raise UsageError(f"stragglers takes True, False or steps per report >= 1, not {k!r}")
+        if self.device is not None:
+            parse_device(self.device)  # a typo fails here, before any process group
         t = self.timeout_s
         if t is not None and (
             isinstance(t, bool) or not isinstance(t, int | float) or not math.isfinite(t) or t <= 0

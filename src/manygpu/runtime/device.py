@@ -31,7 +31,7 @@ def choose_device(
     ``--gpus-per-task`` / ``--gpu-bind``), so this process sees only its own.
     """
     if requested is not None:
-        device = torch.device(requested)
+        device = parse_device(requested)
         if device.type == "cuda" and not torch.cuda.is_available():
             raise UsageError(f"device {requested!r} asked for but CUDA is not available here")
         if device.type != "cuda" or device.index is not None:
@@ -40,6 +40,29 @@ def choose_device(
         index = cuda_index(local_rank, torch.cuda.device_count(), bound_per_task)
         return torch.device("cuda", index)
     return torch.device("cpu")
+
+
+DEVICE_CHOICES = '"cpu", "cuda" or "cuda:N" (N a GPU index)'
+"""What to write for ``device``, in the words of the error that refuses a bad one."""
+
+
+def parse_device(requested: str | torch.device) -> torch.device:
+    """``requested`` as a torch device, or a one-line :class:`UsageError` naming the choices.
+
+    torch's own refusal (``RuntimeError: Invalid device string: 'tpu9'``)
+    names no valid choice and surfaces from deep inside ``Parallel``; a typo
+    here should read as the user's to fix. Types torch knows beyond CPU and
+    CUDA (``xpu``, ``mps``) pass, as torch accepts them.
+    """
+    if not isinstance(requested, str | torch.device):
+        raise UsageError(f"device takes a string: {DEVICE_CHOICES}; got {requested!r}")
+    try:
+        return torch.device(requested)
+    except RuntimeError:
+        raise UsageError(
+            f"device {requested!r} is not a device; use {DEVICE_CHOICES}, "
+            "or leave it unset for cuda:LOCAL_RANK (else the CPU)"
+        ) from None
 
 
 def cuda_index(local_rank: int, visible: int, bound_per_task: bool) -> int:
