@@ -196,6 +196,30 @@ def test_api_bad_input_raises_a_specific_error(
         call()
 
 
+COMM_CALLS: dict[str, Any] = {
+    "all_reduce": lambda comm, x: comm.all_reduce(x, "sum"),
+    "reduce": lambda comm, x: comm.reduce(x),
+    "broadcast": lambda comm, x: comm.broadcast(x),
+    "all_gather": lambda comm, x: comm.all_gather(x),
+    "all_gather_uneven": lambda comm, x: comm.all_gather_uneven(x),
+    "reduce_scatter": lambda comm, x: comm.reduce_scatter(x),
+    "all_to_all": lambda comm, x: comm.all_to_all(x),
+    "send": lambda comm, x: comm.send(x, 0),
+    "recv": lambda comm, x: comm.recv(x, 0),
+    "exchange": lambda comm, x: comm.exchange(x, 0, torch.zeros(2), 0),
+}
+
+
+@pytest.mark.parametrize("name", sorted(COMM_CALLS))
+@pytest.mark.parametrize("value", [[1, 2], 3.0, None], ids=["list", "float", "None"])
+def test_comm_refuses_what_is_not_a_tensor(name: str, value: Any) -> None:
+    """One process used to hand a list straight back; more ranks would then fail in torch."""
+    import manygpu.comm as comm
+
+    with pytest.raises(UsageError, match=f"^manygpu.comm.{name} needs a torch.Tensor, not "):
+        COMM_CALLS[name](comm, value)
+
+
 def test_bad_timeout_in_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
     for raw in ("abc", "-5", "nan"):
         monkeypatch.setenv("MANYGPU_TIMEOUT", raw)

@@ -26,6 +26,7 @@ from manygpu.comm.common import (
     describe,
     first_line,
     reduce_scatter_single,
+    require_tensor,
     scratch_device,
     wait,
 )
@@ -76,6 +77,7 @@ def all_reduce(
     The debug check compares calls over every rank, so it runs for the whole
     job's reductions only.
     """
+    require_tensor("all_reduce", tensor)
     reduce_op = _check_op(op)
     if not active():
         return tensor
@@ -97,6 +99,7 @@ def reduce(
     debug: bool | None = None,
 ) -> torch.Tensor:
     """Reduce into ``dst``'s ``tensor`` (others' tensors are left undefined by torch)."""
+    require_tensor("reduce", tensor)
     reduce_op = _check_op(op)
     if not active():
         return tensor
@@ -116,6 +119,7 @@ def broadcast(
     debug: bool | None = None,
 ) -> torch.Tensor:
     """Copy ``src``'s ``tensor`` into every rank's ``tensor`` and return it."""
+    require_tensor("broadcast", tensor)
     if not active():
         return tensor
     _maybe_check(debug, "broadcast", tensor, timeout_s, extra=src)
@@ -132,6 +136,7 @@ def all_gather(
     Every rank must pass the same shape (see :func:`all_gather_uneven`); a 0-d
     tensor is gathered as a vector.
     """
+    require_tensor("all_gather", tensor)
     local = tensor.reshape(1) if tensor.dim() == 0 else tensor.contiguous()
     if not active():
         return local.clone()
@@ -150,6 +155,7 @@ def all_gather_uneven(
     Sizes are exchanged first, then each tensor is padded to the largest and
     gathered in one collective; the padding is cut off again.
     """
+    require_tensor("all_gather_uneven", tensor)
     local = tensor.reshape(1) if tensor.dim() == 0 else tensor.contiguous()
     if not active():
         return [local.clone()]
@@ -173,6 +179,7 @@ def reduce_scatter(
 
     ``tensor.shape[0]`` must divide by the world size.
     """
+    require_tensor("reduce_scatter", tensor)
     reduce_op = _check_op(op)
     if not active():
         return tensor.clone()
@@ -204,6 +211,7 @@ def all_to_all(
     Equal slices by default; ``send_sizes`` / ``recv_sizes`` give uneven ones
     (rank i's ``send_sizes[j]`` must equal rank j's ``recv_sizes[i]``).
     """
+    require_tensor("all_to_all", tensor)
     if not active():
         return tensor.clone()
     _maybe_check(debug, "all_to_all", tensor, timeout_s, shape=(dbg.ANY, *tensor.shape[1:]))

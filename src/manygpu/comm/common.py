@@ -7,7 +7,7 @@ import datetime as dt
 import torch
 import torch.distributed as dist
 
-from manygpu.errors import CollectiveTimeoutError
+from manygpu.errors import CollectiveTimeoutError, UsageError
 from manygpu.runtime import env as envmod
 
 DEFAULT_TIMEOUT_S = envmod.DEFAULT_TIMEOUT_S
@@ -20,6 +20,21 @@ reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.red
 def active() -> bool:
     """Whether a default group with more than one rank exists."""
     return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+
+
+def require_tensor(operation: str, value: object) -> None:
+    """Refuse anything but a ``torch.Tensor``, whatever the world size.
+
+    With one process the collectives hand their argument straight back, so a
+    list or a number passed there would pass unnoticed and fail only once the
+    job runs on several ranks; refusing it on every world size makes the
+    one-process run catch it.
+    """
+    if not isinstance(value, torch.Tensor):
+        raise UsageError(
+            f"manygpu.comm.{operation} needs a torch.Tensor, not {type(value).__name__}; "
+            "wrap the values first, e.g. torch.tensor(values)"
+        )
 
 
 def debug_requested(debug: bool | None) -> bool:
