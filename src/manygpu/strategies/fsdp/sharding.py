@@ -21,6 +21,7 @@ from torch.distributed.fsdp import (
 )
 
 from manygpu.strategies.fsdp import FSDP
+from manygpu.strategies.fsdp.outputs import unview_outputs
 from manygpu.strategies.fsdp.units import shard_units
 
 
@@ -63,5 +64,6 @@ def shard_data_dims(
     """
     units = shard_units(module, block_classes) if children else []
     for unit in [*units, module]:
+        unview_outputs(unit)  # before fully_shard: FSDP2's hooks see tensors, not views
         fully_shard(unit, mesh=dp_mesh, **kwargs)
     return module
