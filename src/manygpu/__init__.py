@@ -7,8 +7,10 @@ costs nothing beyond what is used.
 
 from typing import TYPE_CHECKING
 
-from manygpu import _lazy
+from manygpu import _excepthook, _lazy
 from manygpu._version import __version__
+
+_excepthook.install()  # a configuration error is one line, not a traceback
 
 if TYPE_CHECKING:
     from manygpu.core import Parallel, ParallelConfig

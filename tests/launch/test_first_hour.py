@@ -37,6 +37,15 @@ def test_a_typo_in_the_strategy_is_one_line_for_the_whole_job() -> None:
     ], res.stderr
 
 
+def test_a_typo_in_a_plain_python_run_is_one_line_too() -> None:
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE")} | ENV
+    script = [sys.executable, str(SCRIPTS / "first_hour.py"), "typo"]
+    res = subprocess.run(script, capture_output=True, text=True, env=env, timeout=60)
+    assert res.returncode == 1
+    assert res.stderr.startswith("manygpu: unknown strategy 'fdsp'; did you mean 'fsdp'?")
+    assert len(res.stderr.splitlines()) == 1, res.stderr
+
+
 def test_the_traceback_of_a_configuration_error_is_there_on_request() -> None:
     env = ENV | {"MANYGPU_TRACEBACK": "1"}
     res = manygpu(
