@@ -11,7 +11,6 @@ worker reports the error to the launcher instead, which merges the ranks'.
 
 from __future__ import annotations
 
-import os
 import sys
 from types import TracebackType
 
@@ -20,9 +19,9 @@ _previous = sys.excepthook
 
 def _hook(kind: type[BaseException], exc: BaseException, tb: TracebackType | None) -> None:
     from manygpu.errors import UsageError
+    from manygpu.runtime import env as envmod
 
-    wanted = os.environ.get("MANYGPU_TRACEBACK", "0").lower() in {"1", "true", "yes", "on"}
-    if isinstance(exc, UsageError) and not wanted:
+    if isinstance(exc, UsageError) and not envmod.traceback_wanted(envmod.current()):
         print(f"manygpu: {exc} (MANYGPU_TRACEBACK=1 shows where)", file=sys.stderr)
         return
     _previous(kind, exc, tb)

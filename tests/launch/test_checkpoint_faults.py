@@ -108,13 +108,16 @@ def test_ctrl_c_saves_once_and_says_so_in_one_line(tmp_path: Path) -> None:
     torch's death-signal warning and every rank's KeyboardInterrupt traceback."""
     out, ckpt = tmp_path / "run", tmp_path / "ck"
     job = _launch(out, ckpt, total=100_000, every=0, sleep_s=0.05)
-    deadline = time.monotonic() + 60
-    while not (out / "started").exists():
-        assert time.monotonic() < deadline and job.poll() is None, job.stderr
-        time.sleep(0.2)
-    time.sleep(0.5)
-    job.send_signal(signal.SIGINT)
-    said, err = job.communicate(timeout=60)
+    try:
+        deadline = time.monotonic() + 60
+        while not (out / "started").exists():
+            assert time.monotonic() < deadline and job.poll() is None, "training never started"
+            time.sleep(0.2)
+        time.sleep(0.5)
+        job.send_signal(signal.SIGINT)
+        said, err = job.communicate(timeout=60)
+    finally:
+        job.kill()  # no-op once it ended; a failed test leaves no launcher behind
     assert job.returncode == 128 + signal.SIGINT, err
     assert "manygpu: SIGINT: saved step" in said + err, said + err
     assert err.strip().splitlines()[-1] == "manygpu: interrupted; stopped 2 workers", err

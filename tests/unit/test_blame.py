@@ -111,7 +111,7 @@ def test_only_ranks_that_failed_because_of_another_are_consequences() -> None:
     ]
 
 
-def test_hosts_prefixes_keep_hosts_apart_and_a_lost_host_stays_whole() -> None:
+def test_a_configuration_error_merges_over_hosts_other_errors_keep_their_host() -> None:
     lines = blame.report_lines(
         [
             (f"10.0.0.1: rank 0 {USAGE}", _o(0, 5)),
@@ -119,11 +119,15 @@ def test_hosts_prefixes_keep_hosts_apart_and_a_lost_host_stays_whole() -> None:
             ("10.0.0.3: stopped (exit code 143)", _o(-1, 7, consequence=True)),
         ]
     )
-    assert lines[0] == "10.0.0.1: rank 0: unknown strategy 'fdsp'; did you mean 'fsdp'?"
-    assert lines[1:] == [
-        "  also 10.0.0.2: rank 1 " + USAGE,
+    assert lines == [
+        "ranks 0,1: unknown strategy 'fdsp'; did you mean 'fsdp'?",  # one line, every host
         "  then (a consequence) 10.0.0.3: stopped (exit code 143)",
     ]
+    boom = "failed with exit code 1: ValueError: boom"
+    lines = blame.report_lines(
+        [(f"10.0.0.1: rank 0 {boom}", _o(0, 5)), (f"10.0.0.2: rank 1 {boom}", _o(1, 6))]
+    )
+    assert lines == [f"10.0.0.1: rank 0 {boom}", f"  also 10.0.0.2: rank 1 {boom}"]
 
 
 def test_without_a_lead_every_group_is_a_consequence() -> None:

@@ -185,3 +185,18 @@ def test_inspect_writes_every_number_with_separators(
     assert cells["bytes"] == f"{info['bytes']:,} bytes"
     for name, size in info["files"].items():
         assert cells[name] == f"{size:,} bytes"
+
+
+def test_a_checkpoint_already_moved_aside_does_not_fail_inspect(
+    saved: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A resume renames a corrupt checkpoint corrupt-step-N: handled, so a health check
+    that runs inspect keeps passing while the rest is complete."""
+    root = tmp_path / "ck"
+    shutil.copytree(saved, root)
+    step = layout.step_dir(root, 6)
+    (step / formats.MODEL).write_bytes(b"garbage")
+    step.rename(root / f"corrupt-{step.name}")
+    assert main(["checkpoint", "inspect", str(root), "--json"]) == 0
+    listed = json.loads(capsys.readouterr().out)["checkpoints"]
+    assert [r["moved_aside"] for r in listed].count(True) == 1

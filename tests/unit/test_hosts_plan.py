@@ -152,6 +152,15 @@ def test_module_entry_and_hosts_without_slots() -> None:
     assert p.nodes[1].probe is not None and "--script" not in p.nodes[1].probe[-1]
 
 
+def test_a_torchrun_word_for_the_count_reaches_hosts_without_slots() -> None:
+    """--nproc-per-node auto|cpu|gpu is resolved on each host, by that host's devices."""
+    request = LaunchRequest(entry="t.py", nproc_per_node="gpu")
+    p = plan(request, HostOptions(hosts="node0,node1:3"), parse_hosts("node0,node1:3"), {}, HERE)
+    first, second = (list(n.launch) for n in p.nodes)
+    assert first[first.index("--nproc-per-node") + 1] == "gpu"
+    assert second[second.index("--nproc-per-node") + 1] == "3"  # its slots, as written
+
+
 def test_worker_env_of_a_tool_reaches_every_host() -> None:
     p = _plan(worker_env={"MANYGPU_TOOL_CONFIG": '{"a": 1}'})
     assert p.nodes[0].env["MANYGPU_TOOL_CONFIG"] == '{"a": 1}'

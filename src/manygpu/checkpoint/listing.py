@@ -8,6 +8,7 @@ resume would (sizes and checksums); nothing is loaded.
 
 from __future__ import annotations
 
+import contextlib
 from pathlib import Path
 from typing import Any
 
@@ -55,11 +56,23 @@ def row(path: Path, *, hashes: bool = True) -> dict[str, Any]:
         "sample": sample_of(meta),
         "world_size": meta.get("world_size"),
         "format": _format(path),
-        "bytes": sum(p.stat().st_size for p in path.rglob("*") if p.is_file()),
+        "bytes": _bytes(path),
         "state": state,
         "moved_aside": path.name.startswith(corrupt.PREFIX),
         "problem": problem,
     }
+
+
+def _bytes(path: Path) -> int:
+    """Bytes on disk; a file renamed or pruned while we look (a live run) counts 0."""
+    total = 0
+    try:
+        for p in path.rglob("*"):
+            with contextlib.suppress(OSError):
+                total += p.stat().st_size if p.is_file() else 0
+    except OSError:  # the directory itself went (a save renamed, an old one pruned)
+        pass
+    return total
 
 
 def _format(path: Path) -> str | None:

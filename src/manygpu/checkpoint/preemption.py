@@ -34,7 +34,7 @@ class PreemptionNotice:
     """
 
     def listen(self) -> None:
-        """Handle SIGTERM and SIGUSR1 from now on (main thread only)."""
+        """Handle SIGTERM, SIGUSR1 and a first Ctrl-C from now on (main thread only)."""
         notice.listen()
 
     def agreed(self, *, device: torch.device, world_size: int, timeout_s: float) -> int | None:

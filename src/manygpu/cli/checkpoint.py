@@ -135,7 +135,8 @@ def _inspect_one(path: Path, as_json: bool) -> int:
 
 
 def _inspect_all(root: Path, as_json: bool) -> int:
-    """Every checkpoint under ``root``, one row each; exit 1 if any is not complete."""
+    """Every checkpoint under ``root``, one row each; exit 1 if any is not complete
+    (a ``corrupt-step-N`` a resume already moved aside does not count: it is handled)."""
     from manygpu.checkpoint.listing import COMPLETE, list_checkpoints
 
     rows = list_checkpoints(root)
@@ -147,7 +148,7 @@ def _inspect_all(root: Path, as_json: bool) -> int:
         print(json.dumps({"path": str(root), "checkpoints": rows}, indent=2))
     else:
         _print_rows(root, rows)
-    return 0 if all(r["state"] == COMPLETE for r in rows) else 1
+    return 0 if all(r["state"] == COMPLETE or r["moved_aside"] for r in rows) else 1
 
 
 def _print_rows(root: Path, rows: list[dict[str, Any]]) -> None:

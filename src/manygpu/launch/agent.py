@@ -259,9 +259,12 @@ def _run(spec: LaunchSpec, secret: JobSecret | None, log_dir: str | None) -> int
 
 
 def _say_if_alone(evidence: Path, workers: int) -> None:
-    """One line when every worker of this node ran the script without a process group."""
-    alone = len(list(evidence.glob("alone-rank*")))
-    if workers > 1 and alone >= workers:
+    """One line when every worker of this node ran the script without a process group
+    (the marks are this run's: :func:`watching` clears a kept folder's old ones)."""
+    marks = list(evidence.glob("alone-rank*"))
+    for mark in marks:
+        mark.unlink(missing_ok=True)
+    if workers > 1 and len(marks) >= workers:
         print(
             f"manygpu: the {workers} workers never formed a process group: each ran the "
             "whole script alone (same data, same output files); create a Parallel(...) "
@@ -296,6 +299,8 @@ def watching(spec: LaunchSpec, log_dir: str | None) -> Iterator[hangwatch.HangWa
         Path(tempfile.mkdtemp(prefix="manygpu-evidence-")) if own else Path(log_dir or "") / "hang"
     )
     out.mkdir(parents=True, exist_ok=True)
+    for stale in out.glob("alone-rank*"):  # an earlier run's, in a kept --log-dir
+        stale.unlink(missing_ok=True)
     host = _host_label(spec)
     envmod.export_evidence(str(out), FLIGHT_RECORDS, host)
     several = spec.max_nodes > 1

@@ -130,7 +130,7 @@ def allocate(hosts: Sequence[Host], np: int | None, nproc_per_node: int | None) 
     if unknown:
         raise UsageError(
             f"-np {np} needs each host's slots but {unknown[0]} has none; "
-            f"write {unknown[0]}:N or give --nproc-per-node"
+            f"write {unknown[0]}:N or give --nproc-per-node N (a number: -np fills slots)"
         )
     total = sum(h.slots or 0 for h in filled)
     if np > total:

@@ -270,7 +270,8 @@ def plan(
     nodes = []
     for i, h in enumerate(hosts):
         local = h.name in here.local_names
-        own = ["--nproc-per-node", str(h.slots)] if h.slots is not None else []
+        count = h.slots if h.slots is not None else req.nproc_per_node  # a word: the host's
+        own = ["--nproc-per-node", str(count)] if count is not None else []
         if local and any_remote and here.address is not None:
             own += ["--local-addr", here.address]  # where the other hosts reach it
         python = here.python if local or opts.remote_python is None else opts.remote_python

@@ -18,7 +18,6 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.utils._pytree import tree_map
 
 
 class _Unview(torch.autograd.Function):
@@ -41,7 +40,21 @@ def _unview(value: Any) -> Any:
 
 
 def _unviewed(module: nn.Module, inputs: Any, output: Any) -> Any:
-    return tree_map(_unview, output)
+    """The unit's output with each tensor unviewed: a tensor, or one in a tuple (named
+    too), list or dict (a Hugging Face ``ModelOutput`` is one, changed in place so it
+    keeps its class and attributes); other objects are left as they are."""
+    if isinstance(output, dict):
+        for key, value in list(output.items()):
+            new = _unviewed(module, inputs, value)
+            if new is not value:
+                output[key] = new
+        return output
+    if isinstance(output, tuple | list):
+        items = [_unviewed(module, inputs, o) for o in output]
+        if hasattr(output, "_fields"):  # a namedtuple takes its fields one by one
+            return type(output)(*items)
+        return type(output)(items)
+    return _unview(output)
 
 
 def unview_outputs(unit: nn.Module) -> None:
