@@ -5,13 +5,24 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from manygpu.errors import UsageError
 from manygpu.runtime.device import parse_device
-from manygpu.strategies import CompileOptions, Legacy, MeshSpec, StrategySpec, spec_class
+from manygpu.strategies import (
+    CompileOptions,
+    JobOptions,
+    Legacy,
+    MeshSpec,
+    StrategySpec,
+    serving_strategy,
+    spec_class,
+)
 from manygpu.strategies.registry import AUTO, RULES, check_name, resolve_name
 from manygpu.warn import warn_user
+
+if TYPE_CHECKING:
+    from manygpu.strategies.base import Strategy
 
 Precision = Literal["auto", "fp32", "fp32-strict", "bf16", "fp16"]
 PRECISIONS: tuple[str, ...] = ("auto", "fp32", "fp32-strict", "bf16", "fp16")
@@ -158,6 +169,16 @@ class ParallelConfig:
             return self.strategy
         return spec_class(name).from_legacy(self.legacy)
 
+    def job_options(self, precision: str) -> JobOptions:
+        """What every strategy is told of the job, with ``precision`` as resolved."""
+        return JobOptions(
+            mesh=self.mesh if isinstance(self.mesh, MeshSpec) else None,
+            precision=precision,
+            grad_accum_steps=self.grad_accum_steps,
+            compile=self.compile_options,
+            channels_last=self.channels_last,
+        )
+
     @property
     def compile_options(self) -> CompileOptions | None:
         """What ``compile`` asks for as options (``True``: torch's defaults), or ``None``."""
@@ -180,3 +201,16 @@ class ParallelConfig:
             return self.strategy.name
         mesh = self.mesh if isinstance(self.mesh, MeshSpec) else None
         return resolve_name(self.strategy, mesh, world_size, served)
+
+
+def served_class(options: StrategySpec, launched_servers: int | None) -> type[Strategy[Any]]:
+    """The strategy's class; ``manygpu launch --ps K`` (``launched_servers``) makes the
+    first K ranks servers, and only a serving strategy fits."""
+    strategy_cls = options.implementation()
+    if launched_servers is not None and not strategy_cls.card.serves:
+        raise UsageError(
+            f"launched with --ps {launched_servers} (parameter servers), but the script asks "
+            f"for strategy {strategy_cls.name!r}: use strategy={serving_strategy()!r} or "
+            "launch without --ps"
+        )
+    return strategy_cls

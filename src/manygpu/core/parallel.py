@@ -25,7 +25,7 @@ from manygpu.comm.module_sync import broadcast_module_state
 from manygpu.core import straggler_board
 from manygpu.core.accumulation import Accumulator
 from manygpu.core.auto import choose_strategy
-from manygpu.core.config import ParallelConfig
+from manygpu.core.config import ParallelConfig, served_class
 from manygpu.core.console import MainConsole
 from manygpu.core.data import PreparedLoader, rebuild_loader
 from manygpu.core.job_comm import JobCollectives
@@ -54,12 +54,9 @@ from manygpu.runtime.cluster import ClusterInfo, detect_cluster
 from manygpu.runtime.device import choose_backend, choose_device, set_cpu_threads
 from manygpu.runtime.process_group import init_distributed, teardown
 from manygpu.strategies import (
-    JobOptions,
-    MeshSpec,
     Strategy,
     StrategySpec,
     abilities,
-    serving_strategy,
 )
 from manygpu.warn import warn_user
 
@@ -112,7 +109,7 @@ class Parallel(JobCollectives):
             self.cluster.world_size, served=envmod.ps_servers(environ) is not None
         )
         options = self.config.strategy_object(self.strategy_name)
-        strategy_cls = _check_served(options, environ)
+        strategy_cls = served_class(options, envmod.ps_servers(environ))
         options = options.launched(environ)
         device = self._device(strategy_cls, options, environ)
         capability, self._device_name = cuda_facts(device)
@@ -121,7 +118,7 @@ class Parallel(JobCollectives):
             refused=strategy_cls.refused_precisions,
         )  # fmt: skip
         """What ``precision=`` became on this device (``"auto"`` resolved)."""
-        job = self._job_options(self.precision_choice.precision)
+        job = self.config.job_options(self.precision_choice.precision)
         strategy_cls.validate_world(self.cluster, options, job)
         strategy_cls.validate_features(options, job)
         self.timeout_s = self.config.timeout_s or envmod.timeout_s(environ)
@@ -484,7 +481,7 @@ class Parallel(JobCollectives):
             # The chosen strategy's own checks and group needs, not the provisional one's.
             options = self.config.strategy_object(name)
             chosen = options.implementation()
-            job = self._job_options(self.precision_choice.precision)
+            job = self.config.job_options(self.precision_choice.precision)
             chosen.validate_world(self.cluster, options, job)
             chosen.validate_features(options, job)
             if chosen.needs_process_group and not self._ctx.owns_group and self.world_size == 1:
@@ -522,16 +519,6 @@ class Parallel(JobCollectives):
             torch.cuda.set_device(device)
         else:
             set_cpu_threads(self.cluster.local_world_size, environ)
-
-    def _job_options(self, precision: str) -> JobOptions:
-        cfg = self.config
-        return JobOptions(
-            mesh=cfg.mesh if isinstance(cfg.mesh, MeshSpec) else None,
-            precision=precision,
-            grad_accum_steps=cfg.grad_accum_steps,
-            compile=cfg.compile_options,
-            channels_last=cfg.channels_last,
-        )
 
     def _use_channels_last(self, model: nn.Module) -> bool:
         """Whether ``model`` runs channels_last: the config's choice, or automatic."""
@@ -576,17 +563,3 @@ class Parallel(JobCollectives):
         if self.world_size > 1 and any(hint in text for hint in _PEER_FAILURE_HINTS):
             detail = first_line(exc)
             raise CollectiveTimeoutError(self.rank, operation, self.timeout_s, detail) from exc
-
-
-def _check_served(options: StrategySpec, environ: envmod.Environ) -> type[Strategy[Any]]:
-    """The strategy's class; ``manygpu launch --ps K`` makes the first K ranks servers, and
-    only a serving strategy fits."""
-    strategy_cls = options.implementation()
-    launched_servers = envmod.ps_servers(environ)
-    if launched_servers is not None and not strategy_cls.card.serves:
-        raise UsageError(
-            f"launched with --ps {launched_servers} (parameter servers), but the script asks "
-            f"for strategy {strategy_cls.name!r}: use strategy={serving_strategy()!r} or "
-            "launch without --ps"
-        )
-    return strategy_cls
