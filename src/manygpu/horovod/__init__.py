@@ -83,6 +83,7 @@ from manygpu.horovod.reduce_ops import (
     grouped_allreduce_async_,
     reducescatter_async,
 )
+from manygpu.horovod.sparse import sparse_allreduce_async
 
 
 def __getattr__(name: str) -> object:
@@ -152,5 +153,6 @@ __all__ = [
     "rocm_built",
     "shutdown",
     "size",
+    "sparse_allreduce_async",
     "synchronize",
 ]

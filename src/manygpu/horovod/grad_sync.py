@@ -13,6 +13,13 @@ collective timeout (a stall names the missing ranks), scales, and writes the
 results back into ``.grad``. A parameter no rank had a gradient for keeps
 ``grad=None``, as in one process; one that some ranks had gets the average
 over all ranks (the others counting as zero), as DDP does.
+
+Sparse gradients (``nn.Embedding(sparse=True)``) are not summed in the
+buckets: each parameter's second flag says some rank had a sparse gradient,
+and after the buckets those are all-gathered as indices and values and stay
+sparse (:mod:`manygpu.horovod.sparse`), as Horovod does, unless
+``sparse_as_dense``. Deciding from the summed flags keeps every rank's
+gathers in the same order, a rank without the gradient included.
 """
 
 from __future__ import annotations
@@ -26,6 +33,7 @@ import torch.distributed as dist
 from manygpu.comm import debug as dbg
 from manygpu.comm.common import active, debug_requested
 from manygpu.errors import UsageError
+from manygpu.horovod import sparse
 from manygpu.horovod.basics import Pending, session
 from manygpu.horovod.checks import wait_pending
 from manygpu.horovod.compression import Compressor
@@ -44,6 +52,8 @@ class GradientSync:
         passes: int,
         average: bool,
         predivide: float,
+        sparse_as_dense: bool = False,
+        process_set: object = None,
     ) -> None:
         self.params = list(params)
         self.names = list(names)
@@ -53,6 +63,9 @@ class GradientSync:
         self.average = average
         self.prescale = 1.0 / predivide
         self.postscale = predivide
+        self.sparse_as_dense = sparse_as_dense
+        self.process_set = process_set
+        """Where sparse gradients are gathered (``None``: every process)."""
         self.debug = debug_requested(None)
         self._bucket_of = {i: b for b, members in enumerate(self.buckets) for i in members}
         self._hooks: list[Any] = []
@@ -108,17 +121,20 @@ class GradientSync:
         )
 
     def _flatten(self, bucket: int) -> torch.Tensor:
-        """The bucket's gradients (zeros where missing) and one has-gradient flag each."""
+        """The bucket's gradients (zeros where missing), then two flags each: has a
+        gradient, has a sparse one (sent gathered afterwards unless sparse_as_dense)."""
         members = [self.params[i] for i in self.buckets[bucket]]
-        parts, flags = [], []
+        parts, flags, sparse_marks = [], [], []
         for p in members:
             g = p.grad
             flags.append(g is not None)
-            if g is None:
+            sparse_marks.append(g is not None and g.is_sparse)
+            if g is None or (sparse_marks[-1] and not self.sparse_as_dense):
                 parts.append(p.new_zeros(p.numel()))
             else:
                 parts.append((g.to_dense() if g.is_sparse else g).reshape(-1))
-        parts.append(torch.tensor(flags, dtype=members[0].dtype, device=members[0].device))
+        marks = torch.tensor(flags + sparse_marks, dtype=members[0].dtype, device=members[0].device)
+        parts.append(marks)
         return torch.cat(parts)
 
     def _launch(self, bucket: int) -> None:
@@ -151,6 +167,7 @@ class GradientSync:
             self._launch(bucket)
         self._next = len(self.buckets)
         world = session().topology.size
+        gathered: list[int] = []
         for bucket in sorted(self._pending):
             _, sent, ctx, record = self._pending[bucket]
             wait_pending(record)
@@ -158,21 +175,47 @@ class GradientSync:
             factor = self.postscale / world if self.average else self.postscale
             if factor != 1.0:
                 flat.mul_(factor)
-            self._unpack(bucket, flat)
+            gathered += self._unpack(bucket, flat)
+        self._gather_sparse(gathered)
         self.reset()
 
-    def _unpack(self, bucket: int, flat: torch.Tensor) -> None:
+    def _unpack(self, bucket: int, flat: torch.Tensor) -> list[int]:
+        """Write the bucket's results into ``.grad``; the members left to the sparse path."""
         members = self.buckets[bucket]
-        values, flags = flat[: -len(members)], flat[-len(members) :].tolist()
-        offset = 0
+        n_members = len(members)
+        values, marks = flat[: -2 * n_members], flat[-2 * n_members :].tolist()
+        flags, sparse_marks = marks[:n_members], marks[n_members:]
+        gathered, offset = [], 0
         with torch.no_grad():
-            for i, flag in zip(members, flags, strict=True):
+            for i, flag, is_sparse in zip(members, flags, sparse_marks, strict=True):
                 p = self.params[i]
                 n = p.numel()
-                if flag != 0:  # some rank had a gradient: everyone takes the result
+                if is_sparse != 0 and not self.sparse_as_dense:
+                    gathered.append(i)
+                elif flag != 0:  # some rank had a gradient: everyone takes the result
                     new = values[offset : offset + n].view_as(p)
-                    if p.grad is None or p.grad.is_sparse or p.grad.shape != p.shape:
+                    if is_sparse != 0:  # back to sparse for the optimizer, as Horovod
+                        p.grad = new.to_sparse()
+                    elif p.grad is None or p.grad.is_sparse or p.grad.shape != p.shape:
                         p.grad = new.clone()
                     else:
                         p.grad.copy_(new)
                 offset += n
+        return gathered
+
+    def _gather_sparse(self, indices: list[int]) -> None:
+        """Sparse gradients (some rank had one): every rank's entries, kept sparse.
+
+        Started only after the buckets' flags said which parameters need it, so
+        every rank starts the same gathers in the same order.
+        """
+        started = []
+        for i in indices:
+            p, g = self.params[i], self.params[i].grad
+            local = None if g is None else g if g.is_sparse else g.to_sparse(1)
+            handle = sparse.start(
+                local, p, self.names[i], average=self.average, process_set=self.process_set
+            )
+            started.append((p, handle))
+        for p, handle in started:
+            p.grad = handle()

@@ -26,10 +26,6 @@ _ELASTIC = (
     "manygpu launch --nnodes MIN:MAX --max-restarts N, with "
     "manygpu.checkpoint.Checkpointer(...).resume() to continue where the job stopped",
 )
-_SPARSE = (
-    "sparse allreduce",
-    "densify the gradient (DistributedOptimizer does; sparse_as_dense=True is the default here)",
-)
 _GROUPED = ("grouped allgather / reducescatter", "a loop of hvd.allgather / hvd.reducescatter")
 _TIMELINE = (
     "the Horovod timeline",
@@ -53,7 +49,6 @@ LEFT_OUT: dict[str, tuple[str, str]] = {
         "torch.nn.SyncBatchNorm.convert_sync_batchnorm(model) (CUDA), which uses the "
         "process group hvd.init() created",
     ),
-    "sparse_allreduce_async": _SPARSE,
     "grouped_allgather": _GROUPED,
     "grouped_allgather_async": _GROUPED,
     "grouped_reducescatter": _GROUPED,

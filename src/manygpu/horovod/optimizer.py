@@ -184,12 +184,13 @@ def DistributedOptimizer(
         gradient_predivide_factor: with Average, divide by this before the sum and
             by ``size / factor`` after it (for low-precision ranges).
         num_groups, groups: Horovod's explicit grouping; they choose the buckets.
-        sparse_as_dense: accepted; sparse gradients are always sent dense here.
+        sparse_as_dense: send sparse gradients densely in the buckets (then sparse
+            again for the optimizer); by default their indices and values are
+            all-gathered and the gradient stays sparse (:mod:`manygpu.horovod.sparse`).
         process_set: only the global set.
         bucket_cap_mb: (manygpu) bucket size in MiB when no groups are given; the
             default is the ``ddp`` strategy's (see :mod:`manygpu.horovod.buckets`).
     """
-    del sparse_as_dense  # always dense (see the docstring)
     check_process_set(process_set)
     session()  # refuses before hvd.init(), as Horovod
     if isinstance(optimizer, _DistributedOptimizer):
@@ -211,6 +212,7 @@ def DistributedOptimizer(
         params, [names[id(p)] for p in params], buckets,
         compression=compression, passes=_passes(backward_passes_per_step),
         average=rop is ReduceOp.Average, predivide=gradient_predivide_factor,
+        sparse_as_dense=bool(sparse_as_dense), process_set=process_set,
     )  # fmt: skip
     _agree_on_layout(sync)
     cls = type(type(optimizer).__name__, (_DistributedOptimizer, type(optimizer)), {})
