@@ -21,8 +21,10 @@ from __future__ import annotations
 
 import os
 import sys
+import weakref
 import zlib
 from collections import Counter
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -36,8 +38,11 @@ _WIDTH = 16  # op, dtype, ndim, 8 dims, extra, call number, site hash, line, str
 _MAX_DIMS = 8
 _SEQ, _SITE, _LINE, _STRICT = 12, 13, 14, 15
 _END_SITE = "end of the job"
-_calls: dict[int, int] = {}
-"""Collectives checked so far, per process group (keyed by the group object's id)."""
+_calls: weakref.WeakKeyDictionary[Any, int] = weakref.WeakKeyDictionary()
+"""Collectives checked so far, per process group. Keyed by the group itself, weakly:
+a group made after the last one was destroyed (``hvd.init()`` after ``hvd.shutdown()``)
+may get the dead one's ``id()``, and would then go on counting from its calls on
+some ranks only."""
 ANY = -2
 """A dimension that may differ between ranks (e.g. dim 0 of an uneven all-gather)."""
 
@@ -163,7 +168,7 @@ def check_same_call(
         strict: compare call sites too; ``None`` reads ``MANYGPU_DEBUG``. One
             strict rank makes the check strict on every rank, so all decide alike.
     """
-    key = id(dist.group.WORLD)
+    key = dist.group.WORLD
     _calls[key] = seq = _calls.get(key, 0) + 1
     if strict is None:
         strict = envmod.debug_strict(envmod.current())

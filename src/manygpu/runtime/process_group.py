@@ -11,6 +11,7 @@ listens on the job's address alone, as the launcher's stores do
 from __future__ import annotations
 
 import datetime as dt
+import itertools
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -112,12 +113,35 @@ def _create_group(
             store = dist.PrefixStore("default_pg", store)
         dist.init_process_group(
             backend,
-            store=store,
+            store=dist.PrefixStore(next_group_prefix(), store),
             rank=cluster.rank,
             world_size=cluster.world_size,
             timeout=timeout,
             device_id=device_id,
         )
+
+
+_groups_created = itertools.count()
+"""Default groups this process has created (see :func:`next_group_prefix`)."""
+
+
+_job_stores: dict[tuple[str, int, int, int], dist.Store] = {}
+"""Stores this process reached without an agent, kept for its lifetime (see shared_store)."""
+
+
+def next_group_prefix() -> str:
+    """A key space of its own for the next default group this process creates.
+
+    torch names every default group ``0`` (its group counter restarts when the
+    default group is destroyed), so a second group on the same store (``hvd.init()``
+    after ``hvd.shutdown()``, a second ``Parallel``) would find the previous
+    group's gloo addresses under the same keys and connect to sockets that are
+    closed or closing: a hang, then "connect timeout" or "connection reset".
+    Every rank creates and destroys its default groups in the same order (each
+    creation is a collective), so counting them here gives every rank the same
+    prefix for the same group without asking the store.
+    """
+    return f"manygpu/group_{next(_groups_created)}"
 
 
 def shared_store(
@@ -131,6 +155,10 @@ def shared_store(
     mpirun, a start by hand): rank 0 hosts it, bound to the job's address only
     (torch binds every address), behind a gate when that is a network one.
     ``wait_for_workers``: rank 0 waits in the constructor until every rank came.
+
+    Rank 0's store is made once per process and kept: were it destroyed with a
+    group and hosted again for the next (``hvd.init()`` after ``hvd.shutdown()``),
+    a rank quicker to the next group could connect to the old one as it closes.
     """
     attempt = envmod.agent_store_attempt(envmod.current())
     if attempt is not None:
@@ -138,7 +166,12 @@ def shared_store(
             cluster.master_addr, cluster.master_port, is_master=False, timeout=timeout
         )
         return dist.PrefixStore(f"manygpu/attempt_{attempt}", store)
-    return job_store(cluster, timeout, wait_for_workers=wait_for_workers, multi_tenant=True)
+    where = (cluster.master_addr, cluster.master_port, cluster.rank, cluster.world_size)
+    if where not in _job_stores:
+        _job_stores[where] = job_store(
+            cluster, timeout, wait_for_workers=wait_for_workers, multi_tenant=True
+        )
+    return _job_stores[where]
 
 
 def teardown(ctx: DistContext) -> None:
