@@ -203,8 +203,8 @@ def test_bad_arguments_are_one_line_errors(one: None) -> None:
     x = torch.ones(4)
     with pytest.raises(UsageError, match="root_rank=3 is not a rank of this job"):
         hvd.broadcast(x, 3)
-    with pytest.raises(UsageError, match="needs a floating-point tensor"):
-        hvd.allreduce(torch.ones(2, dtype=torch.int64), prescale_factor=2.0)
+    with pytest.raises(UsageError, match="needs a numeric tensor"):
+        hvd.allreduce(torch.ones(2, dtype=torch.bool), prescale_factor=2.0)
     with pytest.raises(UsageError, match="needs a contiguous tensor"):
         hvd.allreduce_(torch.ones(4, 2).t())
     with pytest.raises(

@@ -63,6 +63,7 @@ from manygpu.horovod.differentiable import (
     grouped_allreduce,
     reducescatter,
 )
+from manygpu.horovod.exceptions import HorovodInternalError, HostsUpdatedInterrupt
 from manygpu.horovod.functions import allgather_object, broadcast_object, broadcast_parameters
 from manygpu.horovod.handles import poll, synchronize
 from manygpu.horovod.missing import LEFT_OUT, NotSupportedError, not_supported
@@ -99,7 +100,9 @@ __all__ = [
     "Compressor",
     "DistributedOptimizer",
     "FP16Compressor",
+    "HorovodInternalError",
     "HorovodMismatchError",
+    "HostsUpdatedInterrupt",
     "Max",
     "Min",
     "NoneCompressor",

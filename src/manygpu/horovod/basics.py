@@ -66,6 +66,8 @@ class Pending:
     """How errors name it: ``allreduce('loss', float32[4], op=Average)``."""
     seq: int
     """This rank's number for the call, shown when a stall is reported."""
+    name: str | None = None
+    """Horovod's name for it (``allreduce.loss``) while pending, when the user gave one."""
 
 
 @dataclass
@@ -83,6 +85,8 @@ class Session:
     """Horovod's handles are integers; the next one."""
     joins: int = 0
     """Calls of ``join()`` so far (each meets on its own store key)."""
+    names: set[str] = field(default_factory=set)
+    """Names of the pending operations: Horovod refuses a second call with one of them."""
 
     def next_call(self) -> int:
         self.calls += 1

@@ -31,6 +31,7 @@ from manygpu.comm.debug import CollectiveMismatchError
 from manygpu.comm.objects import PayloadError, all_gather_json
 from manygpu.errors import CollectiveTimeoutError, peer_lost
 from manygpu.horovod.basics import Pending, session
+from manygpu.horovod.exceptions import internal
 
 Entry = tuple[str, tuple[int, ...], str]
 """(name, shape, dtype) of one tensor in a layout."""
@@ -228,11 +229,16 @@ def missing_ranks(seq: int, desc: str) -> str:
 
 
 def named_stall(exc: CollectiveTimeoutError, seq: int, desc: str) -> CollectiveTimeoutError | None:
-    """The timeout re-raised with the missing ranks named; ``None`` when a peer died instead."""
+    """The timeout re-raised with the missing ranks named (as is when a peer died instead).
+
+    Either way a :class:`~manygpu.horovod.exceptions.HorovodCollectiveError`: still
+    manygpu's timeout error, and what a script catching ``hvd.HorovodInternalError`` sees.
+    """
     if peer_lost(str(exc)):
-        return None
+        return internal(exc)
     s = session()
-    return CollectiveTimeoutError(s.topology.rank, desc, s.timeout_s, missing_ranks(seq, desc))
+    said = missing_ranks(seq, desc)
+    return internal(CollectiveTimeoutError(s.topology.rank, desc, s.timeout_s, said))
 
 
 def wait_pending(pending: Pending) -> None:

@@ -17,10 +17,20 @@ import torch.distributed as dist
 from manygpu.comm import debug as dbg
 from manygpu.comm.collectives import barrier as comm_barrier
 from manygpu.comm.common import active, all_gather_single, scratch_device, wait
-from manygpu.errors import UsageError
+from manygpu.errors import CollectiveTimeoutError, UsageError
 from manygpu.horovod.basics import check_process_set, global_process_set, session
 from manygpu.horovod.checks import _store, agree, describe
-from manygpu.horovod.handles import submit, synchronize
+from manygpu.horovod.exceptions import internal
+from manygpu.horovod.handles import claim, submit, synchronize
+from manygpu.horovod.wire import from_wire, to_wire
+
+
+def _wait(work: dist.Work | None, what: str) -> None:
+    """Wait for a small exchange of sizes; a failure is an ``hvd.HorovodInternalError`` too."""
+    try:
+        wait(work, what, session().timeout_s)
+    except CollectiveTimeoutError as exc:
+        raise internal(exc) from exc
 
 
 def _gather_sizes(rows: int, device: torch.device, what: str) -> list[int]:
@@ -28,7 +38,7 @@ def _gather_sizes(rows: int, device: torch.device, what: str) -> list[int]:
     world = session().topology.size
     mine = torch.tensor([rows], dtype=torch.int64, device=device)
     table = mine.new_empty(world)
-    wait(all_gather_single(table, mine, async_op=True), f"{what} sizes", session().timeout_s)
+    _wait(all_gather_single(table, mine, async_op=True), f"{what} sizes")
     return [int(n) for n in table.tolist()]
 
 
@@ -37,6 +47,7 @@ def allgather_async(
 ) -> int:
     """Start concatenating every rank's ``tensor`` along dim 0 (dim 0 may differ per rank)."""
     check_process_set(process_set)
+    named = claim("allgather", name)
     local = tensor.detach().reshape(1) if tensor.dim() == 0 else tensor.detach().contiguous()
     desc = describe("allgather", local, name)
     shape = (dbg.ANY, *local.shape[1:])
@@ -44,20 +55,21 @@ def allgather_async(
         "all_gather_uneven", local, key=("allgather", name), desc=desc, shape=shape, name=name
     )
     if not active():
-        return submit([], local.clone, desc, seq)
+        return submit([], local.clone, desc, seq, name=named)
     world, rest = session().topology.size, tuple(local.shape[1:])
+    wired = to_wire(local, "allgather")  # after agree: every rank refuses alike
     sizes = _gather_sizes(local.shape[0], local.device, desc)
     longest = max(sizes)
-    padded = local.new_zeros((longest, *rest))
-    padded[: local.shape[0]] = local
-    table = local.new_empty((world * longest, *rest))
+    padded = wired.new_zeros((longest, *rest))
+    padded[: local.shape[0]] = wired
+    table = wired.new_empty((world * longest, *rest))
     work = all_gather_single(table, padded, async_op=True)
 
     def finish() -> torch.Tensor:
         rows = table.view(world, longest, *rest)
-        return torch.cat([rows[r, :n] for r, n in enumerate(sizes)])
+        return from_wire(torch.cat([rows[r, :n] for r, n in enumerate(sizes)]), local.dtype)
 
-    return submit([work], finish, desc, seq)
+    return submit([work], finish, desc, seq, name=named)
 
 
 def check_root(root_rank: int, what: str) -> None:
@@ -79,11 +91,19 @@ def broadcast_async_(
     check_root(root_rank, "broadcast")
     if not tensor.is_contiguous():
         raise UsageError("broadcast_ needs a contiguous tensor; pass tensor.contiguous()")
+    named = claim("broadcast", name)
     desc = describe("broadcast", tensor, name, root_rank=root_rank)
     seq = agree("broadcast", tensor, key=("broadcast", name, root_rank), desc=desc, name=name)
     data = tensor.detach()  # a leaf that requires grad can still be written through its data
-    work = dist.broadcast(data, src=root_rank, async_op=True) if active() else None
-    return submit([work], lambda: tensor, desc, seq)
+    wired = to_wire(data, "broadcast")  # `data` itself unless its dtype must be carried
+    work = dist.broadcast(wired, src=root_rank, async_op=True) if active() else None
+
+    def finish() -> torch.Tensor:
+        if wired.data_ptr() != data.data_ptr():
+            data.copy_(from_wire(wired, data.dtype))
+        return tensor
+
+    return submit([work], finish, desc, seq, name=named)
 
 
 def broadcast_async(
@@ -142,15 +162,16 @@ def alltoall_async(
         raise UsageError("alltoall needs a tensor with at least one dimension")
     world = session().topology.size
     sent = send_splits(tensor.shape[0], splits, world)
+    named = claim("alltoall", name)
     desc = describe("alltoall", tensor, name)
     shape = (dbg.ANY, *tensor.shape[1:])
     seq = agree("all_to_all", tensor, key=("alltoall", name), desc=desc, shape=shape, name=name)
-    data = tensor.detach().contiguous()
+    data = to_wire(tensor.detach().contiguous(), "alltoall")
     if active():
         mine = torch.tensor(sent, dtype=torch.int64, device=data.device)
         theirs = torch.empty_like(mine)
         work = dist.all_to_all_single(theirs, mine, async_op=True)
-        wait(work, f"{desc} splits", session().timeout_s)
+        _wait(work, f"{desc} splits")
         received = [int(n) for n in theirs.tolist()]
         out = data.new_empty((sum(received), *data.shape[1:]))
         work = dist.all_to_all_single(out, data, received, sent, async_op=True)
@@ -163,9 +184,10 @@ def alltoall_async(
     )
 
     def finish() -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-        return out if splits is None else (out, received_t)
+        result = from_wire(out, tensor.dtype)
+        return result if splits is None else (result, received_t)
 
-    return submit([work], finish, desc, seq)
+    return submit([work], finish, desc, seq, name=named)
 
 
 def barrier(process_set: object = global_process_set) -> None:
@@ -195,5 +217,5 @@ def join(device: int = -1) -> int:
     arrival = int(store.add(f"manygpu/horovod/join/{s.joins}", 1)) if store is not None else 0
     last = s.topology.rank if arrival == s.topology.size else -1
     flag = torch.tensor([last], dtype=torch.int64, device=scratch_device())
-    wait(dist.all_reduce(flag, op=dist.ReduceOp.MAX, async_op=True), "join", s.timeout_s)
+    _wait(dist.all_reduce(flag, op=dist.ReduceOp.MAX, async_op=True), "join")
     return int(flag.item())

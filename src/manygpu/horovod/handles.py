@@ -21,14 +21,42 @@ from manygpu.horovod.checks import wait_pending
 
 
 def submit(
-    works: list[dist.Work | None], finish: Callable[[], Any], description: str, seq: int
+    works: list[dist.Work | None],
+    finish: Callable[[], Any],
+    description: str,
+    seq: int,
+    name: str | None = None,
 ) -> int:
-    """Register started works; the handle ``synchronize`` takes."""
+    """Register started works (and the call's name, from :func:`claim`); the handle
+    ``synchronize`` takes."""
     s = session()
     handle = next(s.handles)
     real = [w for w in works if w is not None]
-    s.pending[handle] = Pending(works=real, finish=finish, description=description, seq=seq)
+    s.pending[handle] = Pending(
+        works=real, finish=finish, description=description, seq=seq, name=name
+    )
+    if name is not None:
+        s.names.add(name)
     return handle
+
+
+def claim(kind: str, name: str | None) -> str | None:
+    """Horovod's name for a call (``allreduce.loss``); refused while one by that name is pending.
+
+    Horovod matches calls across ranks by name, so it refuses a second
+    ``allreduce_async(..., name='x')`` before the first is synchronized, with a
+    ``ValueError`` at the second call. Checked before any collective starts:
+    every rank refuses the same call, and none is left waiting.
+    """
+    if name is None:
+        return None
+    key = f"{kind}.{name}"
+    if key in session().names:
+        raise UsageError(
+            f"hvd.{kind}: another {kind} named {name!r} is still pending; call "
+            "hvd.synchronize on its handle first, or give this one a different name"
+        )
+    return key
 
 
 def poll(handle: int) -> bool:
@@ -44,8 +72,10 @@ def synchronize(handle: int) -> Any:
 
     As Horovod, a handle that is not pending (already synchronized) gives ``None``.
     """
-    pending = session().pending.pop(handle, None)
+    s = session()
+    pending = s.pending.pop(handle, None)
     if pending is None:
         return None
-    wait_pending(pending)
+    s.names.discard(pending.name or "")  # free even if the wait fails: the call is over
+    wait_pending(pending)  # a failure is an hvd.HorovodInternalError too
     return pending.finish()

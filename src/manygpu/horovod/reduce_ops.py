@@ -1,9 +1,10 @@
 """Reductions: ``allreduce`` in its in-place and asynchronous forms, grouped, reduce-scatter.
 
 Horovod's semantics: ``op`` defaults to ``Average`` (a sum divided by the
-number of processes; integers are floor-divided), ``average=True/False`` is
-the deprecated spelling of ``Average``/``Sum``, and ``prescale_factor`` /
-``postscale_factor`` multiply the tensor before and after the reduction.
+number of processes), ``average=True/False`` is the deprecated spelling of
+``Average``/``Sum``, and ``prescale_factor`` / ``postscale_factor`` multiply
+the tensor before and after the reduction (integers in float64, truncated
+toward zero, as Horovod; see :func:`scale_`).
 Each call is checked across ranks first (see :mod:`manygpu.horovod.checks`),
 then started with ``async_op=True``; the returned handle is waited for by
 ``synchronize``. The differentiable out-of-place forms are in
@@ -23,8 +24,9 @@ from manygpu.comm.common import active, reduce_scatter_single
 from manygpu.errors import UsageError
 from manygpu.horovod.basics import check_process_set, global_process_set, session
 from manygpu.horovod.checks import agree, describe
-from manygpu.horovod.handles import submit, synchronize
+from manygpu.horovod.handles import claim, submit, synchronize
 from manygpu.horovod.missing import not_supported
+from manygpu.horovod.wire import from_wire, to_wire
 
 
 class ReduceOp(enum.IntEnum):
@@ -77,22 +79,31 @@ def resolve_op(op: object, average: bool | None) -> ReduceOp:
 
 
 def scale_(tensor: torch.Tensor, factor: float, what: str) -> None:
-    """Multiply in place by a pre/postscale factor (floating-point tensors only)."""
+    """Multiply in place by a pre/postscale factor, as Horovod does.
+
+    Floating-point tensors are multiplied in their own dtype (float16 in
+    float32 arithmetic on CPU). Integer tensors are multiplied in float64 and
+    truncated toward zero on the way back, as Horovod's C++ cast does:
+    ``int32([-7, 7]) * 0.5`` is ``[-3, 3]``.
+    """
     if factor == 1.0:
         return
-    if not (tensor.is_floating_point() or tensor.is_complex()):
-        raise UsageError(f"{what}={factor} needs a floating-point tensor, not {tensor.dtype}")
-    tensor.mul_(factor)
+    if tensor.is_floating_point() or tensor.is_complex():
+        tensor.mul_(factor)
+        return
+    if tensor.dtype == torch.bool:
+        raise UsageError(f"{what}={factor} needs a numeric tensor, not torch.bool")
+    tensor.copy_(tensor.to(torch.float64).mul_(factor).trunc_())
 
 
 def finish_(tensor: torch.Tensor, op: ReduceOp, postscale: float, world: int) -> torch.Tensor:
-    """After the sum: Average divides by ``world`` (integers floor-divide), then postscale."""
-    if op is ReduceOp.Average and world > 1:
-        if tensor.is_floating_point() or tensor.is_complex():
-            tensor.mul_(postscale / world)  # one pass for both factors, as Horovod
-            return tensor
-        tensor.floor_divide_(world)
-    scale_(tensor, postscale, "postscale_factor")
+    """After the sum: Average and postscale as one factor, ``postscale / world``, as Horovod.
+
+    One multiplication (integers in float64, truncated), so an integer average
+    is truncated toward zero: ``(-3 + 0) / 2`` is ``-1``.
+    """
+    factor = postscale / world if op is ReduceOp.Average else postscale
+    scale_(tensor, factor, "postscale_factor")
     return tensor
 
 
@@ -114,19 +125,23 @@ def allreduce_async_(
     check_process_set(process_set)
     rop = resolve_op(op, average)
     _contiguous(tensor, "allreduce_")
+    named = claim("allreduce", name)
     desc = describe("allreduce", tensor, name, op=rop.name)
     key = ("allreduce", name, int(rop), prescale_factor, postscale_factor)
     seq = agree("all_reduce", tensor, key=key, desc=desc, name=name)
     world = session().topology.size
     data = tensor.detach()  # same storage; a leaf that requires grad can be written through it
-    scale_(data, prescale_factor, "prescale_factor")
-    work = dist.all_reduce(data, op=_DIST_OPS[rop], async_op=True) if active() else None
+    wired = to_wire(data, "allreduce", reduce=True)  # `data` unless its dtype must be carried
+    scale_(wired, prescale_factor, "prescale_factor")
+    work = dist.all_reduce(wired, op=_DIST_OPS[rop], async_op=True) if active() else None
 
     def finish() -> torch.Tensor:
-        finish_(data, rop, postscale_factor, world)
+        finish_(wired, rop, postscale_factor, world)
+        if wired is not data:
+            data.copy_(from_wire(wired, data.dtype))
         return tensor
 
-    return submit([work], finish, desc, seq)
+    return submit([work], finish, desc, seq, name=named)
 
 
 def allreduce_async(
@@ -182,6 +197,7 @@ def grouped_allreduce_async_(
     tensors = list(tensors)
     if not tensors:
         raise UsageError("grouped_allreduce needs a non-empty list of tensors")
+    named = claim("grouped_allreduce", name)
     shapes = [(tuple(t.shape), str(t.dtype)) for t in tensors]
     desc = describe("grouped_allreduce", None, name, tensors=len(tensors), op=rop.name)
     key = ("grouped_allreduce", name, int(rop), prescale_factor, postscale_factor, shapes)
@@ -191,6 +207,7 @@ def grouped_allreduce_async_(
     works, flats = [], []
     for group in _flat_groups(tensors):
         flat = torch.cat([tensors[i].detach().reshape(-1) for i in group])
+        flat = to_wire(flat, "grouped_allreduce", reduce=True)
         scale_(flat, prescale_factor, "prescale_factor")
         works.append(dist.all_reduce(flat, op=_DIST_OPS[rop], async_op=True) if active() else None)
         flats.append((group, flat))
@@ -206,7 +223,7 @@ def grouped_allreduce_async_(
                 offset += n
         return tensors
 
-    return submit(works, finish, desc, seq)
+    return submit(works, finish, desc, seq, name=named)
 
 
 def grouped_allreduce_async(
@@ -259,6 +276,7 @@ def reducescatter_async(
     rop = resolve_op(op, None)
     if tensor.dim() == 0:
         raise UsageError("reducescatter needs a tensor with at least one dimension")
+    named = claim("reducescatter", name)
     desc = describe("reducescatter", tensor, name, op=rop.name)
     key = ("reducescatter", name, int(rop), prescale_factor, postscale_factor)
     seq = agree("reduce_scatter", tensor, key=key, desc=desc, name=name)
@@ -271,8 +289,9 @@ def reducescatter_async(
     for r, n in enumerate(counts):
         padded[r * longest : r * longest + n] = tensor[offset : offset + n].detach()
         offset += n
+    padded = to_wire(padded, "reducescatter", reduce=True)
     scale_(padded, prescale_factor, "prescale_factor")
-    out = tensor.new_empty((longest, *rest))
+    out = padded.new_empty((longest, *rest))
     work = None
     if active():
         work = reduce_scatter_single(out, padded, op=_DIST_OPS[rop], async_op=True)
@@ -280,6 +299,6 @@ def reducescatter_async(
         out.copy_(padded)
 
     def finish() -> torch.Tensor:
-        return finish_(out[: counts[me]], rop, postscale_factor, world)
+        return from_wire(finish_(out[: counts[me]], rop, postscale_factor, world), tensor.dtype)
 
-    return submit([work], finish, desc, seq)
+    return submit([work], finish, desc, seq, name=named)
