@@ -14,8 +14,16 @@ def _die_of(exc: BaseException) -> None:
     _excepthook._hook(type(exc), exc, exc.__traceback__)
 
 
-def test_importing_manygpu_installs_the_hook() -> None:
-    assert manygpu is not None and sys.excepthook is _excepthook._hook
+def test_install_puts_the_hook_over_the_one_there(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``import manygpu`` calls install (a plain ``python`` run shows it end to end:
+    tests/launch/test_first_hour.py); test runners replace the hook, so check install."""
+    assert manygpu is not None
+    before = sys.excepthook
+    monkeypatch.setattr(sys, "excepthook", before)  # restored after the test
+    monkeypatch.setattr(_excepthook, "_previous", _excepthook._previous)
+    _excepthook.install()
+    assert sys.excepthook is _excepthook._hook
+    assert _excepthook._previous is before or before is _excepthook._hook
 
 
 def test_a_usage_error_is_one_line(capsys: pytest.CaptureFixture[str]) -> None:
