@@ -126,3 +126,4 @@ def test_the_first_line_needs_no_torch() -> None:
     line = announcement(6, None)
     assert "every local GPU (or 2 CPU workers)" in line and "5 epoch(s) are timed" in line
     assert "1 epoch(s) are timed" in announcement(1, 3)
+    assert "speed-up" not in announcement(3, 1)  # one worker: nothing to compare

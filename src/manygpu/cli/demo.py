@@ -48,10 +48,15 @@ def announcement(epochs: int, workers: int | None) -> str:
     """
     where = f"{workers} worker(s)" if workers else "every local GPU (or 2 CPU workers)"
     windows = max(epochs - 1, 1)
+    timing = (
+        f"; with several workers, {windows} epoch(s) are timed, each against one worker "
+        "alone, for the speed-up"
+        if workers != 1
+        else ""  # one worker: nothing to compare
+    )
     return (
         f"manygpu demo: training a small CNN on scikit-learn's digits for {epochs} epoch(s) "
-        f"on {where}; with several workers, {windows} epoch(s) are timed, each against one "
-        "worker alone, for the speed-up. Starting PyTorch and the workers first."
+        f"on {where}{timing}. Starting PyTorch and the workers first."
     )
 
 
