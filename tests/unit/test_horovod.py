@@ -166,13 +166,29 @@ def test_before_init_sizes_are_refused() -> None:
         hvd.DistributedOptimizer(torch.optim.SGD(nn.Linear(2, 2).parameters(), lr=0.1))
 
 
-def test_init_refuses_communicators_and_process_sets() -> None:
+def test_init_refuses_communicators_and_bad_process_sets() -> None:
     with pytest.raises(UsageError, match=r"hvd.init\(comm=...\) is not supported"):
         hvd.init(comm=[0, 1])
-    with pytest.raises(
-        hvd.NotSupportedError, match=r"hvd\.process_sets \(Horovod process sets\) is not supported"
-    ):
-        hvd.init(process_sets=[])
+    with pytest.raises(UsageError, match=r"give a list of hvd.ProcessSet or 'dynamic'"):
+        hvd.init(process_sets="static")
+    assert not hvd.is_initialized()  # a refused init leaves no job behind
+
+
+def test_process_sets_check_their_ranks_and_registration(one: None) -> None:
+    assert (
+        str(hvd.ProcessSet([2, 0]))
+        == "ProcessSet(process_set_id=None, ranks=[0, 2], mpi_comm=None)"
+    )
+    for bad in ([], [0, 0], [-1], "01", 3):
+        with pytest.raises(UsageError, match="ProcessSet"):
+            hvd.ProcessSet(bad)  # type: ignore[arg-type]
+    assert hvd.global_process_set.ranks == [0] and hvd.global_process_set.size() == 1
+    with pytest.raises(UsageError, match="HOROVOD_DYNAMIC_PROCESS_SETS=1"):
+        hvd.add_process_set([0])
+    with pytest.raises(UsageError, match=r"is not registered"):
+        hvd.allreduce(torch.ones(1), process_set=hvd.ProcessSet([0]))
+    with pytest.raises(UsageError, match=r"must be a hvd\.ProcessSet"):
+        hvd.allreduce(torch.ones(1), process_set=[0])
 
 
 # -- a world of one ------------------------------------------------------------------------
@@ -207,9 +223,7 @@ def test_bad_arguments_are_one_line_errors(one: None) -> None:
         hvd.allreduce(torch.ones(2, dtype=torch.bool), prescale_factor=2.0)
     with pytest.raises(UsageError, match="needs a contiguous tensor"):
         hvd.allreduce_(torch.ones(4, 2).t())
-    with pytest.raises(
-        hvd.NotSupportedError, match=r"hvd\.process_set \(Horovod process sets\) .*new_group"
-    ):
+    with pytest.raises(UsageError, match=r"process_set must be a hvd\.ProcessSet"):
         hvd.allreduce(x, process_set=object())
     with pytest.raises(UsageError, match="invalid params of type int"):
         hvd.broadcast_parameters(3, root_rank=0)

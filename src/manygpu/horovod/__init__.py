@@ -15,7 +15,7 @@ and run it with ``manygpu launch --nproc-per-node N script.py`` (or torchrun,
 srun, mpirun). Collectives go through torch.distributed (NCCL for CUDA
 tensors, gloo for CPU ones) with manygpu's timeouts: a mismatch between ranks
 is an error naming them, a stall names the missing ranks. What of Horovod is
-left out (Adasum, elastic, process sets...) raises an error that says what to
+left out (Adasum, elastic...) raises an error that says what to
 use instead; the list is :data:`manygpu.horovod.missing.LEFT_OUT`.
 
 This package is imported only when asked for: ``import manygpu`` does not load it.
@@ -27,7 +27,6 @@ from manygpu.horovod.basics import (
     cross_size,
     cuda_built,
     ddl_built,
-    global_process_set,
     gloo_built,
     gloo_enabled,
     init,
@@ -65,10 +64,22 @@ from manygpu.horovod.differentiable import (
 )
 from manygpu.horovod.exceptions import HorovodInternalError, HostsUpdatedInterrupt
 from manygpu.horovod.functions import allgather_object, broadcast_object, broadcast_parameters
+from manygpu.horovod.grouped import (
+    grouped_allgather,
+    grouped_allgather_async,
+    grouped_reducescatter,
+    grouped_reducescatter_async,
+)
 from manygpu.horovod.handles import poll, synchronize
 from manygpu.horovod.missing import LEFT_OUT, NotSupportedError, not_supported
 from manygpu.horovod.optimizer import DistributedOptimizer
 from manygpu.horovod.optimizer_state import broadcast_optimizer_state
+from manygpu.horovod.process_sets import (
+    ProcessSet,
+    add_process_set,
+    global_process_set,
+    remove_process_set,
+)
 from manygpu.horovod.reduce_ops import (
     Average,
     Max,
@@ -107,9 +118,11 @@ __all__ = [
     "Min",
     "NoneCompressor",
     "NotSupportedError",
+    "ProcessSet",
     "Product",
     "ReduceOp",
     "Sum",
+    "add_process_set",
     "allgather",
     "allgather_async",
     "allgather_object",
@@ -135,10 +148,14 @@ __all__ = [
     "global_process_set",
     "gloo_built",
     "gloo_enabled",
+    "grouped_allgather",
+    "grouped_allgather_async",
     "grouped_allreduce",
     "grouped_allreduce_",
     "grouped_allreduce_async",
     "grouped_allreduce_async_",
+    "grouped_reducescatter",
+    "grouped_reducescatter_async",
     "init",
     "is_homogeneous",
     "is_initialized",
@@ -153,6 +170,7 @@ __all__ = [
     "rank",
     "reducescatter",
     "reducescatter_async",
+    "remove_process_set",
     "rocm_built",
     "shutdown",
     "size",

@@ -21,18 +21,20 @@ import atexit
 import itertools
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
 
 from manygpu.comm.common import active, all_gather_single, wait
 from manygpu.errors import UsageError
-from manygpu.horovod.missing import not_supported
 from manygpu.runtime import env as envmod
 from manygpu.runtime.cluster import ClusterInfo, detect_cluster
 from manygpu.runtime.device import set_cpu_threads
 from manygpu.runtime.process_group import DistContext, init_distributed, teardown
+
+if TYPE_CHECKING:
+    from manygpu.horovod.process_sets import Scope, SetTable
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -66,6 +68,8 @@ class Pending:
     """How errors name it: ``allreduce('loss', float32[4], op=Average)``."""
     seq: int
     """This rank's number for the call, shown when a stall is reported."""
+    scope: Scope | None = None
+    """The process set it runs in; ``None`` for the whole job."""
     name: str | None = None
     """Horovod's name for it (``allreduce.loss``) while pending, when the user gave one."""
 
@@ -87,6 +91,8 @@ class Session:
     """Calls of ``join()`` so far (each meets on its own store key)."""
     names: set[str] = field(default_factory=set)
     """Names of the pending operations: Horovod refuses a second call with one of them."""
+    process_sets: SetTable | None = None
+    """The registered process sets (:mod:`manygpu.horovod.process_sets`)."""
 
     def next_call(self) -> int:
         self.calls += 1
@@ -152,7 +158,8 @@ def init(comm: Any = None, process_sets: Any = None) -> None:
     Args:
         comm: Horovod's MPI communicator or rank list: not supported; start
             only the processes you want instead.
-        process_sets: Horovod's process sets: not supported (see the README).
+        process_sets: ``hvd.ProcessSet`` objects to register, in order (ids 1, 2, ...),
+            or ``"dynamic"`` to allow ``hvd.add_process_set`` later.
     """
     global _session, _exit_hook
     if comm is not None:
@@ -161,8 +168,6 @@ def init(comm: Any = None, process_sets: Any = None) -> None:
             "launcher started; start only the ones you want (manygpu launch -np N), or use "
             "torch.distributed.new_group(ranks) for a subgroup"
         )
-    if process_sets is not None:
-        not_supported("process_sets")
     if _session is not None:
         return
     environ = envmod.current()
@@ -176,6 +181,13 @@ def init(comm: Any = None, process_sets: Any = None) -> None:
         cluster, device=torch.device("cpu"), backend=backend_for(cuda), timeout_s=timeout_s
     )
     _session = Session(topology=_topology(cluster, timeout_s), ctx=ctx, timeout_s=timeout_s)
+    from manygpu.horovod import process_sets as sets  # it builds on this module
+
+    try:
+        sets.setup(_session, process_sets)
+    except BaseException:
+        shutdown()  # a bad process set leaves no half-initialized job behind
+        raise
     if not _exit_hook:
         atexit.register(shutdown)  # Horovod shuts down at exit too
         _exit_hook = True
@@ -291,26 +303,12 @@ def mpi_threads_supported() -> bool:
     return False
 
 
-class _GlobalProcessSet:
-    """Horovod's ``global_process_set``: every process (the only set supported)."""
+def __getattr__(name: str) -> Any:
+    """``global_process_set`` and ``check_process_set`` moved to
+    :mod:`manygpu.horovod.process_sets` (which builds on this module, so it cannot be
+    imported at the top here); the old names still work."""
+    if name in ("global_process_set", "check_process_set"):
+        from manygpu.horovod import process_sets
 
-    def size(self) -> int:
-        return size()
-
-    def rank(self) -> int:
-        return rank()
-
-    def included(self) -> bool:
-        return True
-
-    def __repr__(self) -> str:
-        return "global_process_set"
-
-
-global_process_set = _GlobalProcessSet()
-
-
-def check_process_set(process_set: object) -> None:
-    """Only the global set: anything else names the manygpu way to a subgroup."""
-    if process_set is not None and process_set is not global_process_set:
-        not_supported("process_set")
+        return getattr(process_sets, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -20,18 +20,21 @@ from __future__ import annotations
 import time
 import zlib
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
 
 from manygpu.comm import debug as dbg
-from manygpu.comm.common import active, wait
+from manygpu.comm.common import active, all_gather_single, scratch_device, wait
 from manygpu.comm.debug import CollectiveMismatchError
 from manygpu.comm.objects import PayloadError, all_gather_json
 from manygpu.errors import CollectiveTimeoutError, peer_lost
 from manygpu.horovod.basics import Pending, session
 from manygpu.horovod.exceptions import internal
+
+if TYPE_CHECKING:
+    from manygpu.horovod.process_sets import Scope
 
 Entry = tuple[str, tuple[int, ...], str]
 """(name, shape, dtype) of one tensor in a layout."""
@@ -69,6 +72,7 @@ def agree(
     shape: tuple[int, ...] | None = None,
     details: list[Entry] | None = None,
     name: str | None = None,
+    scope: Scope | None = None,
 ) -> int:
     """Before a collective: check every rank calls the same one; this rank's call number.
 
@@ -81,7 +85,11 @@ def agree(
         details: a layout (many tensors) to list differences of, when they disagree.
         name: the user's name for the call: in strict debug mode the call site
             compared, instead of the line it was called from (as Horovod matches names).
+        scope: the process set it runs in (``None``: the whole job); only its
+            ranks are compared.
     """
+    if scope is not None and not scope.whole:
+        return _agree_in_set(scope, op, tensor, key=key, desc=desc, shape=shape, details=details)
     seq = session().next_call()
     if not active():
         return seq
@@ -102,6 +110,46 @@ def agree(
             raise
         raise named from exc
     return seq
+
+
+def _agree_in_set(
+    scope: Scope,
+    op: str,
+    tensor: torch.Tensor | None,
+    *,
+    key: object,
+    desc: str,
+    shape: tuple[int, ...] | None,
+    details: list[Entry] | None,
+) -> int:
+    """:func:`agree` among a process set's ranks: one small all-gather of integers over
+    its sub-group (operation, dtype, shape, arguments, call number), the job's
+    debug check being over every rank."""
+    from manygpu.horovod.process_sets import next_call
+
+    seq = next_call(scope)
+    if not active():
+        return seq
+    dims = list(shape if shape is not None else (tensor.shape if tensor is not None else ()))
+    dtype = str(tensor.dtype) if tensor is not None else ""
+    head = [zlib.crc32(op.encode()), zlib.crc32(dtype.encode()), len(dims), seq]
+    head.append(zlib.crc32(repr(key).encode()) & 0x7FFFFFFF)
+    row = torch.tensor(head + (dims + [-1] * 8)[:8], dtype=torch.int64, device=scratch_device())
+    table = row.new_empty((scope.size, row.numel()))
+    timeout_s = session().timeout_s
+    try:
+        work = all_gather_single(table, row.unsqueeze(0), group=scope.group, async_op=True)
+        wait(work, f"{desc}: comparing calls", timeout_s)
+    except CollectiveTimeoutError as exc:
+        raise named_stall(exc, seq, desc, scope) or exc from exc
+    if len({tuple(r) for r in table.tolist()}) == 1:
+        return seq
+    what = f"{desc}: comparing calls"
+    sent = all_gather_json([desc, details], operation=what, timeout_s=timeout_s, group=scope.group)
+    rows = [parse_row(row, sender=r, operation=desc) for r, row in enumerate(sent)]
+    fallback = f"{desc}: the ranks of the set are at different call numbers{scope.label()}"
+    text = render_mismatch(rows, fallback, ranks=scope.ranks)
+    raise HorovodMismatchError(text + scope.label())
 
 
 def parse_row(row: object, *, sender: int, operation: str) -> tuple[str, list[Entry] | None]:
@@ -133,17 +181,25 @@ def parse_row(row: object, *, sender: int, operation: str) -> tuple[str, list[En
     return desc, entries
 
 
-def render_mismatch(rows: Sequence[tuple[str, list[Entry] | None]], fallback: str) -> str:
-    """One line naming which ranks call what (or which tensors differ in a layout)."""
+def render_mismatch(
+    rows: Sequence[tuple[str, list[Entry] | None]],
+    fallback: str,
+    ranks: Sequence[int] | None = None,
+) -> str:
+    """One line naming which ranks call what (or which tensors differ in a layout).
+
+    ``ranks``: the global rank of each row (a process set's), when not ``0..len(rows)-1``.
+    """
     rank = dist.get_rank() if dist.is_initialized() else 0
+    ids = list(ranks) if ranks is not None else list(range(len(rows)))
     head = f"rank {rank}: manygpu.horovod: ranks disagree on a collective: "
     layouts = [d for _, d in rows]
     if all(d is not None for d in layouts) and len({repr(d) for d in layouts}) > 1:
         what = rows[0][0].split("(")[0]
-        return f"{head}{what}: {layout_diff([d for d in layouts if d is not None])}"
+        return f"{head}{what}: {layout_diff([d for d in layouts if d is not None], ids)}"
     groups: dict[str, list[int]] = {}
     for r, (desc, _) in enumerate(rows):
-        groups.setdefault(desc, []).append(r)
+        groups.setdefault(desc, []).append(ids[r])
     if len(groups) == 1:
         return fallback  # same call everywhere: the call numbers differ (a skipped call)
     said = "; ".join(
@@ -153,18 +209,22 @@ def render_mismatch(rows: Sequence[tuple[str, list[Entry] | None]], fallback: st
     return head + said + " (every rank must make the same calls with the same shapes)"
 
 
-def layout_diff(per_rank: Sequence[Sequence[Entry]]) -> str:
-    """What differs between ranks' lists of tensors: missing names, shapes, dtypes, order."""
+def layout_diff(per_rank: Sequence[Sequence[Entry]], ids: Sequence[int] | None = None) -> str:
+    """What differs between ranks' lists of tensors: missing names, shapes, dtypes, order.
+
+    ``ids``: the global rank of each list, when not ``0..len(per_rank)-1``.
+    """
+    who = list(ids) if ids is not None else list(range(len(per_rank)))
     maps = [{name: (shape, dtype) for name, shape, dtype in entries} for entries in per_rank]
     names = list(dict.fromkeys(name for entries in per_rank for name, _, _ in entries))
     problems = []
     for name in names:
-        present = [r for r, m in enumerate(maps) if name in m]
+        present = [r for r, m in zip(who, maps, strict=True) if name in m]
         if len(present) < len(maps):
             problems.append(f"{name!r} exists only on {ranks_text(present)}")
             continue
         kinds: dict[str, list[int]] = {}
-        for r, m in enumerate(maps):
+        for r, m in zip(who, maps, strict=True):
             shape, dtype = m[name]
             kind = f"{dtype.removeprefix('torch.')}[{'x'.join(map(str, shape)) or 'scalar'}]"
             kinds.setdefault(kind, []).append(r)
@@ -173,7 +233,7 @@ def layout_diff(per_rank: Sequence[Sequence[Entry]]) -> str:
             problems.append(f"{name!r} is {said}")
     if not problems:
         orders: dict[str, list[int]] = {}
-        for r, entries in enumerate(per_rank):
+        for r, entries in zip(who, per_rank, strict=True):
             orders.setdefault(repr([n for n, _, _ in entries]), []).append(r)
         return "the same tensors in a different order on " + " vs ".join(
             ranks_text(ranks) for ranks in orders.values()
@@ -182,10 +242,18 @@ def layout_diff(per_rank: Sequence[Sequence[Entry]]) -> str:
     return "; ".join(problems[:5]) + more
 
 
-def describe_stall(records: Mapping[int, tuple[int, str]], world: int, seq: int) -> str:
-    """Who is missing, from the notes of the ranks that timed out (``rank -> (call, desc)``)."""
+def describe_stall(
+    records: Mapping[int, tuple[int, str]],
+    world: int,
+    seq: int,
+    ranks: Sequence[int] | None = None,
+) -> str:
+    """Who is missing, from the notes of the ranks that timed out (``rank -> (call, desc)``).
+
+    ``ranks``: those that should have joined (a process set's), by default ``0..world-1``.
+    """
     waiting = sorted(r for r, (s, _) in records.items() if s == seq)
-    absent = [r for r in range(world) if r not in records]
+    absent = [r for r in (range(world) if ranks is None else ranks) if r not in records]
     parts = []
     if absent:
         parts.append(f"missing ranks: {absent} never started this collective")
@@ -205,30 +273,38 @@ def _store() -> Any:
         return None
 
 
-def missing_ranks(seq: int, desc: str) -> str:
-    """Leave this rank's note, wait a little for the others' and say who is missing."""
+def missing_ranks(seq: int, desc: str, scope: Scope | None = None) -> str:
+    """Leave this rank's note, wait a little for the others' and say who is missing.
+
+    In a process set, only its ranks are asked, under keys of the set's own (its
+    call numbers are its own).
+    """
     s = session()
     me, world = s.topology.rank, s.topology.size
     store = _store()
     if store is None:
         return "could not ask the other ranks which are missing (no store)"
-    keys = [f"{_STALL_KEY}{r}" for r in range(world)]
+    ranks = list(range(world)) if scope is None or scope.whole else list(scope.ranks)
+    prefix = _STALL_KEY if scope is None or scope.whole else f"{_STALL_KEY}set{scope.set_id}/"
+    keys = {r: f"{prefix}{r}" for r in ranks}
     records = {me: (seq, desc)}
     try:
         store.set(keys[me], f"{seq}\t{desc}")
         deadline = time.monotonic() + min(_GRACE_S, s.timeout_s)
-        while time.monotonic() < deadline and not store.check(keys):
+        while time.monotonic() < deadline and not store.check(list(keys.values())):
             time.sleep(0.1)
-        for r in range(world):
+        for r in ranks:
             if r != me and store.check([keys[r]]):
                 number, _, what = store.get(keys[r]).decode().partition("\t")
                 records[r] = (int(number), what)
     except (RuntimeError, ValueError) as exc:  # the store's host is gone too
         return f"could not ask the other ranks which are missing ({exc})"
-    return describe_stall(records, world, seq)
+    return describe_stall(records, world, seq, ranks)
 
 
-def named_stall(exc: CollectiveTimeoutError, seq: int, desc: str) -> CollectiveTimeoutError | None:
+def named_stall(
+    exc: CollectiveTimeoutError, seq: int, desc: str, scope: Scope | None = None
+) -> CollectiveTimeoutError | None:
     """The timeout re-raised with the missing ranks named (as is when a peer died instead).
 
     Either way a :class:`~manygpu.horovod.exceptions.HorovodCollectiveError`: still
@@ -237,7 +313,7 @@ def named_stall(exc: CollectiveTimeoutError, seq: int, desc: str) -> CollectiveT
     if peer_lost(str(exc)):
         return internal(exc)
     s = session()
-    said = missing_ranks(seq, desc)
+    said = missing_ranks(seq, desc, scope)
     return internal(CollectiveTimeoutError(s.topology.rank, desc, s.timeout_s, said))
 
 
@@ -247,7 +323,7 @@ def wait_pending(pending: Pending) -> None:
         try:
             wait(work, pending.description, session().timeout_s)
         except CollectiveTimeoutError as exc:
-            named = named_stall(exc, pending.seq, pending.description)
+            named = named_stall(exc, pending.seq, pending.description, pending.scope)
             if named is None:
                 raise
             raise named from exc

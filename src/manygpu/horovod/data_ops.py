@@ -18,10 +18,11 @@ from manygpu.comm import debug as dbg
 from manygpu.comm.collectives import barrier as comm_barrier
 from manygpu.comm.common import active, all_gather_single, scratch_device, wait
 from manygpu.errors import CollectiveTimeoutError, UsageError
-from manygpu.horovod.basics import check_process_set, global_process_set, session
-from manygpu.horovod.checks import _store, agree, describe
+from manygpu.horovod.basics import Pending, session
+from manygpu.horovod.checks import _store, agree, describe, wait_pending
 from manygpu.horovod.exceptions import internal
 from manygpu.horovod.handles import claim, submit, synchronize
+from manygpu.horovod.process_sets import Scope, global_process_set, resolve
 from manygpu.horovod.wire import from_wire, to_wire
 
 
@@ -33,12 +34,12 @@ def _wait(work: dist.Work | None, what: str) -> None:
         raise internal(exc) from exc
 
 
-def _gather_sizes(rows: int, device: torch.device, what: str) -> list[int]:
-    """Every rank's first dimension (a small synchronous all-gather)."""
-    world = session().topology.size
+def _gather_sizes(rows: int, device: torch.device, what: str, scope: Scope) -> list[int]:
+    """Every rank's first dimension (a small synchronous all-gather over the set)."""
     mine = torch.tensor([rows], dtype=torch.int64, device=device)
-    table = mine.new_empty(world)
-    _wait(all_gather_single(table, mine, async_op=True), f"{what} sizes")
+    table = mine.new_empty(scope.size)
+    work = all_gather_single(table, mine, group=scope.group, async_op=True)
+    _wait(work, f"{what} sizes")
     return [int(n) for n in table.tolist()]
 
 
@@ -46,37 +47,45 @@ def allgather_async(
     tensor: torch.Tensor, name: str | None = None, process_set: object = global_process_set
 ) -> int:
     """Start concatenating every rank's ``tensor`` along dim 0 (dim 0 may differ per rank)."""
-    check_process_set(process_set)
+    scope = resolve(process_set, "allgather")
     named = claim("allgather", name)
     local = tensor.detach().reshape(1) if tensor.dim() == 0 else tensor.detach().contiguous()
     desc = describe("allgather", local, name)
     shape = (dbg.ANY, *local.shape[1:])
     seq = agree(
-        "all_gather_uneven", local, key=("allgather", name), desc=desc, shape=shape, name=name
-    )
+        "all_gather_uneven", local, key=("allgather", name), desc=desc, shape=shape, name=name,
+        scope=scope,
+    )  # fmt: skip
     if not active():
         return submit([], local.clone, desc, seq, name=named)
-    world, rest = session().topology.size, tuple(local.shape[1:])
+    world, rest = scope.size, tuple(local.shape[1:])
     wired = to_wire(local, "allgather")  # after agree: every rank refuses alike
-    sizes = _gather_sizes(local.shape[0], local.device, desc)
+    sizes = _gather_sizes(local.shape[0], local.device, desc, scope)
     longest = max(sizes)
     padded = wired.new_zeros((longest, *rest))
     padded[: local.shape[0]] = wired
     table = wired.new_empty((world * longest, *rest))
-    work = all_gather_single(table, padded, async_op=True)
+    work = all_gather_single(table, padded, group=scope.group, async_op=True)
 
     def finish() -> torch.Tensor:
         rows = table.view(world, longest, *rest)
         return from_wire(torch.cat([rows[r, :n] for r, n in enumerate(sizes)]), local.dtype)
 
-    return submit([work], finish, desc, seq, name=named)
+    return submit([work], finish, desc, seq, scope, name=named)
 
 
-def check_root(root_rank: int, what: str) -> None:
+def check_root(root_rank: int, what: str, scope: Scope | None = None) -> None:
+    """``root_rank`` must be a global rank of the job, and of the process set if one is given
+    (Horovod's root is a global rank even within a set)."""
     world = session().topology.size
     if not isinstance(root_rank, int) or not 0 <= root_rank < world:
         raise UsageError(
             f"{what}: root_rank={root_rank!r} is not a rank of this job (0..{world - 1})"
+        )
+    if scope is not None and root_rank not in scope.ranks:
+        raise UsageError(
+            f"{what}: root_rank={root_rank} is not in the process set (global ranks "
+            f"{list(scope.ranks)}); root_rank is a global rank, as hvd.rank() gives"
         )
 
 
@@ -86,24 +95,30 @@ def broadcast_async_(
     name: str | None = None,
     process_set: object = global_process_set,
 ) -> int:
-    """Start copying ``root_rank``'s ``tensor`` into every rank's ``tensor`` (in place)."""
-    check_process_set(process_set)
-    check_root(root_rank, "broadcast")
+    """Start copying ``root_rank``'s ``tensor`` into every rank's ``tensor`` (in place).
+
+    ``root_rank`` is a global rank, also within a process set (as in Horovod).
+    """
+    scope = resolve(process_set, "broadcast")
+    check_root(root_rank, "broadcast", scope)
     if not tensor.is_contiguous():
         raise UsageError("broadcast_ needs a contiguous tensor; pass tensor.contiguous()")
     named = claim("broadcast", name)
     desc = describe("broadcast", tensor, name, root_rank=root_rank)
-    seq = agree("broadcast", tensor, key=("broadcast", name, root_rank), desc=desc, name=name)
+    key = ("broadcast", name, root_rank)
+    seq = agree("broadcast", tensor, key=key, desc=desc, name=name, scope=scope)
     data = tensor.detach()  # a leaf that requires grad can still be written through its data
     wired = to_wire(data, "broadcast")  # `data` itself unless its dtype must be carried
-    work = dist.broadcast(wired, src=root_rank, async_op=True) if active() else None
+    work = None
+    if active():
+        work = dist.broadcast(wired, src=root_rank, group=scope.group, async_op=True)
 
     def finish() -> torch.Tensor:
         if wired.data_ptr() != data.data_ptr():
             data.copy_(from_wire(wired, data.dtype))
         return tensor
 
-    return submit([work], finish, desc, seq, name=named)
+    return submit([work], finish, desc, seq, scope, name=named)
 
 
 def broadcast_async(
@@ -157,24 +172,26 @@ def alltoall_async(
     ``synchronize`` returns the received tensor, and with ``splits`` given also
     the rows received from each rank (an int32 tensor), as Horovod.
     """
-    check_process_set(process_set)
+    scope = resolve(process_set, "alltoall")
     if tensor.dim() == 0:
         raise UsageError("alltoall needs a tensor with at least one dimension")
-    world = session().topology.size
-    sent = send_splits(tensor.shape[0], splits, world)
+    sent = send_splits(tensor.shape[0], splits, scope.size)
     named = claim("alltoall", name)
     desc = describe("alltoall", tensor, name)
     shape = (dbg.ANY, *tensor.shape[1:])
-    seq = agree("all_to_all", tensor, key=("alltoall", name), desc=desc, shape=shape, name=name)
+    seq = agree(
+        "all_to_all", tensor, key=("alltoall", name), desc=desc, shape=shape, name=name,
+        scope=scope,
+    )  # fmt: skip
     data = to_wire(tensor.detach().contiguous(), "alltoall")
     if active():
         mine = torch.tensor(sent, dtype=torch.int64, device=data.device)
         theirs = torch.empty_like(mine)
-        work = dist.all_to_all_single(theirs, mine, async_op=True)
+        work = dist.all_to_all_single(theirs, mine, group=scope.group, async_op=True)
         _wait(work, f"{desc} splits")
         received = [int(n) for n in theirs.tolist()]
         out = data.new_empty((sum(received), *data.shape[1:]))
-        work = dist.all_to_all_single(out, data, received, sent, async_op=True)
+        work = dist.all_to_all_single(out, data, received, sent, group=scope.group, async_op=True)
     else:
         received, out, work = sent, data.clone(), None
     received_t = (
@@ -187,15 +204,24 @@ def alltoall_async(
         result = from_wire(out, tensor.dtype)
         return result if splits is None else (result, received_t)
 
-    return submit([work], finish, desc, seq, name=named)
+    return submit([work], finish, desc, seq, scope, name=named)
 
 
 def barrier(process_set: object = global_process_set) -> None:
-    """Wait until every process gets here (a stall names the missing ranks)."""
-    check_process_set(process_set)
-    agree("barrier", None, key=("barrier",), desc="barrier()")
-    if active():
+    """Wait until every process (of the set) gets here (a stall names the missing ranks)."""
+    scope = resolve(process_set, "barrier")
+    seq = agree("barrier", None, key=("barrier",), desc="barrier()", scope=scope)
+    if not active():
+        return
+    if scope.whole:
         comm_barrier(timeout_s=session().timeout_s, debug=False)
+        return
+    # A set's barrier: a one-element all-reduce over its sub-group, waited like the others.
+    flag = torch.zeros(1, device=scratch_device())
+    work = dist.all_reduce(flag, group=scope.group, async_op=True)
+    wait_pending(
+        Pending(works=[work], finish=lambda: None, description="barrier()", seq=seq, scope=scope)
+    )
 
 
 def join(device: int = -1) -> int:

@@ -16,10 +16,11 @@ from typing import Any
 
 import torch
 
-from manygpu.horovod.basics import check_process_set, global_process_set, session
+from manygpu.horovod.basics import session
 from manygpu.horovod.compression import Compression, Compressor
 from manygpu.horovod.data_ops import allgather_async, alltoall_async, broadcast_async, send_splits
 from manygpu.horovod.handles import synchronize
+from manygpu.horovod.process_sets import global_process_set, resolve
 from manygpu.horovod.reduce_ops import (
     ReduceOp,
     allreduce_async,
@@ -31,14 +32,18 @@ from manygpu.horovod.reduce_ops import (
 
 class _Allreduce(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: Any, tensor: torch.Tensor, name: Any, op: Any, pre: Any, post: Any) -> Any:
-        ctx.op, ctx.pre, ctx.post = op, pre, post
-        return synchronize(allreduce_async(tensor, None, name, op, pre, post))
+    def forward(
+        ctx: Any, tensor: torch.Tensor, name: Any, op: Any, pre: Any, post: Any, ps: Any
+    ) -> Any:
+        ctx.op, ctx.pre, ctx.post, ctx.ps = op, pre, post, ps
+        return synchronize(allreduce_async(tensor, None, name, op, pre, post, ps))
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> Any:
-        reduced = allreduce(grad, op=ctx.op, prescale_factor=ctx.pre, postscale_factor=ctx.post)
-        return reduced, None, None, None, None
+        reduced = allreduce(
+            grad, op=ctx.op, prescale_factor=ctx.pre, postscale_factor=ctx.post, process_set=ctx.ps
+        )
+        return reduced, None, None, None, None, None
 
 
 def allreduce(
@@ -52,25 +57,31 @@ def allreduce(
     process_set: object = global_process_set,
 ) -> torch.Tensor:
     """``tensor`` reduced over every process (Average by default); ``tensor`` is unchanged."""
-    check_process_set(process_set)
+    resolve(process_set, "allreduce")
     rop = resolve_op(op, average)
     compressed, cctx = compression.compress(tensor)
-    reduced = _Allreduce.apply(compressed, name, rop, prescale_factor, postscale_factor)
+    reduced = _Allreduce.apply(
+        compressed, name, rop, prescale_factor, postscale_factor, process_set
+    )
     return compression.decompress(reduced, cctx)
 
 
 class _GroupedAllreduce(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: Any, name: Any, op: Any, pre: Any, post: Any, *tensors: torch.Tensor) -> Any:
-        ctx.op, ctx.pre, ctx.post = op, pre, post
-        return tuple(synchronize(grouped_allreduce_async(list(tensors), None, name, op, pre, post)))
+    def forward(
+        ctx: Any, name: Any, op: Any, pre: Any, post: Any, ps: Any, *tensors: torch.Tensor
+    ) -> Any:
+        ctx.op, ctx.pre, ctx.post, ctx.ps = op, pre, post, ps
+        handle = grouped_allreduce_async(list(tensors), None, name, op, pre, post, ps)
+        return tuple(synchronize(handle))
 
     @staticmethod
     def backward(ctx: Any, *grads: torch.Tensor) -> Any:
         reduced = grouped_allreduce(
-            list(grads), op=ctx.op, prescale_factor=ctx.pre, postscale_factor=ctx.post
-        )
-        return (None, None, None, None, *reduced)
+            list(grads), op=ctx.op, prescale_factor=ctx.pre, postscale_factor=ctx.post,
+            process_set=ctx.ps,
+        )  # fmt: skip
+        return (None, None, None, None, None, *reduced)
 
 
 def grouped_allreduce(
@@ -84,49 +95,50 @@ def grouped_allreduce(
     process_set: object = global_process_set,
 ) -> list[torch.Tensor]:
     """Each of ``tensors`` reduced over every process, in as few collectives as dtypes."""
-    check_process_set(process_set)
+    resolve(process_set, "grouped_allreduce")
     rop = resolve_op(op, average)
     packed = [compression.compress(t) for t in tensors]
     reduced = _GroupedAllreduce.apply(
-        name, rop, prescale_factor, postscale_factor, *[c for c, _ in packed]
+        name, rop, prescale_factor, postscale_factor, process_set, *[c for c, _ in packed]
     )
     return [compression.decompress(t, c) for t, (_, c) in zip(reduced, packed, strict=True)]
 
 
 class _Allgather(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: Any, tensor: torch.Tensor, name: Any) -> Any:
+    def forward(ctx: Any, tensor: torch.Tensor, name: Any, ps: Any) -> Any:
         ctx.rows = tensor.shape[0] if tensor.dim() else 1
-        return synchronize(allgather_async(tensor, name))
+        ctx.ps = ps
+        return synchronize(allgather_async(tensor, name, ps))
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> Any:
-        reduced = allreduce(grad, op=ReduceOp.Average)
-        rows = allgather(torch.tensor([ctx.rows], device=grad.device)).tolist()
-        offset = sum(rows[: session().topology.rank])
-        return reduced.narrow(0, offset, ctx.rows), None
+        reduced = allreduce(grad, op=ReduceOp.Average, process_set=ctx.ps)
+        rows = allgather(torch.tensor([ctx.rows], device=grad.device), process_set=ctx.ps)
+        offset = sum(rows.tolist()[: resolve(ctx.ps, "allgather").rank])
+        return reduced.narrow(0, offset, ctx.rows), None, None
 
 
 def allgather(
     tensor: torch.Tensor, name: str | None = None, process_set: object = global_process_set
 ) -> torch.Tensor:
     """Every rank's ``tensor`` concatenated along dim 0 in rank order (dim 0 may differ)."""
-    check_process_set(process_set)
-    return _Allgather.apply(tensor, name)
+    resolve(process_set, "allgather")
+    return _Allgather.apply(tensor, name, process_set)
 
 
 class _Broadcast(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: Any, tensor: torch.Tensor, root_rank: Any, name: Any) -> Any:
-        ctx.root_rank = root_rank
-        return synchronize(broadcast_async(tensor, root_rank, name))
+    def forward(ctx: Any, tensor: torch.Tensor, root_rank: Any, name: Any, ps: Any) -> Any:
+        ctx.root_rank, ctx.ps = root_rank, ps
+        return synchronize(broadcast_async(tensor, root_rank, name, ps))
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> Any:
-        reduced = allreduce(grad, op=ReduceOp.Average)
-        if session().topology.rank != ctx.root_rank:
+        reduced = allreduce(grad, op=ReduceOp.Average, process_set=ctx.ps)
+        if session().topology.rank != ctx.root_rank:  # root_rank is global, as hvd.rank()
             reduced = reduced * 0
-        return reduced, None, None
+        return reduced, None, None, None
 
 
 def broadcast(
@@ -136,24 +148,24 @@ def broadcast(
     process_set: object = global_process_set,
 ) -> torch.Tensor:
     """``root_rank``'s ``tensor`` on every rank, as a new tensor (``tensor`` is unchanged)."""
-    check_process_set(process_set)
-    return _Broadcast.apply(tensor, root_rank, name)
+    resolve(process_set, "broadcast")
+    return _Broadcast.apply(tensor, root_rank, name, process_set)
 
 
 class _Alltoall(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: Any, tensor: torch.Tensor, splits: Any, name: Any) -> Any:
-        world = session().topology.size
+    def forward(ctx: Any, tensor: torch.Tensor, splits: Any, name: Any, ps: Any) -> Any:
+        world = resolve(ps, "alltoall").size
         sent = send_splits(tensor.shape[0], splits, world) if tensor.dim() else splits
-        out, received = synchronize(alltoall_async(tensor, sent, name))
-        ctx.received = received
+        out, received = synchronize(alltoall_async(tensor, sent, name, ps))
+        ctx.received, ctx.ps = received, ps
         ctx.mark_non_differentiable(received)
         return out if splits is None else (out, received)
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor, *unused: Any) -> Any:
-        back, _ = alltoall(grad, splits=ctx.received)
-        return back, None, None
+        back, _ = alltoall(grad, splits=ctx.received, process_set=ctx.ps)
+        return back, None, None, None
 
 
 def alltoall(
@@ -167,20 +179,24 @@ def alltoall(
     Returns the received rows in rank order, and with ``splits`` given also how
     many rows came from each rank, as Horovod.
     """
-    check_process_set(process_set)
-    return _Alltoall.apply(tensor, splits, name)
+    resolve(process_set, "alltoall")
+    return _Alltoall.apply(tensor, splits, name, process_set)
 
 
 class _Reducescatter(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: Any, tensor: torch.Tensor, name: Any, op: Any, pre: Any, post: Any) -> Any:
-        ctx.op, ctx.pre, ctx.post = op, pre, post
-        return synchronize(reducescatter_async(tensor, name, op, None, pre, post))
+    def forward(
+        ctx: Any, tensor: torch.Tensor, name: Any, op: Any, pre: Any, post: Any, ps: Any
+    ) -> Any:
+        ctx.op, ctx.pre, ctx.post, ctx.ps = op, pre, post, ps
+        return synchronize(reducescatter_async(tensor, name, op, ps, pre, post))
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> Any:
-        factor = ctx.pre * ctx.post * (session().topology.size if ctx.op is ReduceOp.Sum else 1)
-        return allgather(grad * factor if factor != 1 else grad), None, None, None, None
+        world = resolve(ctx.ps, "reducescatter").size
+        factor = ctx.pre * ctx.post * (world if ctx.op is ReduceOp.Sum else 1)
+        gathered = allgather(grad * factor if factor != 1 else grad, process_set=ctx.ps)
+        return gathered, None, None, None, None, None
 
 
 def reducescatter(
@@ -193,8 +209,10 @@ def reducescatter(
     postscale_factor: float = 1.0,
 ) -> torch.Tensor:
     """``tensor`` reduced over every process, dim 0 split among ranks (first ranks get more)."""
-    check_process_set(process_set)
+    resolve(process_set, "reducescatter")
     rop = resolve_op(op, None)
     compressed, cctx = compression.compress(tensor)
-    part = _Reducescatter.apply(compressed, name, rop, prescale_factor, postscale_factor)
+    part = _Reducescatter.apply(
+        compressed, name, rop, prescale_factor, postscale_factor, process_set
+    )
     return compression.decompress(part, cctx)

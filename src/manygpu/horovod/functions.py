@@ -20,9 +20,10 @@ from manygpu.comm.common import active
 from manygpu.comm.objects import all_gather_object
 from manygpu.comm.objects import broadcast_object as comm_broadcast_object
 from manygpu.errors import UsageError
-from manygpu.horovod.basics import Pending, check_process_set, global_process_set
+from manygpu.horovod.basics import Pending
 from manygpu.horovod.checks import Entry, agree, wait_pending
 from manygpu.horovod.data_ops import check_root
+from manygpu.horovod.process_sets import global_process_set, resolve
 
 
 def _named(params: object) -> list[tuple[str, torch.Tensor]]:
@@ -97,21 +98,30 @@ def broadcast_object(
     the receiving ranks. Use it only for your own objects inside your own job;
     manygpu's own metadata travels as JSON instead.
     """
-    check_process_set(process_set)
-    check_root(root_rank, "broadcast_object")
+    scope = resolve(process_set, "broadcast_object")
+    check_root(root_rank, "broadcast_object", scope)
     desc = f"broadcast_object({name or type(obj).__name__!r}, root_rank={root_rank})"
-    agree("broadcast", None, key=("broadcast_object", name, root_rank), desc=desc, name=name)
-    return comm_broadcast_object(obj, src=root_rank)
+    key = ("broadcast_object", name, root_rank)
+    agree("broadcast", None, key=key, desc=desc, name=name, scope=scope)
+    if scope.whole or not active():
+        return comm_broadcast_object(obj, src=root_rank)
+    box = [obj]
+    dist.broadcast_object_list(box, src=root_rank, group=scope.group)  # src: a global rank
+    return box[0]
 
 
 def allgather_object(
     obj: Any, name: str | None = None, process_set: object = global_process_set
 ) -> list[Any]:
-    """Every rank's ``obj``, in rank order, pickled as in Horovod.
+    """Every rank's (of the set) ``obj``, in rank order, pickled as in Horovod.
 
     Pickle trusts every sender: see :func:`broadcast_object`.
     """
-    check_process_set(process_set)
+    scope = resolve(process_set, "allgather_object")
     desc = f"allgather_object({name or type(obj).__name__!r})"
-    agree("all_gather", None, key=("allgather_object", name), desc=desc, name=name)
-    return all_gather_object(obj)
+    agree("all_gather", None, key=("allgather_object", name), desc=desc, name=name, scope=scope)
+    if scope.whole or not active():
+        return all_gather_object(obj)
+    out: list[Any] = [None] * scope.size
+    dist.all_gather_object(out, obj, group=scope.group)
+    return out

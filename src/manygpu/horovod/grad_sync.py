@@ -37,6 +37,7 @@ from manygpu.horovod import sparse
 from manygpu.horovod.basics import Pending, session
 from manygpu.horovod.checks import wait_pending
 from manygpu.horovod.compression import Compressor
+from manygpu.horovod.process_sets import Scope, next_call, resolve
 
 
 class GradientSync:
@@ -52,6 +53,7 @@ class GradientSync:
         passes: int,
         average: bool,
         predivide: float,
+        scope: Scope | None = None,
         sparse_as_dense: bool = False,
         process_set: object = None,
     ) -> None:
@@ -67,6 +69,8 @@ class GradientSync:
         self.process_set = process_set
         """Where sparse gradients are gathered (``None``: every process)."""
         self.debug = debug_requested(None)
+        self.scope = scope if scope is not None else resolve(None, "DistributedOptimizer")
+        """The process set gradients are averaged over; a rank outside it keeps its own."""
         self._bucket_of = {i: b for b, members in enumerate(self.buckets) for i in members}
         self._hooks: list[Any] = []
         self.reset()
@@ -143,8 +147,8 @@ class GradientSync:
             flat.mul_(self.prescale)
         sent, ctx = self.compression.compress(flat)
         desc = self.describe(bucket)
-        seq = session().next_call()
-        if self.debug:
+        seq = next_call(self.scope)
+        if self.debug and self.scope.whole:
             # The site is the bucket, not a line: a bucket may be launched from a hook
             # on one rank and from step() on another (a gradient only some ranks have).
             dbg.check_same_call(
@@ -154,19 +158,21 @@ class GradientSync:
                 extra=bucket,
                 site=f"in DistributedOptimizer bucket {bucket}",
             )
-        work = dist.all_reduce(sent, op=dist.ReduceOp.SUM, async_op=True)
-        record = Pending(works=[work], finish=lambda: None, description=desc, seq=seq)
+        work = dist.all_reduce(sent, op=dist.ReduceOp.SUM, group=self.scope.group, async_op=True)
+        record = Pending(
+            works=[work], finish=lambda: None, description=desc, seq=seq, scope=self.scope
+        )
         self._pending[bucket] = (work, sent, ctx, record)
 
     def synchronize(self) -> None:
         """Launch the rest, wait for every bucket and write the results into ``.grad``."""
-        if not active():
+        if not active() or self.scope.rank < 0:  # outside the set: local gradients, as Horovod
             self.reset()
             return
         for bucket in range(self._next, len(self.buckets)):
             self._launch(bucket)
         self._next = len(self.buckets)
-        world = session().topology.size
+        world = self.scope.size
         gathered: list[int] = []
         for bucket in sorted(self._pending):
             _, sent, ctx, record = self._pending[bucket]

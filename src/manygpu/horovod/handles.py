@@ -11,7 +11,7 @@ whether it would return at once.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch.distributed as dist
 
@@ -19,21 +19,25 @@ from manygpu.errors import UsageError
 from manygpu.horovod.basics import Pending, session
 from manygpu.horovod.checks import wait_pending
 
+if TYPE_CHECKING:
+    from manygpu.horovod.process_sets import Scope
+
 
 def submit(
     works: list[dist.Work | None],
     finish: Callable[[], Any],
     description: str,
     seq: int,
+    scope: Scope | None = None,
     name: str | None = None,
 ) -> int:
-    """Register started works (and the call's name, from :func:`claim`); the handle
+    """Register started works (on ``scope``'s ranks, by default the job's); the handle
     ``synchronize`` takes."""
     s = session()
     handle = next(s.handles)
     real = [w for w in works if w is not None]
     s.pending[handle] = Pending(
-        works=real, finish=finish, description=description, seq=seq, name=name
+        works=real, finish=finish, description=description, seq=seq, scope=scope, name=name
     )
     if name is not None:
         s.names.add(name)

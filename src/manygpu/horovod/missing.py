@@ -17,16 +17,11 @@ class NotSupportedError(UsageError):
     """A part of Horovod's API that manygpu.horovod does not provide."""
 
 
-_PROCESS_SETS = (
-    "Horovod process sets",
-    "torch.distributed.new_group(ranks) and torch.distributed collectives with group=...",
-)
 _ELASTIC = (
     "Horovod elastic training (hvd.elastic.run, TorchState, ElasticSampler)",
     "manygpu launch --nnodes MIN:MAX --max-restarts N, with "
     "manygpu.checkpoint.Checkpointer(...).resume() to continue where the job stopped",
 )
-_GROUPED = ("grouped allgather / reducescatter", "a loop of hvd.allgather / hvd.reducescatter")
 _TIMELINE = (
     "the Horovod timeline",
     "torch.profiler.profile(...) and its export_chrome_trace(); "
@@ -39,20 +34,11 @@ LEFT_OUT: dict[str, tuple[str, str]] = {
         "op=hvd.Average (the default), as Parallel(strategy='ddp') and DistributedOptimizer do",
     ),
     "elastic": _ELASTIC,
-    "ProcessSet": _PROCESS_SETS,
-    "add_process_set": _PROCESS_SETS,
-    "remove_process_set": _PROCESS_SETS,
-    "process_set": _PROCESS_SETS,
-    "process_sets": _PROCESS_SETS,
     "SyncBatchNorm": (
         "hvd.SyncBatchNorm",
         "torch.nn.SyncBatchNorm.convert_sync_batchnorm(model) (CUDA), which uses the "
         "process group hvd.init() created",
     ),
-    "grouped_allgather": _GROUPED,
-    "grouped_allgather_async": _GROUPED,
-    "grouped_reducescatter": _GROUPED,
-    "grouped_reducescatter_async": _GROUPED,
     "start_timeline": _TIMELINE,
     "stop_timeline": _TIMELINE,
 }

@@ -24,11 +24,12 @@ import torch
 
 from manygpu.comm.common import active
 from manygpu.errors import UsageError
-from manygpu.horovod.basics import check_process_set, global_process_set, session
+from manygpu.horovod.basics import session
 from manygpu.horovod.buckets import DEFAULT_CAP_MB, MIB, plan_buckets, split_even
 from manygpu.horovod.checks import agree
 from manygpu.horovod.compression import Compression, Compressor
 from manygpu.horovod.grad_sync import GradientSync
+from manygpu.horovod.process_sets import global_process_set, resolve
 from manygpu.horovod.reduce_ops import ReduceOp, resolve_op
 
 _STEP_AFTER_SYNC = (
@@ -187,12 +188,13 @@ def DistributedOptimizer(
         sparse_as_dense: send sparse gradients densely in the buckets (then sparse
             again for the optimizer); by default their indices and values are
             all-gathered and the gradient stays sparse (:mod:`manygpu.horovod.sparse`).
-        process_set: only the global set.
+        process_set: average over this set's ranks only; on a rank outside it the
+            optimizer steps with its own gradients (as Horovod).
         bucket_cap_mb: (manygpu) bucket size in MiB when no groups are given; the
             default is the ``ddp`` strategy's (see :mod:`manygpu.horovod.buckets`).
     """
-    check_process_set(process_set)
     session()  # refuses before hvd.init(), as Horovod
+    scope = resolve(process_set, "DistributedOptimizer", member=False)
     if isinstance(optimizer, _DistributedOptimizer):
         raise UsageError("this optimizer is already a DistributedOptimizer; wrap it once")
     rop = resolve_op(op, None)
@@ -211,15 +213,16 @@ def DistributedOptimizer(
     sync = GradientSync(
         params, [names[id(p)] for p in params], buckets,
         compression=compression, passes=_passes(backward_passes_per_step),
-        average=rop is ReduceOp.Average, predivide=gradient_predivide_factor,
+        average=rop is ReduceOp.Average, predivide=gradient_predivide_factor, scope=scope,
         sparse_as_dense=bool(sparse_as_dense), process_set=process_set,
     )  # fmt: skip
-    _agree_on_layout(sync)
+    if scope.rank >= 0:
+        _agree_on_layout(sync)
     cls = type(type(optimizer).__name__, (_DistributedOptimizer, type(optimizer)), {})
     wrapped: Any = object.__new__(cls)
     wrapped.__dict__.update(optimizer.__dict__)
     wrapped._hvd, wrapped._hvd_should_sync, wrapped._hvd_synchronized = sync, True, False
-    if active():
+    if active() and scope.rank >= 0:
         sync.register_hooks()
     return wrapped
 
@@ -232,5 +235,5 @@ def _agree_on_layout(sync: GradientSync) -> None:
     desc = f"DistributedOptimizer({len(layout)} parameters in {len(sync.buckets)} buckets)"
     agree(
         "all_reduce", None, key=("DistributedOptimizer", layout, sync.buckets), desc=desc,
-        details=layout,
+        details=layout, scope=sync.scope,
     )  # fmt: skip

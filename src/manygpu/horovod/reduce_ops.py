@@ -22,10 +22,10 @@ import torch.distributed as dist
 
 from manygpu.comm.common import active, reduce_scatter_single
 from manygpu.errors import UsageError
-from manygpu.horovod.basics import check_process_set, global_process_set, session
 from manygpu.horovod.checks import agree, describe
 from manygpu.horovod.handles import claim, submit, synchronize
 from manygpu.horovod.missing import not_supported
+from manygpu.horovod.process_sets import global_process_set, resolve
 from manygpu.horovod.wire import from_wire, to_wire
 
 
@@ -121,19 +121,22 @@ def allreduce_async_(
     postscale_factor: float = 1.0,
     process_set: object = global_process_set,
 ) -> int:
-    """Start reducing ``tensor`` in place over every process; a handle for ``synchronize``."""
-    check_process_set(process_set)
+    """Start reducing ``tensor`` in place over every process (of the set); a handle for
+    ``synchronize``."""
+    scope = resolve(process_set, "allreduce")
     rop = resolve_op(op, average)
     _contiguous(tensor, "allreduce_")
     named = claim("allreduce", name)
     desc = describe("allreduce", tensor, name, op=rop.name)
     key = ("allreduce", name, int(rop), prescale_factor, postscale_factor)
-    seq = agree("all_reduce", tensor, key=key, desc=desc, name=name)
-    world = session().topology.size
+    seq = agree("all_reduce", tensor, key=key, desc=desc, name=name, scope=scope)
+    world = scope.size
     data = tensor.detach()  # same storage; a leaf that requires grad can be written through it
     wired = to_wire(data, "allreduce", reduce=True)  # `data` unless its dtype must be carried
     scale_(wired, prescale_factor, "prescale_factor")
-    work = dist.all_reduce(wired, op=_DIST_OPS[rop], async_op=True) if active() else None
+    work = None
+    if active():
+        work = dist.all_reduce(wired, op=_DIST_OPS[rop], group=scope.group, async_op=True)
 
     def finish() -> torch.Tensor:
         finish_(wired, rop, postscale_factor, world)
@@ -141,7 +144,7 @@ def allreduce_async_(
             data.copy_(from_wire(wired, data.dtype))
         return tensor
 
-    return submit([work], finish, desc, seq, name=named)
+    return submit([work], finish, desc, seq, scope, name=named)
 
 
 def allreduce_async(
@@ -192,7 +195,7 @@ def grouped_allreduce_async_(
     process_set: object = global_process_set,
 ) -> int:
     """Start reducing a list of tensors in place, as one flat collective per dtype."""
-    check_process_set(process_set)
+    scope = resolve(process_set, "grouped_allreduce")
     rop = resolve_op(op, average)
     tensors = list(tensors)
     if not tensors:
@@ -202,14 +205,15 @@ def grouped_allreduce_async_(
     desc = describe("grouped_allreduce", None, name, tensors=len(tensors), op=rop.name)
     key = ("grouped_allreduce", name, int(rop), prescale_factor, postscale_factor, shapes)
     details = [(f"#{i}", shape, dtype) for i, (shape, dtype) in enumerate(shapes)]
-    seq = agree("all_reduce", None, key=key, desc=desc, details=details, name=name)
-    world = session().topology.size
+    seq = agree("all_reduce", None, key=key, desc=desc, details=details, name=name, scope=scope)
+    world = scope.size
     works, flats = [], []
     for group in _flat_groups(tensors):
         flat = torch.cat([tensors[i].detach().reshape(-1) for i in group])
         flat = to_wire(flat, "grouped_allreduce", reduce=True)
         scale_(flat, prescale_factor, "prescale_factor")
-        works.append(dist.all_reduce(flat, op=_DIST_OPS[rop], async_op=True) if active() else None)
+        if active():
+            works.append(dist.all_reduce(flat, op=_DIST_OPS[rop], group=scope.group, async_op=True))
         flats.append((group, flat))
 
     def finish() -> list[torch.Tensor]:
@@ -223,7 +227,7 @@ def grouped_allreduce_async_(
                 offset += n
         return tensors
 
-    return submit(works, finish, desc, seq, name=named)
+    return submit(works, finish, desc, seq, scope, name=named)
 
 
 def grouped_allreduce_async(
@@ -272,15 +276,15 @@ def reducescatter_async(
     postscale_factor: float = 1.0,
 ) -> int:
     """Start reducing ``tensor`` and scattering dim 0; ``synchronize`` returns this rank's part."""
-    check_process_set(process_set)
+    scope = resolve(process_set, "reducescatter")
     rop = resolve_op(op, None)
     if tensor.dim() == 0:
         raise UsageError("reducescatter needs a tensor with at least one dimension")
     named = claim("reducescatter", name)
     desc = describe("reducescatter", tensor, name, op=rop.name)
     key = ("reducescatter", name, int(rop), prescale_factor, postscale_factor)
-    seq = agree("reduce_scatter", tensor, key=key, desc=desc, name=name)
-    world, me = session().topology.size, session().topology.rank
+    seq = agree("reduce_scatter", tensor, key=key, desc=desc, name=name, scope=scope)
+    world, me = scope.size, scope.rank
     counts = scatter_counts(tensor.shape[0], world)
     longest, rest = counts[0], tuple(tensor.shape[1:])
     # Equal slices of `longest` rows each; rank r's real rows first, zeros after.
@@ -294,11 +298,13 @@ def reducescatter_async(
     out = padded.new_empty((longest, *rest))
     work = None
     if active():
-        work = reduce_scatter_single(out, padded, op=_DIST_OPS[rop], async_op=True)
+        work = reduce_scatter_single(
+            out, padded, op=_DIST_OPS[rop], group=scope.group, async_op=True
+        )
     else:
         out.copy_(padded)
 
     def finish() -> torch.Tensor:
         return from_wire(finish_(out[: counts[me]], rop, postscale_factor, world), tensor.dtype)
 
-    return submit([work], finish, desc, seq, name=named)
+    return submit([work], finish, desc, seq, scope, name=named)

@@ -148,6 +148,12 @@ def debug_strict(env: Environ) -> bool:
     return env.get("MANYGPU_DEBUG", "0").lower() in _DEBUG_STRICT
 
 
+def horovod_dynamic_process_sets(env: Environ) -> bool:
+    """``HOROVOD_DYNAMIC_PROCESS_SETS=1``: manygpu.horovod lets ranks add and remove
+    process sets after ``hvd.init()``, as Horovod does with this variable."""
+    return env.get("HOROVOD_DYNAMIC_PROCESS_SETS", "0").lower() in {"1", "true", "yes", "on"}
+
+
 def user_set_threads(env: Environ) -> bool:
     """Whether the user chose a thread count, which we then respect."""
     return bool(env.get("OMP_NUM_THREADS"))

@@ -1,0 +1,158 @@
+"""Grouped allgather and reducescatter: a list of tensors in one call and one handle.
+
+Horovod fuses the tensors of a grouped call into one operation that completes
+as a whole. Here each tensor goes through the single-tensor operation (its
+own checks, uneven first dimensions for allgather, Horovod's split of dim 0
+for reducescatter) and all of their works are started before any is waited
+for, under one handle: ``synchronize`` returns the list, ``poll`` is true
+once every part is done. The out-of-place forms are differentiable, with
+Horovod's gradients: grouped allgather averages the incoming gradients over
+the set and keeps this rank's rows; grouped reducescatter all-gathers them
+(times the set's size for ``Sum``, times the scale factors).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+
+from manygpu.errors import UsageError
+from manygpu.horovod.basics import Pending, session
+from manygpu.horovod.compression import Compression, Compressor
+from manygpu.horovod.data_ops import allgather_async
+from manygpu.horovod.differentiable import grouped_allreduce
+from manygpu.horovod.handles import submit, synchronize
+from manygpu.horovod.process_sets import global_process_set, resolve
+from manygpu.horovod.reduce_ops import ReduceOp, reducescatter_async, resolve_op
+
+
+def _tensors(tensors: Sequence[torch.Tensor], what: str) -> list[torch.Tensor]:
+    out = list(tensors)
+    if not out or not all(isinstance(t, torch.Tensor) for t in out):
+        raise UsageError(f"{what} needs a non-empty list of tensors")
+    return out
+
+
+def _part_name(name: str | None, i: int) -> str | None:
+    return None if name is None else f"{name}.{i}"
+
+
+def _one_handle(start: Callable[[int], int], count: int, what: str, scope: Any) -> int:
+    """Start ``count`` operations (``start(i)`` gives a handle) and merge them into one."""
+    pending = session().pending
+    parts: list[Pending] = [pending.pop(start(i)) for i in range(count)]
+    works = [w for p in parts for w in p.works]
+
+    def finish() -> list[torch.Tensor]:
+        return [p.finish() for p in parts]
+
+    return submit(list(works), finish, f"{what}({count} tensors)", parts[0].seq, scope)
+
+
+def grouped_allgather_async(
+    tensors: Sequence[torch.Tensor],
+    name: str | None = None,
+    process_set: object = global_process_set,
+) -> int:
+    """Start allgathering each of ``tensors`` (dim 0 may differ per rank); one handle
+    whose ``synchronize`` gives the list of results. The inputs are not modified."""
+    scope = resolve(process_set, "grouped_allgather")
+    items = _tensors(tensors, "grouped_allgather")
+
+    def start(i: int) -> int:
+        return allgather_async(items[i], _part_name(name, i), process_set)
+
+    return _one_handle(start, len(items), "grouped_allgather", scope)
+
+
+def grouped_reducescatter_async(
+    tensors: Sequence[torch.Tensor],
+    name: str | None = None,
+    op: object = ReduceOp.Average,
+    process_set: object = global_process_set,
+    prescale_factor: float = 1.0,
+    postscale_factor: float = 1.0,
+) -> int:
+    """Start reducing each of ``tensors`` and scattering its dim 0 over the set's ranks;
+    one handle whose ``synchronize`` gives this rank's parts. The inputs are not modified."""
+    scope = resolve(process_set, "grouped_reducescatter")
+    rop = resolve_op(op, None)
+    items = _tensors(tensors, "grouped_reducescatter")
+    if any(t.dim() == 0 for t in items):
+        raise UsageError("grouped_reducescatter needs tensors with at least one dimension")
+
+    def start(i: int) -> int:
+        return reducescatter_async(
+            items[i], _part_name(name, i), rop, process_set, prescale_factor, postscale_factor
+        )
+
+    return _one_handle(start, len(items), "grouped_reducescatter", scope)
+
+
+class _GroupedAllgather(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, name: Any, ps: Any, *tensors: torch.Tensor) -> Any:
+        ctx.ps = ps
+        ctx.rows = [t.shape[0] if t.dim() else 1 for t in tensors]
+        return tuple(synchronize(grouped_allgather_async(list(tensors), name, ps)))
+
+    @staticmethod
+    def backward(ctx: Any, *grads: torch.Tensor) -> Any:
+        reduced = grouped_allreduce(list(grads), op=ReduceOp.Average, process_set=ctx.ps)
+        mine = torch.tensor([ctx.rows], dtype=torch.int64)
+        table = grouped_allgather([mine], process_set=ctx.ps)[0]  # set size x tensors
+        before = table[: resolve(ctx.ps, "grouped_allgather").rank].sum(0).tolist()
+        parts = [
+            g.narrow(0, int(start), rows)
+            for g, start, rows in zip(reduced, before, ctx.rows, strict=True)
+        ]
+        return (None, None, *parts)
+
+
+def grouped_allgather(
+    tensors: Sequence[torch.Tensor],
+    name: str | None = None,
+    process_set: object = global_process_set,
+) -> list[torch.Tensor]:
+    """Each of ``tensors`` concatenated along dim 0 over the set's ranks, in rank order."""
+    resolve(process_set, "grouped_allgather")
+    items = _tensors(tensors, "grouped_allgather")
+    return list(_GroupedAllgather.apply(name, process_set, *items))
+
+
+class _GroupedReducescatter(torch.autograd.Function):
+    @staticmethod
+    def forward(
+        ctx: Any, name: Any, op: Any, ps: Any, pre: Any, post: Any, *tensors: torch.Tensor
+    ) -> Any:
+        ctx.op, ctx.ps, ctx.pre, ctx.post = op, ps, pre, post
+        handle = grouped_reducescatter_async(list(tensors), name, op, ps, pre, post)
+        return tuple(synchronize(handle))
+
+    @staticmethod
+    def backward(ctx: Any, *grads: torch.Tensor) -> Any:
+        world = resolve(ctx.ps, "grouped_reducescatter").size
+        factor = ctx.pre * ctx.post * (world if ctx.op is ReduceOp.Sum else 1)
+        scaled = [g * factor if factor != 1 else g for g in grads]
+        return (None, None, None, None, None, *grouped_allgather(scaled, process_set=ctx.ps))
+
+
+def grouped_reducescatter(
+    tensors: Sequence[torch.Tensor],
+    name: str | None = None,
+    compression: type[Compressor] = Compression.none,
+    op: object = ReduceOp.Average,
+    process_set: object = global_process_set,
+    prescale_factor: float = 1.0,
+    postscale_factor: float = 1.0,
+) -> list[torch.Tensor]:
+    """Each of ``tensors`` reduced over the set, dim 0 split among its ranks (first get more)."""
+    resolve(process_set, "grouped_reducescatter")
+    rop = resolve_op(op, None)
+    packed = [compression.compress(t) for t in _tensors(tensors, "grouped_reducescatter")]
+    parts = _GroupedReducescatter.apply(
+        name, rop, process_set, prescale_factor, postscale_factor, *[c for c, _ in packed]
+    )
+    return [compression.decompress(t, c) for t, (_, c) in zip(parts, packed, strict=True)]
