@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import warnings
-from collections.abc import Iterator
 
 import pytest
 import torch
@@ -16,16 +15,6 @@ from manygpu.horovod.buckets import plan_buckets, split_even
 from manygpu.horovod.checks import describe_stall, layout_diff, render_mismatch
 from manygpu.horovod.data_ops import send_splits
 from manygpu.horovod.reduce_ops import resolve_op, scatter_counts
-
-
-@pytest.fixture
-def one() -> Iterator[None]:
-    """A one-process job (no launcher variables: the conftest removes them)."""
-    hvd.init()
-    try:
-        yield
-    finally:
-        hvd.shutdown()
 
 
 # -- pure functions ----------------------------------------------------------------

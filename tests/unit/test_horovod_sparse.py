@@ -2,24 +2,12 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-
 import pytest
 import torch
 
 import manygpu.horovod as hvd
 from manygpu.errors import UsageError
 from manygpu.horovod.sparse import _sparse_dim
-
-
-@pytest.fixture
-def one() -> Iterator[None]:
-    """A one-process job (no launcher variables: the conftest removes them)."""
-    hvd.init()
-    try:
-        yield
-    finally:
-        hvd.shutdown()
 
 
 def test_sparse_dim_is_read_back_from_the_counts() -> None:

@@ -8,8 +8,6 @@ tests/distributed/test_horovod_dtypes.py.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-
 import pytest
 import torch
 
@@ -20,16 +18,6 @@ from manygpu.horovod.reduce_ops import ReduceOp, finish_, scale_
 from manygpu.horovod.wire import from_wire, to_wire, wire_dtype
 
 CPU = torch.device("cpu")
-
-
-@pytest.fixture
-def one() -> Iterator[None]:
-    """A one-process job (no launcher variables: the conftest removes them)."""
-    hvd.init()
-    try:
-        yield
-    finally:
-        hvd.shutdown()
 
 
 # -- the wire -------------------------------------------------------------------------
