@@ -58,13 +58,18 @@ def netns_available() -> tuple[bool, str]:
 def hosts_file(
     base: str, names: Sequence[str], addresses: Sequence[str], extra: Mapping[str, int]
 ) -> str:
-    """The ``/etc/hosts`` each emulated host sees: ``base``, then every host by its
-    namespace's name, then the ``extra`` names (name -> host index)."""
-    pairs = [*zip(addresses, names, strict=True), *((addresses[i], n) for n, i in extra.items())]
+    """The ``/etc/hosts`` each emulated host sees: ``base``, then the ``extra`` names
+    (name -> host index), then every host by its namespace's name.
+
+    The first name of an address is what a reverse lookup answers, so the names a
+    cluster gives its hosts (``node1``, a pod's DNS name) come before the
+    namespaces' own: a verdict names a lost peer as the cluster does.
+    """
+    pairs = [*((addresses[i], n) for n, i in extra.items()), *zip(addresses, names, strict=True)]
     lines = [*base.splitlines(), *(f"{a} {n}" for a, n in pairs)]
     # A dual-stack listener (the TCPStore's) sees IPv4 peers as ::ffff:a.b.c.d, which the
     # resolver looks up as that IPv6 address: name those too.
-    lines += [f"::ffff:{a} {n}" for a, n in pairs[: len(names)]]
+    lines += [f"::ffff:{a} {n}" for a, n in pairs]
     return "\n".join(lines) + "\n"
 
 
