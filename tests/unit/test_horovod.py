@@ -293,3 +293,17 @@ def test_groups_choose_the_buckets(one: None) -> None:
     assert buckets(bucket_cap_mb=1e-6) == [[0], [1], [2], [3]]
     model[1].double()  # a group is one flat tensor: split where the dtype changes
     assert buckets(num_groups=1) == [[0, 1], [2, 3]]
+
+
+@pytest.mark.usefixtures("one")
+def test_the_optimizer_keeps_horovods_parameter_names_attribute() -> None:
+    """``optimizer._parameter_names`` (parameter -> name), as Horovod's has: scripts read it."""
+    model = nn.Sequential(nn.Linear(3, 3), nn.Linear(3, 2))
+    groups = [{"params": model[0].parameters()}, {"params": model[1].parameters()}]
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(groups, lr=0.1))
+    names = opt._parameter_names
+    assert set(names) == set(model.parameters()) and len(set(names.values())) == 4
+    named = hvd.DistributedOptimizer(
+        torch.optim.SGD(model.parameters(), lr=0.1), named_parameters=model.named_parameters()
+    )
+    assert named._parameter_names[model[1].bias] == "1.bias"

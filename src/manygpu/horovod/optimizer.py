@@ -222,6 +222,9 @@ def DistributedOptimizer(
     wrapped: Any = object.__new__(cls)
     wrapped.__dict__.update(optimizer.__dict__)
     wrapped._hvd, wrapped._hvd_should_sync, wrapped._hvd_synchronized = sync, True, False
+    # Horovod's own attribute (parameter -> name), which scripts and its tests read.
+    every = [p for g in optimizer.param_groups for p in g["params"]]
+    wrapped._parameter_names = {p: names[id(p)] for p in every}
     if active() and scope.rank >= 0:
         sync.register_hooks()
     return wrapped
