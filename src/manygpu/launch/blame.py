@@ -216,9 +216,12 @@ def report_lines(entries: list[tuple[str, Outcome]], *, lead: bool = True) -> li
     root = root_cause([o for _, o in entries])
     first = next(text for text, o in entries if o is root)
     head = _split(first)
+    head = ("", *head[1:]) if _USAGE.match(head[2]) else head
     groups: dict[tuple[str, str, str], list[int]] = {}
     for text, o in sorted(entries, key=lambda e: (e[1] is not root, e[1].time_ns, e[1].rank)):
         where, rank, rest = _split(text)
+        if _USAGE.match(rest):  # a configuration error is the same on every host
+            where = ""
         same = (where, rest) == (head[0], head[2]) and not o.consequence
         kind = "" if lead and (o is root or same) else "then (a consequence) "
         kind = "also " if kind and lead and not o.consequence else kind
@@ -230,10 +233,7 @@ def _split(text: str) -> tuple[str, int, str]:
     match = _RANK_TEXT.match(text)
     if match is None:  # a host's launcher, not a rank: never merged
         return text, -1, ""
-    rest = match["rest"]
-    # A configuration error is the same on every host: merged over hosts, no prefix.
-    where = "" if _USAGE.match(rest) else match["where"] or ""
-    return where, int(match["rank"]), rest
+    return match["where"] or "", int(match["rank"]), match["rest"]
 
 
 def _render(kind: str, where: str, rest: str, ranks: list[int]) -> str:

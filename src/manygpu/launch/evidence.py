@@ -60,6 +60,10 @@ def start(env: envmod.Environ) -> threading.Thread | None:
     return thread
 
 
+_FORMED = threading.Event()
+"""Set once this worker is seen in a process group (a poll, or the end's own look)."""
+
+
 def _in_group() -> bool:
     dist = sys.modules.get("torch.distributed")
     return bool(dist is not None and dist.is_available() and dist.is_initialized())
@@ -73,7 +77,7 @@ def note_if_alone(env: envmod.Environ) -> None:
     launcher says so once when every worker left this mark.
     """
     where, rank = envmod.evidence_dir(env), envmod.get_int(env, "RANK")
-    if where is None or rank is None or _ever_in_group():
+    if where is None or rank is None or _FORMED.is_set() or _ever_in_group():
         return
     with contextlib.suppress(OSError):
         (Path(where) / f"alone-rank{rank}").touch()
@@ -86,7 +90,7 @@ def _ever_in_group() -> bool:
         return True
     if sys.modules.get("torch.distributed") is None:
         return False
-    with contextlib.suppress(Exception):  # no recorder: no evidence of a group
+    with contextlib.suppress(Exception):  # no recorder: judge by the polls alone
         return bool(fr_records().get("pg_config"))
     return False
 
@@ -95,6 +99,7 @@ def fr_status() -> dict[str, Any] | None:
     """The Flight Recorder's per-group counters, ``None`` before a group exists."""
     if not _in_group():
         return None
+    _FORMED.set()
     from torch._C._distributed_c10d import _dump_fr_trace_json  # type: ignore[attr-defined]
 
     status: dict[str, Any] = json.loads(_dump_fr_trace_json(False, True)).get("pg_status", {})

@@ -117,9 +117,8 @@ def here_facts(listed: Sequence[hosts.Host], cwd: str) -> hostplan.Here:
 
 def launch_hosts(req: LaunchRequest, opts: HostOptions, env: Environ, cwd: str) -> int:
     """Plan, check and run ``req`` over the hosts of ``opts``; the job's exit code."""
-    # A word (auto, cpu, gpu) is each host's own to resolve: no slots from it here.
-    per_host = req.nproc_per_node if isinstance(req.nproc_per_node, int) else None
-    listed = hosts.allocate(read_hosts(opts), opts.np, per_host)
+    per_host = req.nproc_per_node if isinstance(req.nproc_per_node, int) else None  # a word:
+    listed = hosts.allocate(read_hosts(opts), opts.np, per_host)  # each host's own count
     hostplan.check_request(req, len(listed))  # before resolving any name
     here = here_facts(listed, cwd)
     plan = hostplan.plan(req, opts, listed, job_variables(env, opts, cwd), here)
