@@ -38,6 +38,7 @@ from manygpu.core.precision import (
     cuda_facts,
     resolve_precision,
 )
+from manygpu.core.profiling import Profiling
 from manygpu.core.rebind import ParameterRebinder
 from manygpu.core.speed import (
     check_compiler,
@@ -75,7 +76,7 @@ _PEER_FAILURE_HINTS = (
 )
 
 
-class Parallel(JobCollectives):
+class Parallel(JobCollectives, Profiling):
     """Prepare a model, optimizer and data loaders for one strategy.
 
     Example::
@@ -272,6 +273,7 @@ class Parallel(JobCollectives):
         inner = self.strategy.setup_optimizer(optimizer)
         # The first optimizer's steps are the training steps the clock counts.
         tick = self._steps.clock.step if self._steps and not self._optimizers else None
+        tick = tick if self._optimizers else self._counting_steps(tick)  # par.profile's steps
         prepared = PreparedOptimizer(inner, self._accumulator, self.precision, on_step=tick)
         self._optimizers.append(prepared)
         return prepared
@@ -446,6 +448,7 @@ class Parallel(JobCollectives):
         """
         if self._steps is not None:
             self._steps.close()
+        self._close_profile()
         if self.world_size > 1 and comm.common.active() and debug_requested(self.config.debug):
             check_end(timeout_s=self.timeout_s)
         abilities.release(self.strategy)

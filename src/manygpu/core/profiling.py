@@ -1,0 +1,260 @@
+"""``par.profile(steps=range(a, b))``: torch.profiler on every rank for those steps only.
+
+The prepared optimizer's step is the step boundary users already mark, so the
+window follows it: step ``k`` is the work up to and including the job's
+``k``-th optimizer step (counted from 0, on steps that apply an update), and
+nothing outside ``[a, b)`` is recorded (torch's ``schedule``: one warm-up step
+before ``a`` when there is one, so the first recorded step does not pay for
+the profiler's start). When step ``b - 1`` ends each rank writes its trace,
+``trace-rank{rank}-{host}.json`` (Chrome trace format: Perfetto or
+``chrome://tracing``), and the ranks exchange their split (compute,
+communication, input; :mod:`manygpu.core.profile_split`) in one small JSON
+all-gather — no pickle — after which the main rank prints the comparison.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import re
+import socket
+from collections.abc import Callable
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from manygpu.comm.objects import all_gather_json, parse_each
+from manygpu.core.profile_split import ProfileSummary, RankTimes, Span, split
+from manygpu.errors import UsageError
+from manygpu.runtime import env as envmod
+from manygpu.warn import warn_user
+
+if TYPE_CHECKING:
+    from torch.profiler import profile as TorchProfile
+
+    from manygpu.core.config import ParallelConfig
+    from manygpu.core.console import MainConsole
+
+Tick = Callable[[], None]
+
+
+def check_steps(steps: object, done: int) -> range:
+    """``steps`` as a window that can still be profiled, or one :class:`UsageError` line."""
+    if not isinstance(steps, range):
+        raise UsageError(
+            f"profile(steps=...) takes a range of step numbers, e.g. steps=range(10, 15), "
+            f"not {steps!r}"
+        )
+    if steps.step != 1:
+        raise UsageError(f"profile(steps={steps!r}) skips steps: give consecutive ones, e.g. "
+                         f"steps=range({steps.start}, {steps.stop})")  # fmt: skip
+    if steps.start < 0:
+        raise UsageError(
+            f"profile(steps={steps!r}): steps are numbered from 0 (the first optimizer step); "
+            f"give a range of steps >= 0, e.g. steps=range(0, {max(1, steps.stop)})"
+        )
+    if len(steps) == 0:
+        raise UsageError(f"profile(steps={steps!r}) is empty: give at least one step, "
+                         f"e.g. steps=range({steps.start}, {steps.start + 3})")  # fmt: skip
+    if steps.start < done:
+        raise UsageError(
+            f"profile(steps={steps!r}): this job has done {done} steps already; profile "
+            f"a window still ahead, e.g. steps=range({done + 1}, {done + 1 + len(steps)})"
+        )
+    return steps
+
+
+def default_dir(env: envmod.Environ, run_dir: str | Path | None = None) -> Path:
+    """``<run_dir>/<run id>/profile``: ``run_dir`` defaults to ``./runs``, the run id is
+    torchrun's (``local`` when there is none)."""
+    run = envmod.get_str(env, "TORCHELASTIC_RUN_ID")
+    job = "local" if run is None or run == "none" else re.sub(r"[^\w.-]", "_", run)
+    return Path(run_dir if run_dir is not None else "runs") / job / "profile"
+
+
+def trace_name(rank: int, host: str) -> str:
+    """``trace-rank1-node2.json``: the rank and its host, safe as a file name."""
+    safe = re.sub(r"[^\w.-]", "_", host)
+    return f"trace-rank{rank}-{safe}.json"
+
+
+class ProfileWindow:
+    """One armed window; a context manager that ends it where the ``with`` ends.
+
+    Attributes filled when the window ends: :attr:`trace` (this rank's file)
+    and :attr:`summary` (every rank's split, on every rank).
+    """
+
+    def __init__(
+        self, steps: range, directory: Path, *, done: int, rank: int, host: str,
+        device: torch.device, timeout_s: float, say: Callable[[str], None],
+    ) -> None:  # fmt: skip
+        self.steps, self.directory, self.rank, self.host = steps, directory, rank, host
+        self._timeout_s, self._say = timeout_s, say
+        self.trace: Path | None = None
+        self.summary: ProfileSummary | None = None
+        self._times: RankTimes | None = None
+        self._done = done
+        about = {"rank": rank, "host": host, "steps": [steps.start, steps.stop]}
+        self._prof: TorchProfile | None = _start(steps, done, device, self._ready, about)
+
+    @property
+    def active(self) -> bool:
+        """Whether the window has not ended yet."""
+        return self._prof is not None
+
+    def after_step(self) -> None:
+        """An optimizer step ended: advance torch's schedule; finish after the last step."""
+        if self._prof is None:
+            return
+        self._done += 1
+        self._prof.step()  # at the last step this stops the trace and calls _ready
+        if self._done >= self.steps.stop:
+            self._finish(gather=True)
+
+    def close(self, *, gather: bool = False) -> None:
+        """End the window now (training ended first): write what was recorded, if anything."""
+        if self._prof is None:
+            return
+        if self._done < self.steps.stop:
+            warn_user(
+                f"profile of steps {self.steps.start}..{self.steps.stop - 1} ended at step "
+                f"{self._done}, before its window did: "
+                + ("nothing was recorded" if self._done <= self.steps.start else "trace cut short")
+            )
+        self._finish(gather=gather and self._done > self.steps.start)
+
+    def __enter__(self) -> ProfileWindow:
+        return self
+
+    def __exit__(self, kind: object, *rest: object) -> None:
+        # After an exception the ranks are not in step: no collective then.
+        self.close(gather=kind is None)
+
+    def _ready(self, prof: TorchProfile) -> None:
+        """torch's ``on_trace_ready``: the window's recording is complete."""
+        self.directory.mkdir(parents=True, exist_ok=True)
+        path = self.directory / trace_name(self.rank, self.host)
+        prof.export_chrome_trace(str(path))
+        self.trace = path
+        spans = (Span(e.name, e.time_range.start, e.time_range.end) for e in prof.events())
+        self._times = split(spans, rank=self.rank, host=self.host)
+
+    def _finish(self, *, gather: bool) -> None:
+        prof, self._prof = self._prof, None
+        if prof is not None:
+            prof.__exit__(None, None, None)  # a cut-short window exports here (_ready)
+        if gather and self._times is not None:
+            self.summary = self._gather(self._times)
+            for line in self.summary.lines():
+                self._say(line)
+
+    def _gather(self, mine: RankTimes) -> ProfileSummary:
+        sent = all_gather_json(
+            mine.to_json(), operation="profile summary", timeout_s=self._timeout_s
+        )
+        ranks = parse_each(sent, RankTimes.from_json, operation="profile summary")
+        return ProfileSummary(self.steps.start, self.steps.stop, tuple(ranks), str(self.directory))
+
+
+def _start(
+    steps: range, done: int, device: torch.device, ready: Callable[[Any], None],
+    about: dict[str, Any],
+) -> Any:  # fmt: skip
+    """torch's profiler, started and caught up to step ``done``, recording ``steps`` only;
+    ``about`` goes in the trace as its ``manygpu`` metadata."""
+    from torch.profiler import ProfilerActivity, profile, schedule
+
+    warmup = 1 if steps.start > done else 0
+    activities = [ProfilerActivity.CPU]
+    if device.type == "cuda":
+        activities.append(ProfilerActivity.CUDA)
+    prof = profile(
+        activities=activities,
+        schedule=schedule(skip_first=steps.start - warmup, wait=0, warmup=warmup,
+                          active=len(steps), repeat=1),
+        on_trace_ready=ready,
+    )  # fmt: skip
+    prof.preset_metadata_json("manygpu", json.dumps(about))  # before start: a trace may begin there
+    prof.start()
+    # torch numbers its steps from its start; stepping it (cheap: nothing is
+    # recorded before the window) makes its ProfilerStep#N marks the job's N.
+    for _ in range(done):
+        prof.step()
+    return prof
+
+
+class Profiling:
+    """``Parallel``'s profiling: :meth:`profile`, fed by the first optimizer's steps."""
+
+    config: ParallelConfig
+    console: MainConsole
+    timeout_s: float
+
+    @property
+    def rank(self) -> int:
+        raise NotImplementedError
+
+    @property
+    def device(self) -> torch.device:
+        raise NotImplementedError
+
+    @functools.cached_property
+    def _profiling(self) -> _StepCount:
+        return _StepCount()
+
+    def profile(self, steps: range, *, dir: str | Path | None = None) -> ProfileWindow:
+        """Run torch.profiler on every rank for training ``steps`` only (see the module).
+
+        Call it at the same step on every rank, before the window (usually
+        before the loop); its end is a collective. Use it as a ``with`` block
+        around the loop so a loop that stops early still writes its trace.
+        ``dir``: where every rank writes (default ``./runs/<run id>/profile``).
+        """
+        count = self._profiling
+        if count.window is not None and count.window.active:
+            raise UsageError(f"a profile of steps {count.window.steps!r} is still running: "
+                             "profile one window at a time")  # fmt: skip
+        steps = check_steps(steps, count.done)
+        env = envmod.current()
+        # The run directory of Parallel(run_dir=...), where the job's config has one.
+        run_dir = getattr(self.config, "run_dir", None)
+        directory = Path(dir) if dir is not None else default_dir(env, run_dir)
+        if directory.exists() and not directory.is_dir():
+            raise UsageError(f"profile(dir={str(directory)!r}) is a file: give a directory")
+        count.window = ProfileWindow(
+            steps, directory, done=count.done, rank=self.rank,
+            host=envmod.host_label(env) or socket.gethostname(), device=self.device,
+            timeout_s=self.timeout_s, say=lambda line: self.console.print(line, markup=False),
+        )  # fmt: skip
+        return count.window
+
+    def _counting_steps(self, tick: Tick | None) -> Tick:
+        """The first optimizer's step callback: ``tick`` (the step clock's), then ours."""
+        count = self._profiling
+
+        def stepped() -> None:
+            if tick is not None:
+                tick()
+            count.step()
+
+        return stepped
+
+    def _close_profile(self) -> None:
+        """``Parallel.close``: a window still open ends here, without the collective."""
+        if self._profiling.window is not None:
+            self._profiling.window.close()
+
+
+class _StepCount:
+    """Optimizer steps done so far, and the window (if any) they drive."""
+
+    def __init__(self) -> None:
+        self.done = 0
+        self.window: ProfileWindow | None = None
+
+    def step(self) -> None:
+        self.done += 1
+        if self.window is not None:
+            self.window.after_step()
