@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
 from torch import nn
-from torch.utils.data import DataLoader
+from torch.utils.data import DataLoader, IterableDataset
 
 from manygpu import comm
 from manygpu.comm.common import debug_requested, first_line
@@ -49,6 +49,7 @@ from manygpu.core.speed import (
     use_fused_step,
     wants_channels_last,
 )
+from manygpu.core.streams import prepare_stream
 from manygpu.errors import CollectiveTimeoutError, UsageError
 from manygpu.runtime import env as envmod
 from manygpu.runtime.cluster import ClusterInfo, detect_cluster
@@ -284,8 +285,34 @@ class Parallel(JobCollectives, Profiling):
         Training loaders get a ``DistributedSampler`` (shuffle kept, epoch
         advanced per ``iter()``, padded so every rank runs the same number of
         steps); evaluation loaders (``train=False``) see each sample exactly once.
+        An ``IterableDataset`` is split while it is read (:mod:`manygpu.core.streams`).
         """
         shard_index, shard_count = self.strategy.data_shard()
+        hook = self._end_accumulation_cycle if train else None
+        # A generator of ours (the user gave none) is re-seeded per epoch; ranks
+        # reading the same shard (tensor/pipeline peers) get the same one.
+        seed = (
+            None
+            if loader.generator is not None
+            else ((self.config.seed or 0) * 1_000_003 + shard_index * 10_007)
+        )
+        extras: dict[str, Any] = dict(
+            on_last_batch=hook,
+            generator_seed=seed,
+            channels_last=lambda: self._channels_last,
+            on_wait=self._steps.clock.waited_for_input if self._steps and train else None,
+        )
+        if isinstance(loader.dataset, IterableDataset):  # a stream: core/streams.py
+            return prepare_stream(
+                loader,
+                rank=shard_index,
+                world=shard_count,
+                train=train,
+                split_batches=self.config.split_batches,
+                device=self.device,
+                timeout_s=self.timeout_s,
+                **extras,
+            )
         rebuilt = rebuild_loader(
             loader,
             rank=shard_index,
@@ -295,22 +322,7 @@ class Parallel(JobCollectives, Profiling):
             split_batches=self.config.split_batches,
             pin_memory=self.device.type == "cuda",
         )
-        hook = self._end_accumulation_cycle if train else None
-        # A generator of ours (the user gave none) is re-seeded per epoch; ranks
-        # reading the same shard (tensor/pipeline peers) get the same one.
-        seed = (
-            None
-            if loader.generator is not None
-            else ((self.config.seed or 0) * 1_000_003 + shard_index * 10_007)
-        )
-        return PreparedLoader(
-            rebuilt,
-            self.device,
-            on_last_batch=hook,
-            generator_seed=seed,
-            channels_last=lambda: self._channels_last,
-            on_wait=self._steps.clock.waited_for_input if self._steps and train else None,
-        )
+        return PreparedLoader(rebuilt, self.device, **extras)
 
     # -- the training step -----------------------------------------------------
     def backward(self, loss: torch.Tensor) -> None:
