@@ -33,6 +33,7 @@ LAYERS: dict[str, int] = {
     "manygpu.checkpoint_io": 3,
     "manygpu.strategies": 4,
     "manygpu.plan": 5,
+    "manygpu.tracking": 5,  # experiment trackers under Parallel.log: below core, which uses them
     "manygpu.core": 6,
     "manygpu.checkpoint": 7,
     "manygpu.launch": 7,

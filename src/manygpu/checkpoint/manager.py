@@ -358,6 +358,8 @@ class Checkpointer:
             "precision": self.parts.precision,
             "manygpu": __version__,
             "torch": torch.__version__,
+            # The tracked run (par.log) and its last step: a resume continues it.
+            "tracking": self.par.tracking_state(),
             "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         }
 
@@ -411,6 +413,7 @@ class Checkpointer:
         # The files decide the format, not meta.json (which anyone can edit).
         formats.as_format(formats.detect(path)).read(path, self.parts, group=self._group)
         self._restore_rng(path, meta)
+        self.par.resume_tracking(meta.get("tracking"))
         state = TrainState(
             step=int(meta["step"]), epoch=int(meta["epoch"]), extra=dict(meta.get("extra") or {})
         )

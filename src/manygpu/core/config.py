@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -19,6 +19,7 @@ from manygpu.strategies import (
     spec_class,
 )
 from manygpu.strategies.registry import AUTO, RULES, check_name, resolve_name
+from manygpu.tracking.registry import check_names
 from manygpu.warn import warn_user
 
 if TYPE_CHECKING:
@@ -92,6 +93,14 @@ class ParallelConfig:
     """Check before each collective of :meth:`Parallel.reduce` / ``gather`` /
     ``barrier`` that every rank calls the same one (shape, dtype); ``None``
     reads ``MANYGPU_DEBUG``."""
+    log_with: str | Sequence[str] | None = None
+    """Experiment trackers :meth:`Parallel.log` writes to: ``"tensorboard"``,
+    ``"mlflow"``, ``"wandb"``, ``"jsonl"`` (a name or a list); each but jsonl is an
+    optional extra, imported only when named. One run per job, written by the
+    main rank; checkpoints carry its id so a resumed job continues it."""
+    run_dir: str | None = None
+    """Where the trackers' files go (``<run_dir>/<run id>/``), on a filesystem the
+    main rank of a resumed job sees too; ``None``: ``runs``."""
 
     def __post_init__(self) -> None:
         if self.mesh is not None:
@@ -114,6 +123,7 @@ class ParallelConfig:
             raise UsageError(
                 f"grad_accum_steps must be an integer >= 1, got {self.grad_accum_steps!r}"
             )
+        object.__setattr__(self, "log_with", check_names(self.log_with))
         k = self.stragglers
         if not isinstance(k, bool) and (not isinstance(k, int) or k < 1):
             raise UsageError(f"stragglers takes True, False or steps per report >= 1, not {k!r}")

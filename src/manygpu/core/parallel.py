@@ -40,6 +40,7 @@ from manygpu.core.precision import (
 )
 from manygpu.core.profiling import Profiling
 from manygpu.core.rebind import ParameterRebinder
+from manygpu.core.run_log import RunLog
 from manygpu.core.speed import (
     check_compiler,
     fused_step_applies,
@@ -77,7 +78,7 @@ _PEER_FAILURE_HINTS = (
 )
 
 
-class Parallel(JobCollectives, Profiling):
+class Parallel(JobCollectives, Profiling, RunLog):
     """Prepare a model, optimizer and data loaders for one strategy.
 
     Example::
@@ -461,6 +462,7 @@ class Parallel(JobCollectives, Profiling):
         if self._steps is not None:
             self._steps.close()
         self._close_profile()
+        self._close_tracking()
         if self.world_size > 1 and comm.common.active() and debug_requested(self.config.debug):
             check_end(timeout_s=self.timeout_s)
         abilities.release(self.strategy)

@@ -271,3 +271,13 @@ def gpus_bound_per_task(env: Environ) -> bool:
     task sees only its own GPUs (``SLURM_GPUS_PER_TASK``, ``SLURM_GPU_BIND``)."""
     bind = (env.get("SLURM_GPU_BIND") or "").strip().lower()
     return bool(env.get("SLURM_GPUS_PER_TASK")) or (bind not in ("", "none"))
+
+
+def mlflow_tracking_uri(env: Environ) -> str | None:
+    """``MLFLOW_TRACKING_URI``: the MLflow server ``log_with="mlflow"`` writes to."""
+    return get_str(env, "MLFLOW_TRACKING_URI")
+
+
+def mlflow_experiment(env: Environ) -> str | None:
+    """``MLFLOW_EXPERIMENT_NAME``: the experiment a new MLflow run goes in."""
+    return get_str(env, "MLFLOW_EXPERIMENT_NAME")

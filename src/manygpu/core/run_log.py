@@ -1,0 +1,173 @@
+"""``par.log``: metrics reduced over the ranks, written to the job's one tracked run.
+
+A mixin, so :class:`~manygpu.Parallel` gains logging in one base class: the
+trackers (:mod:`manygpu.tracking`) open on the main rank at the first call, the
+configuration they record once is described here (strategy, mesh, precision,
+world, versions, hosts), and the straggler board's latest per-rank step split
+rides along with the next call, so those figures reach the trackers without
+code of the user's.
+"""
+
+from __future__ import annotations
+
+import socket
+import sys
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from manygpu.errors import UsageError
+from manygpu.runtime import env as envmod
+from manygpu.tracking.reducer import reduce_values
+from manygpu.tracking.registry import check_names
+from manygpu.tracking.run import TrackingRun
+
+if TYPE_CHECKING:
+    from manygpu.core.config import ParallelConfig
+    from manygpu.core.precision import PrecisionChoice
+    from manygpu.core.straggler_board import StepReports
+    from manygpu.runtime.cluster import ClusterInfo
+    from manygpu.strategies.base import Strategy
+
+DEFAULT_RUN_DIR = "runs"
+_SPLIT = ("step_ms", "input_ms", "compute_ms", "comm_ms", "link_ms")
+"""The straggler board's per-rank figures logged as ``manygpu/rank{r}/{name}``."""
+
+
+class RunLog:
+    """``log``, and the run's state that checkpoints carry."""
+
+    config: ParallelConfig
+    cluster: ClusterInfo
+    strategy: Strategy[Any]
+    strategy_name: str
+    precision_choice: PrecisionChoice
+    _steps: StepReports | None
+    _run: TrackingRun | None = None
+    _logged_window: int | None = None
+    _hosts_set: bool = False
+
+    @property
+    def device(self) -> torch.device:
+        raise NotImplementedError
+
+    @property
+    def is_main(self) -> bool:
+        raise NotImplementedError
+
+    def gather(self, tensor: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+    def log(
+        self,
+        values: Mapping[str, Any],
+        *,
+        step: int | None = None,
+        reduce: Mapping[str, str] | None = None,
+    ) -> dict[str, float]:
+        """Reduce ``values`` over every rank and log them at ``step`` (collective).
+
+        Every rank calls it with the same keys. Values are numbers or 1-element
+        tensors, reduced by their mean, or as ``reduce={"tokens": "sum",
+        "max_mem": "max"}`` says per key, all in one collective; the main rank
+        writes them to the trackers of ``log_with``. ``step=None``: the step
+        after the last one logged. Returns the reduced values (on every rank).
+        """
+        run = self._tracking()
+        if step is not None and (isinstance(step, bool) or not isinstance(step, int) or step < 0):
+            raise UsageError(f"par.log(step={step!r}): give an integer >= 0, or leave it out")
+        at = run.next_step(step)
+        if not self._hosts_set:
+            self._share_host()
+        reduced = reduce_values(values, reduce, self.gather, self.device)
+        run.write(reduced | self._step_figures(), at)
+        return reduced
+
+    def tracking_state(self) -> dict[str, Any] | None:
+        """What a checkpoint stores of the run (id, last step); ``None`` without ``log_with``."""
+        return None if not self.config.log_with else self._tracking().state()
+
+    def resume_tracking(self, saved: Mapping[str, Any] | None) -> None:
+        """Continue the run a checkpoint stored (the checkpointer calls it on resume)."""
+        if self.config.log_with:
+            self._tracking().resume(saved)
+
+    def _tracking(self) -> TrackingRun:
+        if self._run is None:
+            self._run = TrackingRun(
+                check_names(self.config.log_with),
+                self.config.run_dir or DEFAULT_RUN_DIR,
+                is_main=self.is_main,
+                describe=self._describe,
+            )
+        return self._run
+
+    def _close_tracking(self) -> None:
+        if self._run is not None:
+            self._run.close()
+
+    def _share_host(self) -> None:
+        """Put this rank's host name in the job's store (read by the main rank's describe)."""
+        self._hosts_set = True
+        store = _store()
+        if store is not None:
+            store.set(f"{_HOSTS}/{self.cluster.rank}", _host())
+
+    def _hosts(self) -> list[str]:
+        """Every rank's host, in rank order (the first log's gather has passed every set)."""
+        store = _store()
+        if store is None:
+            return [_host()]
+        keys = [f"{_HOSTS}/{r}" for r in range(self.cluster.world_size)]
+        return [v.decode() for v in store.multi_get(keys)]
+
+    def _describe(self) -> dict[str, Any]:
+        """The resolved configuration a new run records once."""
+        from manygpu._version import __version__
+
+        hosts = self._hosts()
+        return {
+            "strategy": self.strategy_name,
+            "strategy_options": repr(self.strategy),
+            "mesh": repr(self.config.mesh) if self.config.mesh is not None else None,
+            "precision": self.precision_choice.precision,
+            "world_size": self.cluster.world_size,
+            "hosts": sorted(set(hosts)),
+            "rank_hosts": hosts,
+            "manygpu": __version__,
+            "torch": torch.__version__,
+            "python": sys.version.split()[0],
+            "grad_accum_steps": self.config.grad_accum_steps,
+        }
+
+    def _step_figures(self) -> dict[str, float]:
+        """The straggler board's newest per-rank split, once per window (main rank)."""
+        if self._steps is None or not self.is_main:
+            return {}
+        rows = self._steps.table()
+        if not rows or rows[0]["window"] == self._logged_window:
+            return {}
+        self._logged_window = rows[0]["window"]
+        out = {}
+        for row in rows:
+            for name in _SPLIT:
+                if row.get(name) is not None:
+                    out[f"manygpu/rank{row['rank']}/{name}"] = float(row[name])
+        return out
+
+
+_HOSTS = "manygpu/tracking/hosts"
+
+
+def _store() -> Any:
+    dist = sys.modules.get("torch.distributed")
+    if dist is None or not dist.is_initialized() or dist.get_world_size() < 2:
+        return None
+    from torch.distributed.distributed_c10d import _get_default_store
+
+    return _get_default_store()
+
+
+def _host() -> str:
+    return envmod.host_label(envmod.current()) or socket.gethostname()

@@ -1,0 +1,98 @@
+"""The job's one run: its id, its trackers (main rank only), and its place in checkpoints.
+
+Trackers open at the first log call, not when ``Parallel`` is built, so a
+checkpoint resumed before it (:meth:`TrackingRun.resume`) decides which run
+they open: the stored one, continued, or a new one. Every rank keeps the step
+count (so ``step=None`` numbers calls alike everywhere); only the main rank
+opens trackers and writes.
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any
+
+from manygpu.tracking.base import RunInfo, Tracker
+from manygpu.tracking.registry import check_installed, open_tracker
+from manygpu.warn import warn_user
+
+Describe = Callable[[], dict[str, Any]]
+"""The job's resolved configuration, asked for once, when a new run opens (main rank)."""
+
+
+class TrackingRun:
+    """Trackers ``names`` writing run ``run_id`` under ``run_dir``."""
+
+    def __init__(
+        self, names: tuple[str, ...], run_dir: str | Path, *, is_main: bool, describe: Describe
+    ) -> None:
+        for name in names:  # a missing extra fails now, before any training
+            check_installed(name)
+        self.names, self.run_dir, self.is_main = names, Path(run_dir), is_main
+        self._describe = describe
+        self.run_id = uuid.uuid4().hex[:16]
+        """The run's id; a resume replaces it with the stored one (main rank's counts)."""
+        self.last_step = 0
+        """The last step logged (0: none yet); ``step=None`` logs the next one."""
+        self._resumed_at: int | None = None
+        self._ids: dict[str, str] = {}
+        self._trackers: dict[str, Tracker] | None = None
+
+    def next_step(self, step: int | None) -> int:
+        """The step of a log call: ``step``, or the one after the last."""
+        return self.last_step + 1 if step is None else step
+
+    def write(self, values: Mapping[str, float], step: int) -> None:
+        """Hand ``values`` to every tracker (main rank); every rank counts the step."""
+        self.last_step = step
+        if not self.is_main:
+            return
+        for tracker in self._open().values():
+            tracker.log(values, step)
+
+    def _open(self) -> dict[str, Tracker]:
+        if self._trackers is None:
+            info = RunInfo(
+                run_id=self.run_id,
+                run_dir=self.run_dir,
+                config=self._describe() if self._resumed_at is None else {},
+                resumed_at=self._resumed_at,
+                ids=dict(self._ids),
+            )
+            self._trackers = {}
+            for name in self.names:
+                self._trackers[name] = open_tracker(name, info)
+        return self._trackers
+
+    def state(self) -> dict[str, Any]:
+        """What a checkpoint stores: the run's id, the trackers' own ids, the last step."""
+        ids = dict(self._ids)
+        for name, tracker in (self._trackers or {}).items():
+            tracker.flush()  # what the checkpoint counts as logged is on disk
+            key = tracker.run_key()
+            if key is not None:
+                ids[name] = key
+        return {"run_id": self.run_id, "ids": ids, "last_step": self.last_step}
+
+    def resume(self, saved: Mapping[str, Any] | None) -> None:
+        """Continue the run a checkpoint stored (``None``: it stored none; a new run)."""
+        if not saved or not isinstance(saved.get("run_id"), str):
+            return
+        if self._trackers is not None:
+            warn_user(
+                "par.log was called before the checkpoint was resumed: the run it opened is "
+                f"closed and run {saved['run_id']} continues; resume before the first log"
+            )
+            self.close()
+        self.run_id = saved["run_id"]
+        self.last_step = int(saved.get("last_step") or 0)
+        self._resumed_at = self.last_step
+        self._ids = {str(k): str(v) for k, v in dict(saved.get("ids") or {}).items()}
+
+    def close(self) -> None:
+        """End every tracker's run (idempotent)."""
+        trackers, self._trackers = self._trackers or {}, None
+        for tracker in trackers.values():
+            tracker.close()

@@ -1,0 +1,56 @@
+"""par.log in one process: bad input in one line, the one-collective reducer, JSONL resume."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+import tracking_read as read
+
+from manygpu import Parallel, ParallelConfig
+from manygpu.errors import UsageError
+from manygpu.tracking.reducer import as_vector, reduce_rows
+
+
+def test_an_unknown_tracker_is_one_line_with_a_guess() -> None:
+    with pytest.raises(
+        UsageError, match=r"unknown tracker 'tensorbord'.*did you mean 'tensorboard'"
+    ):
+        ParallelConfig(log_with=["jsonl", "tensorbord"])
+
+
+def test_rows_reduce_per_key_and_ranks_with_other_keys_are_refused() -> None:
+    a = as_vector({"loss": 1.0, "tokens": 10, "mem": torch.tensor([3.0])}, torch.device("cpu"))
+    b = as_vector({"loss": 3.0, "tokens": 30, "mem": torch.tensor(5.0)}, torch.device("cpu"))
+    keys = ["loss", "mem", "tokens"]
+    ops = {"loss": "mean", "tokens": "sum", "mem": "max"}
+    assert reduce_rows(torch.stack([a, b]), keys, ops) == {"loss": 2.0, "mem": 5.0, "tokens": 40.0}
+    other = as_vector({"loss": 3.0, "tokens": 30, "mem2": 1.0}, torch.device("cpu"))
+    with pytest.raises(UsageError, match="ranks logged different keys"):
+        reduce_rows(torch.stack([a, other]), keys, ops)
+
+
+def test_bad_values_are_one_line(tmp_path: Path) -> None:
+    with Parallel(log_with="jsonl", run_dir=str(tmp_path)) as par:
+        with pytest.raises(UsageError, match="1-element tensor"):
+            par.log({"x": torch.ones(3)})
+        with pytest.raises(UsageError, match="choose one of mean, sum, max, min"):
+            par.log({"x": 1.0}, reduce={"x": "median"})
+
+
+def test_jsonl_resumes_the_stored_run_without_repeating_steps(tmp_path: Path) -> None:
+    with Parallel(log_with="jsonl", run_dir=str(tmp_path)) as par:
+        for loss in (1.0, 2.0):
+            par.log({"loss": loss})
+        saved = par.tracking_state()
+        par.log({"loss": 3.0})  # logged after the "checkpoint", then the job dies
+    assert saved is not None and saved["last_step"] == 2
+    with Parallel(log_with="jsonl", run_dir=str(tmp_path)) as par:
+        par.resume_tracking(saved)
+        for loss in (30.0, 4.0):
+            par.log({"loss": loss})
+    lines = read.jsonl(tmp_path / saved["run_id"] / "metrics.jsonl")
+    assert sum("config" in x for x in lines) == 1
+    steps = [(x["step"], x["values"]["loss"]) for x in lines if "step" in x]
+    assert steps == [(1, 1.0), (2, 2.0), (3, 3.0), (4, 4.0)]  # step 3 kept, not twice
