@@ -127,14 +127,18 @@ def test_a_window_records_its_steps_only_and_prints_the_summary(
     assert "manygpu: profile of steps 2..3 on 1 rank(s)" in capsys.readouterr().out
 
 
-def test_a_window_armed_late_keeps_the_jobs_step_numbers(tmp_path: Path) -> None:
+@pytest.mark.parametrize("window_steps", [range(3, 4), range(4, 6), range(6, 8)])
+def test_a_window_armed_late_keeps_the_jobs_step_numbers(
+    tmp_path: Path, window_steps: range
+) -> None:
+    """Armed at step 3: recording at once, after a warm-up step, or after waiting."""
     with Parallel(strategy="single") as par:
         loop = _train(par, 3)
-        with par.profile(steps=range(4, 6), dir=tmp_path) as window:
-            loop.run(4)
+        with par.profile(steps=window_steps, dir=tmp_path) as window:
+            loop.run(6)
     assert window.trace is not None
-    assert _marks(window.trace, "ProfilerStep#") == ["ProfilerStep#4", "ProfilerStep#5"]
-    assert _marks(window.trace, "user_step_") == ["user_step_4", "user_step_5"]
+    assert _marks(window.trace, "ProfilerStep#") == [f"ProfilerStep#{s}" for s in window_steps]
+    assert _marks(window.trace, "user_step_") == [f"user_step_{s}" for s in window_steps]
 
 
 def test_a_loop_that_ends_inside_the_window_still_writes_its_trace(tmp_path: Path) -> None:

@@ -96,26 +96,44 @@ class ProfileWindow:
         self.summary: ProfileSummary | None = None
         self._times: RankTimes | None = None
         self._done = done
-        about = {"rank": rank, "host": host, "steps": [steps.start, steps.stop]}
-        self._prof: TorchProfile | None = _start(steps, done, device, self._ready, about)
+        self._device = device
+        # One warm-up step before the window when there is one: torch's start is
+        # not free, and the first recorded step should not pay for it.
+        self._begin = steps.start - (1 if steps.start > done else 0)
+        self._prof: TorchProfile | None = None
+        self._ended = False
+        self._start_if_due()
 
     @property
     def active(self) -> bool:
         """Whether the window has not ended yet."""
-        return self._prof is not None
+        return not self._ended
 
     def after_step(self) -> None:
         """An optimizer step ended: advance torch's schedule; finish after the last step."""
-        if self._prof is None:
+        if self._ended:
             return
         self._done += 1
-        self._prof.step()  # at the last step this stops the trace and calls _ready
+        if self._prof is not None:
+            self._prof.step()  # at the last step this stops the trace and calls _ready
+        self._start_if_due()
         if self._done >= self.steps.stop:
             self._finish(gather=True)
 
+    def _start_if_due(self) -> None:
+        """Start torch's profiler when the step before the window begins (not earlier:
+        each step of an idle profiler still costs tens of microseconds)."""
+        if self._prof is None and self._done == self._begin:
+            about = {
+                "rank": self.rank,
+                "host": self.host,
+                "steps": [self.steps.start, self.steps.stop],
+            }
+            self._prof = _start(self.steps, self._begin, self._device, self._ready, about)
+
     def close(self, *, gather: bool = False) -> None:
         """End the window now (training ended first): write what was recorded, if anything."""
-        if self._prof is None:
+        if self._ended:
             return
         if self._done < self.steps.stop:
             warn_user(
@@ -142,7 +160,7 @@ class ProfileWindow:
         self._times = split(spans, rank=self.rank, host=self.host)
 
     def _finish(self, *, gather: bool) -> None:
-        prof, self._prof = self._prof, None
+        prof, self._prof, self._ended = self._prof, None, True
         if prof is not None:
             prof.__exit__(None, None, None)  # a cut-short window exports here (_ready)
         if gather and self._times is not None:
@@ -159,29 +177,28 @@ class ProfileWindow:
 
 
 def _start(
-    steps: range, done: int, device: torch.device, ready: Callable[[Any], None],
+    steps: range, begin: int, device: torch.device, ready: Callable[[Any], None],
     about: dict[str, Any],
 ) -> Any:  # fmt: skip
-    """torch's profiler, started and caught up to step ``done``, recording ``steps`` only;
-    ``about`` goes in the trace as its ``manygpu`` metadata."""
+    """torch's profiler, started at the job's step ``begin`` (a warm-up step when it is
+    before ``steps``), recording ``steps`` only; ``about`` goes in the trace's metadata."""
     from torch.profiler import ProfilerActivity, profile, schedule
 
-    warmup = 1 if steps.start > done else 0
+    warmup = steps.start - begin
+    cycle = schedule(wait=0, warmup=warmup, active=len(steps), repeat=1)
     activities = [ProfilerActivity.CPU]
     if device.type == "cuda":
         activities.append(ProfilerActivity.CUDA)
     prof = profile(
         activities=activities,
-        schedule=schedule(skip_first=steps.start - warmup, wait=0, warmup=warmup,
-                          active=len(steps), repeat=1),
+        # torch counts its steps from 0; its step_num set to the job's step makes
+        # its ProfilerStep#N marks the job's step numbers, so the schedule is shifted.
+        schedule=lambda step: cycle(max(0, step - begin)),
         on_trace_ready=ready,
-    )  # fmt: skip
+    )
+    prof.step_num = begin
     prof.preset_metadata_json("manygpu", json.dumps(about))  # before start: a trace may begin there
     prof.start()
-    # torch numbers its steps from its start; stepping it (cheap: nothing is
-    # recorded before the window) makes its ProfilerStep#N marks the job's N.
-    for _ in range(done):
-        prof.step()
     return prof
 
 
