@@ -1,8 +1,7 @@
 """Iterable datasets in one process: the split's arithmetic, refusals, exact resume.
 
-Loader workers and ranks are real processes: tests/distributed/test_stream_ranks.py
-and tests/launch/test_stream_resume.py. Here every reader of the fallback split is
-simulated by calling :func:`blocks` with its (rank, worker).
+Loader workers and ranks are real processes: tests/launch/test_streams_launch.py.
+Here every reader of the fallback split is simulated by calling :func:`blocks` with its (rank, worker).
 """
 
 from __future__ import annotations
@@ -104,3 +103,18 @@ def test_resume_mid_epoch_reads_what_an_uninterrupted_run_reads(kind: str, tmp_p
     assert min(resumed) == 21
     assert all(resumed[s] == reference[s] for s in resumed)
     assert reference[1] != reference[1 + 15]  # the second epoch has its own order
+
+
+def test_a_sharded_stream_resumed_on_another_batch_size_is_refused(tmp_path: Path) -> None:
+    """Shards replay the batches taken: another batch size would read other samples."""
+
+    def run(kind: str, batch: int) -> dict[int, list[int]]:
+        with Parallel(strategy="single") as par:
+            return stream_job.train(par, kind, tmp_path / kind, 6, every=5, batch=batch, workers=0)
+
+    for kind in ("torch", "hf"):
+        run(kind, 64)  # saved at step 5
+    assert list(run("torch", 32)) == [6]  # the fallback maps 5 x 64 samples onto batch 32
+    with pytest.raises(UsageError, match="saved at 1 ranks x batch 64") as info:
+        run("hf", 32)
+    assert "\n" not in str(info.value)

@@ -452,6 +452,7 @@ class Checkpointer:
         # On another world size or batch size, the same global samples stay
         # consumed, spread over the new ranks (what that costs is in the line
         # resume prints).
+        self.loader.check_resume(saved, world=self.par.world_size)
         where = position(saved, world=self.par.world_size, batch=self.loader.batch_size or 1)
         self.loader.set_epoch(where.epoch, where.batches)
         return where

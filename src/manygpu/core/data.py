@@ -215,6 +215,10 @@ class PreparedLoader:
     def load_state_dict(self, state: dict[str, int]) -> None:
         self.set_epoch(int(state["epoch"]), int(state["batches"]))
 
+    def check_resume(self, saved: dict[str, int], *, world: int) -> None:
+        """Refuse a saved position this loader cannot continue exactly (none here:
+        a map-style loader maps samples onto any world and batch size)."""
+
     @property
     def dataset(self) -> Any:
         return self.loader.dataset

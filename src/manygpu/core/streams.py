@@ -239,6 +239,21 @@ class PreparedStream(PreparedLoader):
     def __len__(self) -> int:
         raise TypeError("a prepared IterableDataset loader has no length (it is a stream)")
 
+    def check_resume(self, saved: dict[str, int], *, world: int) -> None:
+        """Shards split by node replay the batches this rank took, which only
+        another world or batch size would read differently: refuse that."""
+        if isinstance(self.loader.dataset, BlockSplit):
+            return  # the fallback skips samples: any world and batch size
+        then = (int(saved.get("world", world)), int(saved.get("batch_size", 0)))
+        now = (world, int(self.loader.batch_size or 0))
+        if then != now:
+            raise UsageError(
+                f"this checkpoint's stream position was saved at {then[0]} ranks x "
+                f"batch {then[1]}, and a sharded (Hugging Face) stream resumes exactly "
+                f"only on the same; relaunch with {then[0]} processes and batch "
+                f"{then[1]}, or start the epoch over"
+            )
+
     def _start(self, epoch: int, skip: int) -> Iterator[Any]:
         """The rebuilt loader's iterator for ``epoch``, positioned after ``skip`` batches."""
         split = self.loader.dataset
