@@ -168,6 +168,13 @@ def test_bad_windows_are_one_usage_line(steps: object, words: str, tmp_path: Pat
     assert "\n" not in str(caught.value)
 
 
+def test_without_dir_traces_go_under_the_run_directory(tmp_path: Path) -> None:
+    with Parallel(strategy="single", run_dir=str(tmp_path)) as par:
+        window = par.profile(steps=range(0, 1))
+        _train(par, 2)
+    assert window.trace == tmp_path / "local" / "profile" / window.trace.name
+
+
 def test_one_window_at_a_time_and_a_directory_not_a_file(tmp_path: Path) -> None:
     (tmp_path / "f").write_text("")
     with pytest.warns(UserWarning, match="nothing was recorded"), Parallel() as par:

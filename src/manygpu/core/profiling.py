@@ -227,7 +227,8 @@ class Profiling:
         Call it at the same step on every rank, before the window (usually
         before the loop); its end is a collective. Use it as a ``with`` block
         around the loop so a loop that stops early still writes its trace.
-        ``dir``: where every rank writes (default ``./runs/<run id>/profile``).
+        ``dir``: where every rank writes (default ``<run_dir>/<run id>/profile``, the
+        config's ``run_dir`` or ``./runs``, torchrun's run id or ``local``).
         """
         count = self._profiling
         if count.window is not None and count.window.active:
@@ -235,9 +236,7 @@ class Profiling:
                              "profile one window at a time")  # fmt: skip
         steps = check_steps(steps, count.done)
         env = envmod.current()
-        # The run directory of Parallel(run_dir=...), where the job's config has one.
-        run_dir = getattr(self.config, "run_dir", None)
-        directory = Path(dir) if dir is not None else default_dir(env, run_dir)
+        directory = Path(dir) if dir is not None else default_dir(env, self.config.run_dir)
         if directory.exists() and not directory.is_dir():
             raise UsageError(f"profile(dir={str(directory)!r}) is a file: give a directory")
         count.window = ProfileWindow(
