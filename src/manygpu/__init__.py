@@ -36,6 +36,7 @@ if TYPE_CHECKING:
         Zero2,
     )
     from manygpu.strategies import available as available_strategies
+    from manygpu.strategies.checkpointing import ActivationCheckpointing
 
 _WHERE = {
     "Parallel": "manygpu.core.parallel",
@@ -45,6 +46,7 @@ _WHERE = {
     "ManyGPUError": "manygpu.errors",
     "UsageError": "manygpu.errors",
     "CompileOptions": "manygpu.strategies.options",
+    "ActivationCheckpointing": "manygpu.strategies.checkpointing",
     "DDP": "manygpu.strategies.ddp",
     "Zero1": "manygpu.strategies.ddp",
     "FSDP": "manygpu.strategies.fsdp",
@@ -83,6 +85,7 @@ __all__ = [
     "DDP",
     "FSDP",
     "PS",
+    "ActivationCheckpointing",
     "CollectiveTimeoutError",
     "CompileOptions",
     "DDPOptions",

@@ -147,7 +147,8 @@ def table(plan: Plan, acts_known: bool = True) -> Table:
     timed = any(c.step for c in plan.candidates)
     out = Table(title=f"manygpu plan: {plan.world_size} device(s)")
     for name in ("strategy", "layout", "params GB", "grads GB", "optim GB", "gathered GB",
-                 "acts GB", "total GB", "fits", *(SPEED_COLUMNS if timed else ())):  # fmt: skip
+                 "acts GB", "total GB", "fits", "checkpointing",
+                 *(SPEED_COLUMNS if timed else ())):  # fmt: skip
         words = name in ("strategy", "layout")
         out.add_column(name, justify="left" if words else "right", no_wrap=words)
     for c in plan.candidates:
@@ -160,9 +161,17 @@ def table(plan: Plan, acts_known: bool = True) -> Table:
             c.strategy, c.recipe.layout(),
             *(f"{v / 1e9:,.3f}" for v in (m.params, m.grads, m.optimizer, m.gathered)),
             f"{m.activations / 1e9:,.3f}" if acts_known else "?", f"{m.total / 1e9:,.3f}",
-            "yes" if c.fits else "no", *(speed if timed else ()),
+            "yes" if c.fits else "no", _checkpointing(c), *(speed if timed else ()),
         )  # fmt: skip
     return out
+
+
+def _checkpointing(c: Any) -> str:
+    """A row's activation checkpointing: the mode, the activations it saves, its recompute."""
+    mode = c.recipe.checkpointing
+    if mode is None:
+        return "-"
+    return f"{mode}: -{c.activations_saved / 1e9:,.3f} GB, +{c.extra_compute:.0%} compute"
 
 
 def summary(plan: Plan) -> list[str]:
@@ -225,6 +234,7 @@ def _plan_dict(plan: Plan) -> dict[str, Any]:
     out["candidates"] = [
         {"strategy": c.strategy, "ways": c.ways, "layout": c.recipe.layout(), "fits": c.fits,
          "memory_bytes": c.memory.total, "parallel": c.recipe.parallel_line(),
+         "checkpointing": c.recipe.checkpointing, "activations_saved_bytes": c.activations_saved,
          "step_s": c.step.step_s if c.step else None,
          "efficiency": c.step.efficiency if c.step else None}
         for c in plan.candidates

@@ -18,6 +18,8 @@ from manygpu.strategies import (
     serving_strategy,
     spec_class,
 )
+from manygpu.strategies.checkpointing import ActivationCheckpointing
+from manygpu.strategies.checkpointing import parse as parse_checkpointing
 from manygpu.strategies.registry import AUTO, RULES, check_name, resolve_name
 from manygpu.tracking.registry import check_names
 from manygpu.warn import warn_user
@@ -86,6 +88,12 @@ class ParallelConfig:
     mode, fullgraph and dynamic."""
     stragglers: bool | int = True
     """Every N steps (``True``: 50) gather each rank's step split (input wait,
+    activation_checkpointing: bool | str | int | ActivationCheckpointing | None = None
+    """Keep less for the backward and recompute the rest, per block (the blocks
+    FSDP2 makes units, or ``block_classes``): ``"full"`` recomputes every block,
+    ``N`` every N-th block, ``"selective"`` keeps the blocks' matmul and
+    attention outputs and recomputes only cheap ops; ``ActivationCheckpointing(
+    ...)`` also names the blocks; ``None``/``False``: off."""
     compute, exposed communication) to the main rank, which names a rank or host
     that stays slower than its peers (``manygpu: straggler: ...``); ``False`` (or
     ``MANYGPU_STRAGGLERS=0``) turns the reports off."""
@@ -121,6 +129,7 @@ class ParallelConfig:
             )
         if not isinstance(self.grad_accum_steps, int) or self.grad_accum_steps < 1:
             raise UsageError(
+        parse_checkpointing(self.activation_checkpointing)  # a typo fails here
                 f"grad_accum_steps must be an integer >= 1, got {self.grad_accum_steps!r}"
             )
         object.__setattr__(self, "log_with", check_names(self.log_with))
@@ -189,6 +198,7 @@ class ParallelConfig:
             channels_last=self.channels_last,
         )
 
+            checkpointing=parse_checkpointing(self.activation_checkpointing),
     @property
     def compile_options(self) -> CompileOptions | None:
         """What ``compile`` asks for as options (``True``: torch's defaults), or ``None``."""

@@ -61,6 +61,7 @@ from manygpu.strategies import (
     StrategySpec,
     abilities,
 )
+from manygpu.strategies.checkpointing import apply as apply_checkpointing
 from manygpu.warn import warn_user
 
 if TYPE_CHECKING:
@@ -241,6 +242,8 @@ class Parallel(JobCollectives, Profiling, RunLog):
             self._channels_last = True
             if self.strategy.channels_last_weights:
                 to_channels_last(model)  # in place: the user's module stays the one we hold
+        # Before wrapping and compile: FSDP2 / DDP / compile wrap blocks that checkpoint.
+        apply_checkpointing(model, self.config.activation_checkpointing, self.strategy.options)
         self._rebinder.before(model)
         wrapped = self.strategy.setup_module(model)
         self._rebinder.after(self.strategy.unwrap(wrapped))

@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from manygpu.errors import UsageError
+from manygpu.plan.recompute import measure_blocks
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -43,6 +44,17 @@ class ModelDesc:
     (0: unknown, nothing divides)."""
     largest_layer_parameters: int = 0
     """Biggest module's own parameters (FSDP gathers one unit at a time)."""
+    blocks: int = 0
+    """Blocks activation checkpointing (and FSDP2's units) would find (0: unknown)."""
+    block_activation_bytes_per_sample: float = 0.0
+    """The part of ``activation_bytes_per_sample`` saved inside those blocks (0: unknown)."""
+    block_input_bytes_per_sample: float = 0.0
+    """The blocks' inputs, fp32: what a checkpointed block keeps."""
+    block_kept_bytes_per_sample: float = 0.0
+    """Outputs of the blocks' matmuls and attention, fp32: what ``"selective"``
+    checkpointing keeps besides the inputs (see :mod:`.recompute`)."""
+    block_flops_per_sample: float = 0.0
+    """The part of ``flops_per_sample`` inside the blocks (``"full"`` redoes a third)."""
     layers: int = 0
     hidden: int = 0
     seq_len: int = 0
@@ -107,13 +119,23 @@ def transformer(
     split = 24 * seq_len * hidden + 5 * heads * seq_len * seq_len
     per_layer = 10 * seq_len * hidden + split
     logits = 8.0 * seq_len * vocab
+    # Selective checkpointing keeps the matmuls' outputs: q, k, v, attention's
+    # output, its projection, the MLP's 4h and h (10 x seq x hidden), and the
+    # scores' matmul when attention is not fused; fp32 bytes.
+    kept = 4.0 * (10 * seq_len * hidden + heads * seq_len * seq_len)
+    attention_flops = 12.0 * layers * hidden * seq_len
     return ModelDesc(
         name=name,
         parameters=parameters,
-        flops_per_sample=(6.0 * parameters + 12.0 * layers * hidden * seq_len) * seq_len,
+        flops_per_sample=(6.0 * parameters + attention_flops) * seq_len,
         activation_bytes_per_sample=2.0 * per_layer * layers + logits,
         tp_sharded_activation_bytes_per_sample=2.0 * split * layers,
         largest_layer_parameters=max(12 * hidden * hidden, vocab * hidden),
+        blocks=layers,
+        block_activation_bytes_per_sample=2.0 * per_layer * layers,
+        block_input_bytes_per_sample=4.0 * seq_len * hidden * layers,
+        block_kept_bytes_per_sample=kept * layers,
+        block_flops_per_sample=(72.0 * hidden * hidden * layers + attention_flops) * seq_len,
         layers=layers,
         hidden=hidden,
         seq_len=seq_len,
@@ -159,6 +181,10 @@ def describe(
     by_op = counter.get_flop_counts().get("Global", {})
     conv = sum(n for op, n in by_op.items() if "convolution" in str(op))
     acts = saved_activation_bytes(model, x, loss, y)
+    inside = measure_blocks(model, x, loss, y)
+    names = _block_names(model)
+    counts = counter.get_flop_counts()
+    block_flops = sum(sum(by.values()) for name, by in counts.items() if name in names)
     own = [sum(p.numel() for p in m.parameters(recurse=False)) for m in model.modules()]
     step_s = measure_step_s(model, make_batch, loss, time_batch) if time_batch else None
     return ModelDesc(
@@ -170,7 +196,21 @@ def describe(
         compute_batch=time_batch,
         activation_bytes_per_sample=acts / sample_batch,
         largest_layer_parameters=max(own, default=0),
+        blocks=inside.blocks,
+        block_activation_bytes_per_sample=inside.activation_bytes / sample_batch,
+        block_input_bytes_per_sample=inside.input_bytes / sample_batch,
+        block_kept_bytes_per_sample=inside.kept_bytes / sample_batch,
+        block_flops_per_sample=min(block_flops, counter.get_total_flops()) / sample_batch,
     )
+
+
+def _block_names(model: nn.Module) -> set[str]:
+    """The blocks as the FLOP counter names them (``GPT.blocks.0``)."""
+    from manygpu.strategies.fsdp.units import shard_units
+
+    blocks = {id(b) for b in shard_units(model)}
+    root = type(model).__name__
+    return {f"{root}.{n}" for n, m in model.named_modules() if id(m) in blocks}
 
 
 def measure_step_s(

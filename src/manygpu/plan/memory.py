@@ -31,6 +31,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from manygpu.errors import UsageError
+from manygpu.plan import recompute
 from manygpu.plan.desc import ModelDesc
 from manygpu.plan.devices import PRECISIONS
 from manygpu.strategies.costs import MemoryModel, Split
@@ -120,13 +121,16 @@ def estimate(
     optimizer: str = "adam",
     stages: int = 1,
     microbatches: int = 1,
+    checkpointing: str | int | None = None,
 ) -> MemoryEstimate:
     """Bytes per device of ``strategy`` on ``world`` devices, as the planner runs it
     (16-bit gathers where :func:`params_in_compute_dtype`).
 
     ``batch`` is per device (a pipeline / tensor replica trains ``stages x batch``);
-    ``stages``: pipeline / tensor / model ways; ``microbatches``: the pipeline's.
+    ``stages``: pipeline / tensor / model ways; ``microbatches``: the pipeline's;
+    ``checkpointing``: activation checkpointing's mode (see :mod:`.recompute`).
     """
+    desc = recompute.applied(desc, checkpointing)
     model = card(strategy).memory  # raises for unknown names, listing the known ones
     if world < 1 or stages < 1 or batch < 1:
         raise UsageError("world size, stages and batch must be >= 1")

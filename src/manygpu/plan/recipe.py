@@ -32,6 +32,9 @@ class Recipe:
     """Pipeline / tensor / model ways, or parameter servers (1: none)."""
     precision: str
     """The planner's resolved precision: fp32, tf32, bf16 or fp16."""
+    checkpointing: str | None = None
+    """Activation checkpointing's mode (``"full"``, ``"selective"``) where the
+    candidate fits only with it; ``None``: off."""
 
     @property
     def card(self) -> StrategyCard:
@@ -100,4 +103,6 @@ class Recipe:
             sizes = ", ".join(f'"{dim}": {size}' for dim, size in self.mesh().items())
             args.append(f"mesh={{{sizes}}}")
         args.append(f'precision="{PARALLEL_PRECISION[self.precision]}"')
+        if self.checkpointing is not None:
+            args.append(f'activation_checkpointing="{self.checkpointing}"')
         return f"Parallel({', '.join(args)})"

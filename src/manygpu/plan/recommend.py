@@ -11,12 +11,12 @@ numbers, so the choice can be shown and checked.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from torch import nn
 
 from manygpu.errors import UsageError
-from manygpu.plan import memory, perf
+from manygpu.plan import memory, perf, recompute
 from manygpu.plan.desc import ModelDesc
 from manygpu.plan.devices import resolve_precision
 from manygpu.plan.hardware import Cluster
@@ -40,6 +40,10 @@ class Candidate:
     fits: bool
     recipe: Recipe
     """Its sizes and the ``Parallel(...)`` line whose memory was counted."""
+    activations_saved: float = 0.0
+    """Bytes of activations the recipe's checkpointing saves per device (0: none)."""
+    extra_compute: float = 0.0
+    """The recomputation it costs, as a fraction of the compute (0.3: 30% more)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -83,19 +87,49 @@ def _candidates(
     ]
     out = []
     for strategy, ways in options:
-        recipe = Recipe(strategy=strategy, world=world, ways=ways, precision=precision)
-        mem = memory.estimate(desc, strategy, world=world, batch=batch, precision=precision,
-                              optimizer=optimizer, stages=ways,
-                              microbatches=min(4 * ways, ways * batch))  # fmt: skip
+        mem, mode, plain = _fitting_memory(desc, strategy, world, ways, batch, precision,
+                                           optimizer, cluster.memory_gb)  # fmt: skip
+        recipe = Recipe(strategy=strategy, world=world, ways=ways, precision=precision,
+                        checkpointing=mode)  # fmt: skip
         try:
             step = perf.estimate(desc, cluster, strategy, batch=batch, precision=precision,
                                  world=ways if card(strategy).one_process else world, stages=ways,
                                  mfu=mfu, grad_bytes=recipe.grad_bytes)  # fmt: skip
         except UsageError:
             step = None
+        extra = recompute.cost(desc, mode).extra_compute if mode is not None else 0.0
+        if step is not None and extra:  # recomputation is compute, on every device
+            more = 1 + extra
+            step = replace(step, compute_s=step.compute_s * more, ideal_s=step.ideal_s * more)
         out.append(Candidate(strategy=strategy, ways=ways, memory=mem, step=step,
-                             fits=mem.fits(cluster.memory_gb), recipe=recipe))  # fmt: skip
+                             fits=mem.fits(cluster.memory_gb), recipe=recipe,
+                             activations_saved=plain.activations - mem.activations,
+                             extra_compute=extra))  # fmt: skip
     return out
+
+
+def _fitting_memory(
+    desc: ModelDesc, strategy: str, world: int, ways: int, batch: int, precision: str,
+    optimizer: str, memory_gb: float,
+) -> tuple[memory.MemoryEstimate, str | None, memory.MemoryEstimate]:  # fmt: skip
+    """The candidate's memory, the activation checkpointing it needs to fit (none, else
+    ``"selective"``: no extra FLOPs, else ``"full"``; none when nothing fits), and its
+    memory without checkpointing."""
+
+    def count(mode: str | None) -> memory.MemoryEstimate:
+        return memory.estimate(desc, strategy, world=world, batch=batch, precision=precision,
+                               optimizer=optimizer, stages=ways,
+                               microbatches=min(4 * ways, ways * batch),
+                               checkpointing=mode)  # fmt: skip
+
+    plain = count(None)
+    if plain.fits(memory_gb) or not recompute.knows_blocks(desc):
+        return plain, None, plain
+    for mode in recompute.MODES:
+        mem = count(mode)
+        if mem.fits(memory_gb):
+            return mem, mode, plain
+    return plain, None, plain
 
 
 def _ways(entry: StrategyCard, world: int, gpus_per_node: int) -> list[int]:
