@@ -2,7 +2,8 @@
 
 gloo has no int16, uint16, uint32 or uint64: these travel in a wider dtype
 (:mod:`manygpu.horovod.wire`) and must arrive exact, through every operation.
-One job makes every check and returns the answers, then stalls on purpose
+Named calls meet by name, not by order, as Horovod's. One job makes every check
+and returns the answers, then stalls on purpose
 last (with a short timeout) to see that a script catching
 ``hvd.HorovodInternalError`` catches manygpu's failure of a collective.
 """
@@ -70,7 +71,27 @@ def _names(hvd: Any) -> dict[str, Any]:
         refused = "no error"
     except ValueError as exc:
         refused = str(exc)
-    return {"refused": refused, "first": hvd.synchronize(first)}
+    return {"refused": refused, "first": hvd.synchronize(first)} | _by_name(hvd)
+
+
+def _by_name(hvd: Any) -> dict[str, Any]:
+    """Named calls meet by name (Horovod's model): rank 0 makes one before a barrier and
+    rank 1 after it; and two named calls in opposite orders on the two ranks."""
+    r = hvd.rank()
+    x = torch.tensor([float(r)])
+    early = None
+    if r == 0:
+        early = hvd.allgather_async(x, name="early")
+    hvd.barrier()  # must not meet rank 0's allgather
+    if r == 1:
+        early = hvd.allgather_async(x, name="early")
+    order = ["p", "q"] if r == 0 else ["q", "p"]
+    handles = {n: hvd.allreduce_async(torch.tensor([r + 1.0]), name=n, op=hvd.Sum) for n in order}
+    return {
+        "early": hvd.synchronize(early),
+        "p": hvd.synchronize(handles["p"]),
+        "q": hvd.synchronize(handles["q"]),
+    }
 
 
 def _job() -> dict[str, Any]:
@@ -127,6 +148,8 @@ def test_dtypes_scaling_names_and_failures_as_horovod() -> None:
         assert out["rs"] == ("int64", [2] if r == 0 else [4])  # Average: (2 + 2) * (1/2)
         assert "another allreduce named 'dup' is still pending" in out["refused"]
         assert out["first"] == ("float32", [2.0, 2.0, 2.0])
+        assert out["early"] == ("float32", [0.0, 1.0])
+        assert out["p"] == out["q"] == ("float32", [3.0])
         assert "allreduce of a uint64 tensor is not supported" in out["u64_reduce"]
         assert out["after"] == 2.0
     caught = results[0]["caught"]

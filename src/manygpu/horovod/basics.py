@@ -72,6 +72,11 @@ class Pending:
     """The process set it runs in; ``None`` for the whole job."""
     name: str | None = None
     """Horovod's name for it (``allreduce.loss``) while pending, when the user gave one."""
+    start: Callable[[], Any] | None = None
+    """A named call not started yet: what starts it once every rank has made it
+    (:mod:`manygpu.horovod.matching`); ``None`` once started."""
+    error: Exception | None = None
+    """Why starting it failed (alike on every rank); ``synchronize`` raises it."""
 
 
 @dataclass
@@ -91,6 +96,10 @@ class Session:
     """Calls of ``join()`` so far (each meets on its own store key)."""
     names: set[str] = field(default_factory=set)
     """Names of the pending operations: Horovod refuses a second call with one of them."""
+    deferred: dict[str, int] = field(default_factory=dict)
+    """Named calls made here but not yet by every rank: name -> handle, in call order."""
+    meeting: bool = False
+    """Whether this rank is matching named calls now (the calls it starts then do not)."""
     process_sets: SetTable | None = None
     """The registered process sets (:mod:`manygpu.horovod.process_sets`)."""
 

@@ -32,6 +32,7 @@ from manygpu.comm.objects import PayloadError, all_gather_json
 from manygpu.errors import CollectiveTimeoutError, peer_lost
 from manygpu.horovod.basics import Pending, session
 from manygpu.horovod.exceptions import internal
+from manygpu.horovod.matching import Point, meet
 
 if TYPE_CHECKING:
     from manygpu.horovod.process_sets import Scope
@@ -90,6 +91,8 @@ def agree(
     """
     if scope is not None and not scope.whole:
         return _agree_in_set(scope, op, tensor, key=key, desc=desc, shape=shape, details=details)
+    if active():
+        meet(Point.COLLECTIVE, desc)  # named calls every rank has made start first (matching.py)
     seq = session().next_call()
     if not active():
         return seq

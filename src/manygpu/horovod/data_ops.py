@@ -21,7 +21,7 @@ from manygpu.errors import CollectiveTimeoutError, UsageError
 from manygpu.horovod.basics import Pending, session
 from manygpu.horovod.checks import _store, agree, describe, wait_pending
 from manygpu.horovod.exceptions import internal
-from manygpu.horovod.handles import claim, submit, synchronize
+from manygpu.horovod.handles import Started, claim, launch, synchronize
 from manygpu.horovod.process_sets import Scope, global_process_set, resolve
 from manygpu.horovod.wire import from_wire, to_wire
 
@@ -52,12 +52,21 @@ def allgather_async(
     local = tensor.detach().reshape(1) if tensor.dim() == 0 else tensor.detach().contiguous()
     desc = describe("allgather", local, name)
     shape = (dbg.ANY, *local.shape[1:])
-    seq = agree(
-        "all_gather_uneven", local, key=("allgather", name), desc=desc, shape=shape, name=name,
-        scope=scope,
-    )  # fmt: skip
-    if not active():
-        return submit([], local.clone, desc, seq, name=named)
+
+    def start() -> Started:
+        seq = agree(
+            "all_gather_uneven", local, key=("allgather", name), desc=desc, shape=shape,
+            name=name, scope=scope,
+        )  # fmt: skip
+        if not active():
+            return [], local.clone, seq
+        return _start_allgather(local, desc, scope, seq)
+
+    return launch(start, desc, scope, named)
+
+
+def _start_allgather(local: torch.Tensor, desc: str, scope: Scope, seq: int) -> Started:
+    """Pad every rank's rows to the longest and start the all-gather."""
     world, rest = scope.size, tuple(local.shape[1:])
     wired = to_wire(local, "allgather")  # after agree: every rank refuses alike
     sizes = _gather_sizes(local.shape[0], local.device, desc, scope)
@@ -71,7 +80,7 @@ def allgather_async(
         rows = table.view(world, longest, *rest)
         return from_wire(torch.cat([rows[r, :n] for r, n in enumerate(sizes)]), local.dtype)
 
-    return submit([work], finish, desc, seq, scope, name=named)
+    return [work], finish, seq
 
 
 def check_root(root_rank: int, what: str, scope: Scope | None = None) -> None:
@@ -106,19 +115,23 @@ def broadcast_async_(
     named = claim("broadcast", name)
     desc = describe("broadcast", tensor, name, root_rank=root_rank)
     key = ("broadcast", name, root_rank)
-    seq = agree("broadcast", tensor, key=key, desc=desc, name=name, scope=scope)
-    data = tensor.detach()  # a leaf that requires grad can still be written through its data
-    wired = to_wire(data, "broadcast")  # `data` itself unless its dtype must be carried
-    work = None
-    if active():
-        work = dist.broadcast(wired, src=root_rank, group=scope.group, async_op=True)
 
-    def finish() -> torch.Tensor:
-        if wired.data_ptr() != data.data_ptr():
-            data.copy_(from_wire(wired, data.dtype))
-        return tensor
+    def start() -> Started:
+        seq = agree("broadcast", tensor, key=key, desc=desc, name=name, scope=scope)
+        data = tensor.detach()  # a leaf that requires grad can still be written through its data
+        wired = to_wire(data, "broadcast")  # `data` itself unless its dtype must be carried
+        work = None
+        if active():
+            work = dist.broadcast(wired, src=root_rank, group=scope.group, async_op=True)
 
-    return submit([work], finish, desc, seq, scope, name=named)
+        def finish() -> torch.Tensor:
+            if wired.data_ptr() != data.data_ptr():
+                data.copy_(from_wire(wired, data.dtype))
+            return tensor
+
+        return [work], finish, seq
+
+    return launch(start, desc, scope, named)
 
 
 def broadcast_async(
@@ -179,10 +192,21 @@ def alltoall_async(
     named = claim("alltoall", name)
     desc = describe("alltoall", tensor, name)
     shape = (dbg.ANY, *tensor.shape[1:])
-    seq = agree(
-        "all_to_all", tensor, key=("alltoall", name), desc=desc, shape=shape, name=name,
-        scope=scope,
-    )  # fmt: skip
+
+    def start() -> Started:
+        seq = agree(
+            "all_to_all", tensor, key=("alltoall", name), desc=desc, shape=shape, name=name,
+            scope=scope,
+        )  # fmt: skip
+        return _start_alltoall(tensor, splits, sent, desc, scope, seq)
+
+    return launch(start, desc, scope, named)
+
+
+def _start_alltoall(
+    tensor: torch.Tensor, splits: object, sent: list[int], desc: str, scope: Scope, seq: int
+) -> Started:
+    """Exchange the row counts, then start sending each rank its rows."""
     data = to_wire(tensor.detach().contiguous(), "alltoall")
     if active():
         mine = torch.tensor(sent, dtype=torch.int64, device=data.device)
@@ -204,7 +228,7 @@ def alltoall_async(
         result = from_wire(out, tensor.dtype)
         return result if splits is None else (result, received_t)
 
-    return submit([work], finish, desc, seq, scope, name=named)
+    return [work], finish, seq
 
 
 def barrier(process_set: object = global_process_set) -> None:

@@ -42,11 +42,14 @@ def _part_name(name: str | None, i: int) -> str | None:
 def _one_handle(start: Callable[[int], int], count: int, what: str, scope: Any) -> int:
     """Start ``count`` operations (``start(i)`` gives a handle) and merge them into one."""
     pending = session().pending
-    parts: list[Pending] = [pending.pop(start(i)) for i in range(count)]
+    handles = [start(i) for i in range(count)]
+    parts: list[Pending] = [pending[h] for h in handles]
+    # A named part not started yet (some rank has not made it) has no works:
+    # synchronizing it, in finish, waits until every rank has.
     works = [w for p in parts for w in p.works]
 
     def finish() -> list[torch.Tensor]:
-        return [p.finish() for p in parts]
+        return [synchronize(h) for h in handles]
 
     return submit(list(works), finish, f"{what}({count} tensors)", parts[0].seq, scope)
 

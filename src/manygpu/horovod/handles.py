@@ -15,12 +15,17 @@ from typing import TYPE_CHECKING, Any
 
 import torch.distributed as dist
 
+from manygpu.comm.common import active
 from manygpu.errors import UsageError
 from manygpu.horovod.basics import Pending, session
 from manygpu.horovod.checks import wait_pending
+from manygpu.horovod.matching import Point, meet, unstarted
 
 if TYPE_CHECKING:
     from manygpu.horovod.process_sets import Scope
+
+Started = tuple[list[dist.Work | None], Callable[[], Any], int]
+"""What starting a call gives: its works, what finishes it, its call number."""
 
 
 def submit(
@@ -41,6 +46,27 @@ def submit(
     )
     if name is not None:
         s.names.add(name)
+    return handle
+
+
+def launch(start: Callable[[], Started], description: str, scope: Scope, name: str | None) -> int:
+    """Start a call now, or, a named one on the whole job, once every rank has made it.
+
+    Horovod matches named calls across ranks by name (:mod:`manygpu.horovod.matching`);
+    unnamed ones and those of a process set are matched by order, started at once.
+    """
+    if name is None or not scope.whole or not active():
+        works, finish, seq = start()
+        return submit(works, finish, description, seq, scope, name=name)
+    s = session()
+    handle = next(s.handles)
+    s.pending[handle] = Pending(
+        works=[], finish=unstarted, description=description, seq=0, scope=scope, name=name,
+        start=start,
+    )  # fmt: skip
+    s.names.add(name)
+    s.deferred[name] = handle
+    meet(Point.SUBMIT, description)
     return handle
 
 
@@ -68,6 +94,8 @@ def poll(handle: int) -> bool:
     pending = session().pending.get(handle)
     if pending is None:
         raise UsageError(f"hvd.poll: unknown handle {handle!r} (already synchronized?)")
+    if pending.start is not None:
+        return False  # a named call some rank has not made yet
     return all(work.is_completed() for work in pending.works)
 
 
@@ -77,9 +105,18 @@ def synchronize(handle: int) -> Any:
     As Horovod, a handle that is not pending (already synchronized) gives ``None``.
     """
     s = session()
-    pending = s.pending.pop(handle, None)
+    pending = s.pending.get(handle)
     if pending is None:
         return None
-    s.names.discard(pending.name or "")  # free even if the wait fails: the call is over
+    try:
+        if pending.start is not None:
+            # until every rank has made it and it started
+            meet(Point.WAIT, pending.description, pending.name)
+    finally:
+        s.pending.pop(handle, None)
+        s.names.discard(pending.name or "")  # free even if the wait fails: the call is over
+        s.deferred.pop(pending.name or "", None)
+    if pending.error is not None:
+        raise pending.error
     wait_pending(pending)  # a failure is an hvd.HorovodInternalError too
     return pending.finish()

@@ -23,9 +23,9 @@ import torch.distributed as dist
 from manygpu.comm.common import active, reduce_scatter_single
 from manygpu.errors import UsageError
 from manygpu.horovod.checks import agree, describe
-from manygpu.horovod.handles import claim, submit, synchronize
+from manygpu.horovod.handles import Started, claim, launch, synchronize
 from manygpu.horovod.missing import not_supported
-from manygpu.horovod.process_sets import global_process_set, resolve
+from manygpu.horovod.process_sets import Scope, global_process_set, resolve
 from manygpu.horovod.wire import from_wire, to_wire
 
 
@@ -129,22 +129,25 @@ def allreduce_async_(
     named = claim("allreduce", name)
     desc = describe("allreduce", tensor, name, op=rop.name)
     key = ("allreduce", name, int(rop), prescale_factor, postscale_factor)
-    seq = agree("all_reduce", tensor, key=key, desc=desc, name=name, scope=scope)
-    world = scope.size
-    data = tensor.detach()  # same storage; a leaf that requires grad can be written through it
-    wired = to_wire(data, "allreduce", reduce=True)  # `data` unless its dtype must be carried
-    scale_(wired, prescale_factor, "prescale_factor")
-    work = None
-    if active():
-        work = dist.all_reduce(wired, op=_DIST_OPS[rop], group=scope.group, async_op=True)
 
-    def finish() -> torch.Tensor:
-        finish_(wired, rop, postscale_factor, world)
-        if wired is not data:
-            data.copy_(from_wire(wired, data.dtype))
-        return tensor
+    def start() -> Started:
+        seq = agree("all_reduce", tensor, key=key, desc=desc, name=name, scope=scope)
+        data = tensor.detach()  # same storage; a leaf that requires grad is written through it
+        wired = to_wire(data, "allreduce", reduce=True)  # `data` unless its dtype is carried
+        scale_(wired, prescale_factor, "prescale_factor")
+        work = None
+        if active():
+            work = dist.all_reduce(wired, op=_DIST_OPS[rop], group=scope.group, async_op=True)
 
-    return submit([work], finish, desc, seq, scope, name=named)
+        def finish() -> torch.Tensor:
+            finish_(wired, rop, postscale_factor, scope.size)
+            if wired is not data:
+                data.copy_(from_wire(wired, data.dtype))
+            return tensor
+
+        return [work], finish, seq
+
+    return launch(start, desc, scope, named)
 
 
 def allreduce_async(
@@ -205,29 +208,40 @@ def grouped_allreduce_async_(
     desc = describe("grouped_allreduce", None, name, tensors=len(tensors), op=rop.name)
     key = ("grouped_allreduce", name, int(rop), prescale_factor, postscale_factor, shapes)
     details = [(f"#{i}", shape, dtype) for i, (shape, dtype) in enumerate(shapes)]
-    seq = agree("all_reduce", None, key=key, desc=desc, details=details, name=name, scope=scope)
-    world = scope.size
-    works, flats = [], []
-    for group in _flat_groups(tensors):
-        flat = torch.cat([tensors[i].detach().reshape(-1) for i in group])
-        flat = to_wire(flat, "grouped_allreduce", reduce=True)
-        scale_(flat, prescale_factor, "prescale_factor")
-        if active():
-            works.append(dist.all_reduce(flat, op=_DIST_OPS[rop], group=scope.group, async_op=True))
-        flats.append((group, flat))
 
-    def finish() -> list[torch.Tensor]:
-        for group, flat in flats:
-            finish_(flat, rop, postscale_factor, world)
-            offset = 0
-            for i in group:
-                n = tensors[i].numel()
-                with torch.no_grad():
-                    tensors[i].copy_(flat[offset : offset + n].view_as(tensors[i]))
-                offset += n
-        return tensors
+    def start() -> Started:
+        seq = agree("all_reduce", None, key=key, desc=desc, details=details, name=name, scope=scope)
+        works: list[dist.Work | None] = []
+        flats = []
+        for group in _flat_groups(tensors):
+            flat = torch.cat([tensors[i].detach().reshape(-1) for i in group])
+            flat = to_wire(flat, "grouped_allreduce", reduce=True)
+            scale_(flat, prescale_factor, "prescale_factor")
+            if active():
+                works.append(
+                    dist.all_reduce(flat, op=_DIST_OPS[rop], group=scope.group, async_op=True)
+                )
+            flats.append((group, flat))
 
-    return submit(works, finish, desc, seq, scope, name=named)
+        def finish() -> list[torch.Tensor]:
+            for group, flat in flats:
+                finish_(flat, rop, postscale_factor, scope.size)
+                _unflatten(flat, [tensors[i] for i in group])
+            return tensors
+
+        return works, finish, seq
+
+    return launch(start, desc, scope, named)
+
+
+def _unflatten(flat: torch.Tensor, tensors: Sequence[torch.Tensor]) -> None:
+    """Copy consecutive slices of ``flat`` back into ``tensors``."""
+    offset = 0
+    for t in tensors:
+        n = t.numel()
+        with torch.no_grad():
+            t.copy_(flat[offset : offset + n].view_as(t))
+        offset += n
 
 
 def grouped_allreduce_async(
@@ -283,7 +297,23 @@ def reducescatter_async(
     named = claim("reducescatter", name)
     desc = describe("reducescatter", tensor, name, op=rop.name)
     key = ("reducescatter", name, int(rop), prescale_factor, postscale_factor)
-    seq = agree("reduce_scatter", tensor, key=key, desc=desc, name=name, scope=scope)
+
+    def start() -> Started:
+        seq = agree("reduce_scatter", tensor, key=key, desc=desc, name=name, scope=scope)
+        return _start_reducescatter(tensor, rop, scope, prescale_factor, postscale_factor, seq)
+
+    return launch(start, desc, scope, named)
+
+
+def _start_reducescatter(
+    tensor: torch.Tensor,
+    rop: ReduceOp,
+    scope: Scope,
+    prescale_factor: float,
+    postscale_factor: float,
+    seq: int,
+) -> Started:
+    """Pad each rank's rows to equal slices and start the reduce-scatter."""
     world, me = scope.size, scope.rank
     counts = scatter_counts(tensor.shape[0], world)
     longest, rest = counts[0], tuple(tensor.shape[1:])
@@ -307,4 +337,4 @@ def reducescatter_async(
     def finish() -> torch.Tensor:
         return from_wire(finish_(out[: counts[me]], rop, postscale_factor, world), tensor.dtype)
 
-    return submit([work], finish, desc, seq, scope, name=named)
+    return [work], finish, seq
