@@ -171,6 +171,18 @@ def rebuild_loader(
     )
 
 
+Wait = Callable[[float], None]
+"""Told how long a batch took to arrive, in seconds."""
+
+
+def _both(first: Wait, second: Wait) -> Wait:
+    def call(seconds: float) -> None:
+        first(seconds)
+        second(seconds)
+
+    return call
+
+
 class PreparedLoader:
     """Iterates a rank's share on its device and advances the epoch by itself.
 
@@ -197,6 +209,11 @@ class PreparedLoader:
         self.epoch = 0
         self._on_last_batch = on_last_batch
         self._position = (0, 0)  # (epoch being read, batches handed out in it)
+
+    def also_on_wait(self, hook: Wait) -> None:
+        """Tell ``hook`` too how long each batch took to arrive (the throughput meter)."""
+        first = self._on_wait
+        self._on_wait = hook if first is None else _both(first, hook)
 
     def set_epoch(self, epoch: int, skip_batches: int = 0) -> None:
         """Start the next ``iter()`` at ``epoch``, after its first ``skip_batches`` (resuming)."""

@@ -307,7 +307,7 @@ class Parallel(JobCollectives, Profiling, RunLog):
             on_wait=self._steps.clock.waited_for_input if self._steps and train else None,
         )
         if isinstance(loader.dataset, IterableDataset):  # a stream: core/streams.py
-            return prepare_stream(
+            stream = prepare_stream(
                 loader,
                 rank=shard_index,
                 world=shard_count,
@@ -317,6 +317,7 @@ class Parallel(JobCollectives, Profiling, RunLog):
                 timeout_s=self.timeout_s,
                 **extras,
             )
+            return self._metered(stream, train)
         rebuilt = rebuild_loader(
             loader,
             rank=shard_index,
@@ -326,7 +327,7 @@ class Parallel(JobCollectives, Profiling, RunLog):
             split_batches=self.config.split_batches,
             pin_memory=self.device.type == "cuda",
         )
-        return PreparedLoader(rebuilt, self.device, **extras)
+        return self._metered(PreparedLoader(rebuilt, self.device, **extras), train)
 
     # -- the training step -----------------------------------------------------
     def backward(self, loss: torch.Tensor) -> None:

@@ -4,7 +4,8 @@ A mixin, so :class:`~manygpu.Parallel` gains logging in one base class: the
 trackers (:mod:`manygpu.tracking`) open on the main rank at the first call, the
 configuration they record once is described here (strategy, mesh, precision,
 world, versions, hosts), and the straggler board's latest per-rank step split
-rides along with the next call, so those figures reach the trackers without
+and the job's samples per second since the last call (:mod:`manygpu.core.throughput`)
+ride along with the next call, so those figures reach the trackers without
 code of the user's.
 """
 
@@ -17,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from manygpu.core.throughput import SampleMeter
 from manygpu.errors import UsageError
 from manygpu.runtime import env as envmod
 from manygpu.tracking.reducer import reduce_values
@@ -25,6 +27,7 @@ from manygpu.tracking.run import TrackingRun
 
 if TYPE_CHECKING:
     from manygpu.core.config import ParallelConfig
+    from manygpu.core.data import PreparedLoader
     from manygpu.core.precision import PrecisionChoice
     from manygpu.core.straggler_board import StepReports
     from manygpu.runtime.cluster import ClusterInfo
@@ -47,6 +50,7 @@ class RunLog:
     _run: TrackingRun | None = None
     _logged_window: int | None = None
     _hosts_set: bool = False
+    _meter: SampleMeter | None = None
 
     @property
     def device(self) -> torch.device:
@@ -81,7 +85,7 @@ class RunLog:
         if not self._hosts_set:
             self._share_host()
         reduced = reduce_values(values, reduce, self.gather, self.device)
-        run.write(reduced | self._step_figures(), at)
+        run.write(reduced | self._step_figures() | self._throughput(), at)
         return reduced
 
     def tracking_state(self) -> dict[str, Any] | None:
@@ -102,6 +106,21 @@ class RunLog:
                 describe=self._describe,
             )
         return self._run
+
+    def _metered(self, loader: PreparedLoader, train: bool) -> PreparedLoader:
+        """``loader``, whose training batches the throughput figure counts (``prepare_loader``)."""
+        if train and loader.batch_size:
+            if self._meter is None:
+                self._meter = SampleMeter()
+            loader.also_on_wait(self._meter.hook(loader.batch_size))
+        return loader
+
+    def _throughput(self) -> dict[str, float]:
+        """Samples/s over every data shard since the last log (main rank; every rank resets)."""
+        if self._meter is None:
+            return {}
+        figures = self._meter.take(self.strategy.data_shard()[1])
+        return figures if self.is_main else {}
 
     def _close_tracking(self) -> None:
         if self._run is not None:

@@ -1,0 +1,63 @@
+"""par.log adds the job's samples/s by itself, counted from the prepared training loaders."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+import tracking_read as read
+from torch.utils.data import DataLoader, TensorDataset
+
+from manygpu import Parallel
+from manygpu.core.throughput import KEY, SampleMeter
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_the_meter_counts_from_the_first_batch_asked_for_and_scales_by_shards() -> None:
+    clock = FakeClock()
+    meter = SampleMeter(clock)
+    assert meter.take(2) == {}  # no batch yet: no figure
+    hook = meter.hook(8)
+    clock.now = 110.0
+    hook(1.0)  # asked for at 109
+    clock.now = 111.0
+    hook(0.5)
+    clock.now = 113.0
+    assert meter.take(2) == {KEY: 16 * 2 / 4.0}
+    clock.now = 200.0  # an evaluation between the log and the next batch is not counted
+    hook(0.0)
+    clock.now = 202.0
+    assert meter.take(1) == {KEY: 8 / 2.0}
+    assert meter.take(1) == {}  # no batch since the last log
+
+
+def test_a_user_logging_only_the_loss_sees_samples_per_second(tmp_path: Path) -> None:
+    data = TensorDataset(torch.randn(40, 3), torch.randn(40, 1))
+    with Parallel(log_with="jsonl", run_dir=str(tmp_path)) as par:
+        model = par.prepare(torch.nn.Linear(3, 1))
+        opt = par.prepare(torch.optim.SGD(model.parameters(), lr=0.1))
+        train = par.prepare(DataLoader(data, batch_size=4, shuffle=True))
+        test = par.prepare_loader(DataLoader(data, batch_size=10), train=False)
+        for x, y in train:
+            loss = torch.nn.functional.mse_loss(model(x), y)
+            par.backward(loss)
+            opt.step()
+            opt.zero_grad()
+            par.log({"loss": loss})
+        for _ in test:  # an evaluation loader is not training throughput
+            pass
+        par.log({"loss": 0.0})
+        run_id = par.tracking_state()["run_id"]  # type: ignore[index]
+    records = [r for r in read.jsonl(tmp_path / run_id / "metrics.jsonl") if "step" in r]
+    assert len(records) == 11
+    rates = [r["values"].get(KEY) for r in records]
+    assert all(rate is not None and rate > 0 for rate in rates[:10]), rates
+    assert rates[10] is None  # no training batch since the last log
+    assert all("loss" in r["values"] for r in records)
