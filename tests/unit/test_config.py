@@ -20,9 +20,9 @@ def test_unknown_strategy_lists_available_names() -> None:
 
 def test_unknown_precision() -> None:
     with pytest.raises(
-        UsageError, match=r"precision 'fp8'; choose one of auto, fp32, fp32-strict, bf16, fp16"
+        UsageError, match=r"precision 'fp4'; choose one of auto, fp32, fp32-strict, bf16, fp16, fp8"
     ):
-        ParallelConfig(precision="fp8")  # type: ignore[arg-type]
+        ParallelConfig(precision="fp4")  # type: ignore[arg-type]
 
 
 @pytest.mark.parametrize("steps", [0, -1, 1.5])

@@ -158,10 +158,10 @@ def test_strategies_see_the_resolved_precision() -> None:
 
 
 def test_every_precision_is_accepted_and_others_named() -> None:
-    assert PRECISIONS == ("auto", "fp32", "fp32-strict", "bf16", "fp16")
+    assert PRECISIONS == ("auto", "fp32", "fp32-strict", "bf16", "fp16", "fp8")
     for name in PRECISIONS:
         assert ParallelConfig(precision=name).precision == name  # type: ignore[arg-type]
-    with pytest.raises(UsageError, match="choose one of auto, fp32, fp32-strict, bf16, fp16"):
+    with pytest.raises(UsageError, match="choose one of auto, fp32, fp32-strict, bf16, fp16, fp8"):
         ParallelConfig(precision="tf32")  # type: ignore[arg-type]
 
 

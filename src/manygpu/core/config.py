@@ -27,8 +27,8 @@ from manygpu.warn import warn_user
 if TYPE_CHECKING:
     from manygpu.strategies.base import Strategy
 
-Precision = Literal["auto", "fp32", "fp32-strict", "bf16", "fp16"]
-PRECISIONS: tuple[str, ...] = ("auto", "fp32", "fp32-strict", "bf16", "fp16")
+Precision = Literal["auto", "fp32", "fp32-strict", "bf16", "fp16", "fp8"]
+PRECISIONS: tuple[str, ...] = ("auto", "fp32", "fp32-strict", "bf16", "fp16", "fp8")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -47,7 +47,9 @@ class ParallelConfig:
     fp16 with loss scaling on older GPUs, fp32 on the CPU. ``"bf16"`` autocasts
     to bfloat16; ``"fp16"`` also scales the loss; weights and optimizer state
     stay fp32 in each. On CUDA, matmuls and convolutions left in fp32 use TF32
-    unless ``"fp32-strict"``."""
+    unless ``"fp32-strict"``. ``"fp8"`` (opt-in, never chosen by ``"auto"``):
+    torchao's float8 linears in bf16 autocast, on GPUs with compute capability
+    >= 8.9 (:mod:`manygpu.core.fp8`)."""
     grad_accum_steps: int = 1
     """Micro-batches per optimizer step; sync only on the last one."""
     seed: int | None = 0

@@ -28,6 +28,7 @@ from manygpu.core.auto import choose_strategy
 from manygpu.core.config import ParallelConfig, served_class
 from manygpu.core.console import MainConsole
 from manygpu.core.data import PreparedLoader, rebuild_loader
+from manygpu.core.fp8 import planned_precision
 from manygpu.core.job_comm import JobCollectives
 from manygpu.core.optimizer import PreparedOptimizer
 from manygpu.core.precision import (
@@ -119,7 +120,7 @@ class Parallel(JobCollectives, Profiling, RunLog):
         capability, self._device_name = cuda_facts(device)
         self.precision_choice: PrecisionChoice = resolve_precision(
             self.config.precision, device_type=device.type, capability=capability,
-            refused=strategy_cls.refused_precisions,
+            refused=strategy_cls.refused_precisions, fp8_emulate=envmod.fp8_emulate(environ),
         )  # fmt: skip
         """What ``precision=`` became on this device (``"auto"`` resolved)."""
         job = self.config.job_options(self.precision_choice.precision)
@@ -140,7 +141,7 @@ class Parallel(JobCollectives, Profiling, RunLog):
         # count workers only (the servers never run the loop).
         self.cluster = self._ctx.cluster
         self.strategy: Strategy[Any] = strategy_cls(self._ctx, options, job)
-        self.precision = PrecisionPlugin(self.precision_choice.precision, device)
+        self.precision = PrecisionPlugin.chosen(self.precision_choice, device)
         self._restore_tf32 = apply_tf32(self.precision_choice)
         self._channels_last = False  # set when a prepared model runs channels_last
         self._accumulator = Accumulator(self.config.grad_accum_steps)
@@ -245,6 +246,8 @@ class Parallel(JobCollectives, Profiling, RunLog):
         # Before wrapping and compile: FSDP2 / DDP / compile wrap blocks that checkpoint.
         apply_checkpointing(model, self.config.activation_checkpointing, self.strategy.options)
         self._rebinder.before(model)
+        if self.precision.fp8 is not None:  # after before(): it may replace weights
+            self.precision.fp8.convert(model, self.strategy)
         wrapped = self.strategy.setup_module(model)
         self._rebinder.after(self.strategy.unwrap(wrapped))
         self.precision.wrap_forward(wrapped)
@@ -276,6 +279,8 @@ class Parallel(JobCollectives, Profiling, RunLog):
         if fused_step_applies(optimizer, param_device_types(optimizer)):
             use_fused_step(optimizer)  # before the strategy: ZeRO-1 rebuilds from its defaults
         inner = self.strategy.setup_optimizer(optimizer)
+        if self.precision.fp8 is not None:
+            self.precision.fp8.watch(inner)
         # The first optimizer's steps are the training steps the clock counts.
         tick = self._steps.clock.step if self._steps and not self._optimizers else None
         tick = tick if self._optimizers else self._counting_steps(tick)  # par.profile's steps
@@ -494,7 +499,7 @@ class Parallel(JobCollectives, Profiling, RunLog):
             world=self.world_size,
             local_world=self.cluster.local_world_size,
             device=self.device,
-            precision=self.precision_choice.precision,
+            precision=planned_precision(self.precision_choice.precision),
             batch=self._auto_batch,
             timeout_s=self.timeout_s,
         )

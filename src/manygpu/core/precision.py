@@ -12,7 +12,11 @@ facts, so every branch is testable without the hardware:
 
 On CUDA, matmuls and convolutions left in fp32 use TF32 tensor cores
 unless the user asked for ``"fp32-strict"``. What strategies, checkpoints and
-the planner see is the resolved ``"fp32"``, ``"bf16"`` or ``"fp16"``.
+the planner see is the resolved ``"fp32"``, ``"bf16"``, ``"fp16"`` or ``"fp8"``.
+
+``"fp8"`` is opt-in only (``"auto"`` never picks it; :mod:`manygpu.core.fp8`
+says why): float8 matmuls from torchao inside bf16 autocast, refused in one
+line on devices without FP8 tensor cores.
 """
 
 from __future__ import annotations
@@ -26,9 +30,12 @@ from typing import Any, Literal
 import torch
 from torch.utils import _pytree as pytree
 
-_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+from manygpu.core.fp8 import Fp8Training, check_fp8_device, require_torchao
 
-Resolved = Literal["fp32", "bf16", "fp16"]
+_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+_AUTOCAST = {**_DTYPES, "fp8": torch.bfloat16}  # fp8: float8 linears, bf16 around them
+
+Resolved = Literal["fp32", "bf16", "fp16", "fp8"]
 BF16_CAPABILITY = (8, 0)
 """The first CUDA compute capability with bf16 (and TF32) tensor cores (Ampere)."""
 STRICT = "fp32-strict"
@@ -49,6 +56,8 @@ class PrecisionChoice:
     ``"fp32-strict"``)."""
     capability: tuple[int, int] | None = None
     """The CUDA compute capability it was decided for (``None`` off CUDA)."""
+    fp8_emulated: bool = False
+    """``"fp8"`` through torchao's emulation (``MANYGPU_FP8_EMULATE=1``: tests only)."""
 
 
 def resolve_precision(
@@ -57,6 +66,7 @@ def resolve_precision(
     device_type: str,
     capability: tuple[int, int] | None = None,
     refused: Collection[str] = (),
+    fp8_emulate: bool = False,
 ) -> PrecisionChoice:
     """The precision a job runs in: pure, so tests can pass any device's facts.
 
@@ -66,6 +76,8 @@ def resolve_precision(
         capability: CUDA compute capability (``None``: unknown or not CUDA).
         refused: precisions the strategy cannot train in; ``"auto"`` avoids them
             (an explicit request is left for the strategy to refuse by name).
+        fp8_emulate: ``MANYGPU_FP8_EMULATE=1``: run ``"fp8"`` through torchao's
+            emulation on any device (tests only); otherwise fp8 needs FP8 tensor cores.
     """
     cuda = device_type == "cuda"
     if requested == "auto":
@@ -78,6 +90,10 @@ def resolve_precision(
         precision = "fp32"
     elif requested in _DTYPES:
         precision = "bf16" if requested == "bf16" else "fp16"
+    elif requested == "fp8":
+        check_fp8_device(device_type, capability, emulate=fp8_emulate)
+        require_torchao()  # a missing extra is said before any process group exists
+        precision = "fp8"
     else:
         raise ValueError(f"unknown precision {requested!r}")
     return PrecisionChoice(
@@ -86,6 +102,7 @@ def resolve_precision(
         device_type=device_type,
         tf32=cuda and requested != STRICT,
         capability=capability if cuda else None,
+        fp8_emulated=precision == "fp8" and fp8_emulate,
     )
 
 
@@ -165,14 +182,21 @@ def outputs_to_fp32(out: Any, low: torch.dtype) -> Any:
 class PrecisionPlugin:
     """Owns the autocast dtype and, for fp16, the loss scaler."""
 
-    def __init__(self, precision: str, device: torch.device) -> None:
+    def __init__(self, precision: str, device: torch.device, *, fp8_emulate: bool = False) -> None:
         self.precision = precision
         self.device = device
-        self.dtype = _DTYPES.get(precision)
+        self.dtype = _AUTOCAST.get(precision)
+        self.fp8 = Fp8Training(emulate=fp8_emulate) if precision == "fp8" else None
+        """For ``"fp8"``: converts prepared models to torchao's float8 linears."""
         # fp16's narrow exponent underflows small gradients; bf16 has fp32's
         # range and needs no scaling.
         self.scaler = torch.amp.GradScaler(device.type) if precision == "fp16" else None
         self._update_pending = False
+
+    @classmethod
+    def chosen(cls, choice: PrecisionChoice, device: torch.device) -> PrecisionPlugin:
+        """The plugin for what ``precision=`` resolved to on ``device``."""
+        return cls(choice.precision, device, fp8_emulate=choice.fp8_emulated)
 
     @contextlib.contextmanager
     def autocast(self) -> Iterator[None]:

@@ -137,6 +137,12 @@ def traceback_wanted(env: Environ) -> bool:
     return env.get("MANYGPU_TRACEBACK", "0").lower() in {"1", "true", "yes", "on"}
 
 
+def fp8_emulate(env: Environ) -> bool:
+    """``MANYGPU_FP8_EMULATE=1``: ``precision="fp8"`` through torchao's emulation on any
+    device, the CPU included. For tests: slow, a CPU-only numerics check."""
+    return env.get("MANYGPU_FP8_EMULATE", "0").lower() in {"1", "true", "yes", "on"}
+
+
 def debug_enabled(env: Environ) -> bool:
     """``MANYGPU_DEBUG=1`` (or ``strict``) turns on cross-rank consistency checks."""
     value = env.get("MANYGPU_DEBUG", "0").lower()

@@ -20,6 +20,7 @@ from manygpu.errors import UsageError
 from manygpu.runtime.cluster import ClusterInfo
 from manygpu.runtime.process_group import DistContext
 from manygpu.strategies.checkpointing import ActivationCheckpointing
+from manygpu.strategies.fp8 import check_fp8_strategy
 from manygpu.strategies.mesh import MeshSpec
 from manygpu.strategies.options import CompileOptions, compile_in_place
 from manygpu.strategies.spec import StrategySpec
@@ -156,6 +157,8 @@ class Strategy(ABC, Generic[OptionsT]):
                 f"precision={job.precision!r} does not work with strategy {cls.name!r}: "
                 f"{cls.precision_refusal}"
             )
+        if job.precision == "fp8":
+            check_fp8_strategy(cls)  # fp8 is an ability (strategies/fp8.py), not a default
         if job.compile is not None and cls.compile_refusal is not None:
             raise UsageError(
                 f"compile=True does not work with strategy {cls.name!r}: {cls.compile_refusal}"

@@ -15,6 +15,7 @@ from manygpu.runtime.cluster import ClusterInfo
 from manygpu.strategies.abilities import CommProbe
 from manygpu.strategies.base import JobOptions, Strategy
 from manygpu.strategies.ddp import DDP
+from manygpu.strategies.fp8 import TrainsFp8
 from manygpu.strategies.mesh import check_dims
 from manygpu.strategies.options import CompileOptions, compile_in_place
 
@@ -31,7 +32,7 @@ def _buffer_sync_kwarg(enabled: bool) -> dict[str, Any]:
     return {name: enabled}
 
 
-class DDPStrategy(Strategy[DDP]):
+class DDPStrategy(Strategy[DDP], TrainsFp8):
     """Replicate the model on every rank; DDP overlaps all-reduce with backward."""
 
     spec_class = DDP

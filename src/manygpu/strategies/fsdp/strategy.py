@@ -23,13 +23,14 @@ from torch import nn
 from torch.distributed.fsdp import FSDPModule
 
 from manygpu.strategies.fsdp import FSDP, Zero2
+from manygpu.strategies.fsdp.fp8 import Fsdp2Fp8
 from manygpu.strategies.fsdp.sharding import fsdp_kwargs, shard_data_dims
 from manygpu.strategies.mesh import job_mesh
 from manygpu.strategies.options import CompileOptions, compile_in_place
 from manygpu.strategies.sharded import MeshStrategy
 
 
-class FSDPStrategy(MeshStrategy[FSDP]):
+class FSDPStrategy(MeshStrategy[FSDP], Fsdp2Fp8):
     """ZeRO-3 through FSDP2: every rank holds 1/N of parameters, grads and optimizer state."""
 
     spec_class = FSDP

@@ -5,10 +5,11 @@ from __future__ import annotations
 from torch import nn
 
 from manygpu.strategies.base import Strategy
+from manygpu.strategies.fp8 import TrainsFp8
 from manygpu.strategies.single import Single
 
 
-class SingleDevice(Strategy[Single]):
+class SingleDevice(Strategy[Single], TrainsFp8):
     """Plain training on this process's device."""
 
     spec_class = Single

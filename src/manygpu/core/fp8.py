@@ -1,0 +1,165 @@
+"""``precision="fp8"``: torchao's float8 training, with the defaults that matter.
+
+Each eligible ``nn.Linear`` becomes torchao's ``Float8Linear`` before the
+strategy wraps the model: its matmuls take float8 inputs and weights scaled
+per tensor from their current amax (dynamic scaling), everything else runs in
+bf16 autocast, and the weights and optimizer state stay in the user's dtype
+(fp32), so a checkpoint holds the same keys and dtypes as without fp8.
+
+What is kept out of float8, and why:
+
+- the first and the last ``nn.Linear`` (in module order): the layers next to
+  the embeddings and the logits are the ones whose precision the loss feels
+  most, and the head is usually tied to the embedding, which float8 does not
+  wrap;
+- any ``nn.Linear`` whose in or out features are not a multiple of 16, which
+  float8 matmuls (``torch._scaled_mm``) need.
+
+Inner dimensions are padded (``pad_inner_dim``) so odd batch x sequence
+shapes still run. Under FSDP2, weights are all-gathered in float8 and their
+scales computed once per step (:mod:`manygpu.strategies.fsdp.fp8`).
+
+Only GPUs with FP8 tensor cores run it (CUDA compute capability 8.9+: L4,
+L40, RTX 40xx, H100, H200, B200); ``precision="auto"`` never picks it: on small
+models the casts cost more than the faster matmuls save, and it changes the
+numerics, so it is a choice the user makes and measures. For tests,
+``MANYGPU_FP8_EMULATE=1`` runs torchao's emulation (float8 numerics done in
+ordinary matmuls) on any device, the CPU included: slow, for checking numerics only.
+"""
+
+from __future__ import annotations
+
+import logging
+import weakref
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import nn
+
+from manygpu.errors import UsageError
+from manygpu.strategies.fp8 import TrainsFp8, check_fp8_strategy
+
+if TYPE_CHECKING:
+    from torchao.float8 import Float8LinearConfig
+
+__all__ = ["Fp8Training", "check_fp8_strategy", "planned_precision", "require_torchao"]
+
+FP8_CAPABILITY = (8, 9)
+"""The first CUDA compute capability with FP8 tensor cores (Ada Lovelace; Hopper is 9.0)."""
+FP8_MULTIPLE = 16
+"""Float8 matmuls need both dimensions of a weight to be multiples of this."""
+EMULATE_VARIABLE = "MANYGPU_FP8_EMULATE"
+INSTALL = "pip install 'manygpu[fp8]'"
+
+
+def check_fp8_device(
+    device_type: str, capability: tuple[int, int] | None, *, emulate: bool
+) -> None:
+    """Refuse fp8 in one line where it cannot run: pure, tests pass any device's facts."""
+    if emulate:
+        return
+    if device_type == "cuda" and capability is not None and capability >= FP8_CAPABILITY:
+        return
+    where = f"compute capability {capability[0]}.{capability[1]}" if capability else device_type
+    raise UsageError(
+        f"precision='fp8' needs a GPU with FP8 tensor cores (CUDA compute capability "
+        f"{FP8_CAPABILITY[0]}.{FP8_CAPABILITY[1]}+: L4, L40, RTX 40xx, H100), and this "
+        f"device is {where}: use precision='bf16' ({EMULATE_VARIABLE}=1 emulates fp8 for "
+        "tests: slow, a numerics check only)"
+    )
+
+
+def kept_linears(model: nn.Module) -> dict[str, str]:
+    """The ``nn.Linear`` layers of ``model`` that stay in high precision, by name, with why."""
+    linears = [(n, m) for n, m in model.named_modules() if isinstance(m, nn.Linear)]
+    kept: dict[str, str] = {}
+    for name, layer in linears:
+        if layer.in_features % FP8_MULTIPLE or layer.out_features % FP8_MULTIPLE:
+            kept[name] = f"dims {layer.in_features}x{layer.out_features} not multiples of 16"
+    if linears:
+        kept.setdefault(linears[0][0], "first linear layer")
+        kept.setdefault(linears[-1][0], "last linear layer")
+    return kept
+
+
+def require_torchao() -> None:
+    """Raise :class:`UsageError` in one line naming the extra when torchao is missing."""
+    _torchao_float8()
+
+
+def _torchao_float8() -> Any:
+    """torchao's float8 package, imported only when fp8 is asked for.
+
+    torchao logs a warning for each optional kernel library its build lacks
+    (CPU builds have none) and torch one about torchao's enum registration:
+    noise on every rank for kernels fp8 training does not use, so those two
+    loggers are quieted while it imports.
+    """
+    loggers = [logging.getLogger(n) for n in ("torchao", "torch.utils._pytree")]
+    levels = [log.level for log in loggers]
+    try:
+        for log in loggers:
+            log.setLevel(logging.ERROR)
+        import torchao.float8 as float8
+    except ImportError as exc:
+        raise UsageError(f"precision='fp8' needs torchao: {INSTALL}") from exc
+    finally:
+        for log, level in zip(loggers, levels, strict=True):
+            log.setLevel(level)
+    return float8
+
+
+def float8_config(*, all_gather: bool, emulate: bool) -> Float8LinearConfig:
+    """Dynamic tensorwise scaling (torchao's default recipe), inner dims padded."""
+    float8 = _torchao_float8()
+    return float8.Float8LinearConfig(
+        enable_fsdp_float8_all_gather=all_gather, pad_inner_dim=True, emulate=emulate
+    )
+
+
+def convert(model: nn.Module, *, all_gather: bool, emulate: bool) -> list[str]:
+    """Swap ``model``'s eligible linears for float8 ones in place; their names."""
+    float8 = _torchao_float8()
+    kept = kept_linears(model)
+    float8.convert_to_float8_training(
+        model,
+        config=float8_config(all_gather=all_gather, emulate=emulate),
+        module_filter_fn=lambda _module, fqn: fqn not in kept,
+    )
+    linear = float8.float8_linear.Float8Linear
+    return [n for n, m in model.named_modules() if isinstance(m, linear)]
+
+
+class Fp8Training:
+    """A job's fp8: converts each prepared model and keeps the strategy told of steps."""
+
+    def __init__(self, *, emulate: bool) -> None:
+        self.emulate = emulate
+        self._models: list[tuple[TrainsFp8, weakref.ref[nn.Module]]] = []
+
+    def convert(self, model: nn.Module, strategy: object) -> list[str]:
+        """Convert ``model`` (before ``strategy`` wraps it); the float8 layers' names."""
+        if not isinstance(strategy, TrainsFp8):
+            raise UsageError(f"precision='fp8' does not work with {type(strategy).__name__}")
+        names = convert(model, all_gather=strategy.fp8_all_gather, emulate=self.emulate)
+        self._models.append((strategy, weakref.ref(model)))
+        model.register_load_state_dict_post_hook(
+            lambda module, _keys: strategy.fp8_after_load(module)
+        )
+        return names
+
+    def watch(self, optimizer: torch.optim.Optimizer) -> None:
+        """Tell the strategy after each of ``optimizer``'s steps (FSDP2 rescales then)."""
+        optimizer.register_step_post_hook(lambda *_: self._after_step())
+
+    def _after_step(self) -> None:
+        for strategy, ref in self._models:
+            model = ref()
+            if model is not None:
+                strategy.fp8_after_step(model)
+
+
+def planned_precision(precision: str) -> str:
+    """What the planner counts ``precision`` as: fp8 keeps fp32 weights and runs the
+    rest in bf16, and the planner has no float8 rates, so it plans bf16."""
+    return "bf16" if precision == "fp8" else precision
