@@ -24,6 +24,7 @@ import sys
 import weakref
 import zlib
 from collections import Counter
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -56,7 +57,11 @@ _OPS = [
     "all_to_all",
     "barrier",
     "end of the job",
+    "joined",
 ]
+JOINED = "joined"
+"""The row of a rank in ``hvd.join()``: it stands in for the others' call, so it is left
+out of the comparison (:mod:`manygpu.horovod.joining`)."""
 _DTYPES = [
     torch.float32,
     torch.float64,
@@ -156,7 +161,7 @@ def check_same_call(
     site: str | None = None,
     strict: bool | None = None,
 ) -> None:
-    """Raise on every rank if any rank is about to call something else.
+    """Raise on every rank if any rank is about to call something else (joined ranks aside).
 
     Args:
         op: the collective's name.
@@ -168,6 +173,51 @@ def check_same_call(
         strict: compare call sites too; ``None`` reads ``MANYGPU_DEBUG``. One
             strict rank makes the check strict on every rank, so all decide alike.
     """
+    table = gather_calls(
+        op, tensor, timeout_s=timeout_s, shape=shape, extra=extra, site=site, strict=strict
+    )
+    compare_calls(table, timeout_s=timeout_s)
+
+
+@dataclass(frozen=True)
+class CallTable:
+    """Every rank's fingerprint of the call it is about to make, in rank order."""
+
+    rows: list[tuple[int, ...]]
+    site: str
+    """This rank's call site, as errors show it."""
+
+    def joined(self) -> list[int]:
+        """Ranks in ``hvd.join()`` (their row stands in; see :data:`JOINED`)."""
+        mark = _OPS.index(JOINED)
+        return [r for r, row in enumerate(self.rows) if row[0] == mark]
+
+    def op(self, rank: int) -> str:
+        """The operation ``rank`` is about to make."""
+        index = self.rows[rank][0]
+        return _OPS[index] if 0 <= index < len(_OPS) else "?"
+
+    def extra(self, rank: int) -> int:
+        """The ``extra`` argument ``rank`` sent."""
+        return self.rows[rank][11]
+
+    def same(self, ranks: list[int]) -> bool:
+        """Whether ``ranks`` call the same thing (call sites compared in strict mode)."""
+        strict = any(r[_STRICT] for r in self.rows)
+        return len({self.rows[r][: _STRICT if strict else _SITE] for r in ranks}) <= 1
+
+
+def gather_calls(
+    op: str,
+    tensor: torch.Tensor | None,
+    *,
+    timeout_s: float,
+    shape: tuple[int, ...] | None = None,
+    extra: int = -1,
+    site: str | None = None,
+    strict: bool | None = None,
+) -> CallTable:
+    """Every rank's fingerprint (one tiny all-gather); :func:`check_same_call`'s first half."""
     key = dist.group.WORLD
     _calls[key] = seq = _calls.get(key, 0) + 1
     if strict is None:
@@ -178,16 +228,22 @@ def check_same_call(
     table = torch.empty((world, _WIDTH), dtype=torch.int64, device=row.device)
     work = all_gather_single(table, row.unsqueeze(0), async_op=True)
     wait(work, f"debug check before {op}", timeout_s)
-    full = [tuple(r) for r in table.cpu().tolist()]
+    return CallTable(rows=[tuple(r) for r in table.cpu().tolist()], site=where[0])
+
+
+def compare_calls(table: CallTable, *, timeout_s: float) -> None:
+    """Raise on every rank if the ranks' calls differ (rows of joined ranks left out)."""
+    full = table.rows
+    joined = set(table.joined())
     # By default the call site is shown, not compared: ranks may reach one
     # collective from different lines (if rank == 0: ... else: ...).
     # Operation, shape and the call's number must agree.
+    if table.same([r for r in range(len(full)) if r not in joined]):
+        return
     strict = any(r[_STRICT] for r in full)
     rows = [r[:_STRICT] if strict else r[:_SITE] for r in full]
-    if len(set(rows)) == 1:
-        return
     # Every rank holds the same table, so every rank is here: one more collective is safe.
-    sites = _sites(where[0], timeout_s)
+    sites = _sites(table.site, timeout_s)
     raise CollectiveMismatchError(_mismatch_text(full, rows, sites, strict))
 
 

@@ -52,7 +52,6 @@ from manygpu.horovod.data_ops import (
     broadcast_,
     broadcast_async,
     broadcast_async_,
-    join,
 )
 from manygpu.horovod.differentiable import (
     allgather,
@@ -71,6 +70,7 @@ from manygpu.horovod.grouped import (
     grouped_reducescatter_async,
 )
 from manygpu.horovod.handles import poll, synchronize
+from manygpu.horovod.joining import JoinedRankError, join
 from manygpu.horovod.missing import LEFT_OUT, NotSupportedError, not_supported
 from manygpu.horovod.optimizer import DistributedOptimizer
 from manygpu.horovod.optimizer_state import broadcast_optimizer_state
@@ -114,6 +114,7 @@ __all__ = [
     "HorovodInternalError",
     "HorovodMismatchError",
     "HostsUpdatedInterrupt",
+    "JoinedRankError",
     "Max",
     "Min",
     "NoneCompressor",

@@ -92,8 +92,10 @@ class Session:
     pending: dict[int, Pending] = field(default_factory=dict)
     handles: Iterator[int] = field(default_factory=lambda: itertools.count(1))
     """Horovod's handles are integers; the next one."""
-    joins: int = 0
-    """Calls of ``join()`` so far (each meets on its own store key)."""
+    stand_ins: list[Any] = field(default_factory=list)
+    """Weak references to the whole job's DistributedOptimizers' gradient syncs, in the
+    order built (the same on every rank): a rank in ``hvd.join()`` stands in for the
+    buckets of the one the others step (:mod:`manygpu.horovod.joining`)."""
     names: set[str] = field(default_factory=set)
     """Names of the pending operations: Horovod refuses a second call with one of them."""
     deferred: dict[str, int] = field(default_factory=dict)

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import time
 import zlib
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -74,6 +74,7 @@ def agree(
     details: list[Entry] | None = None,
     name: str | None = None,
     scope: Scope | None = None,
+    shadow: Callable[[], dict[str, Any]] | None = None,
 ) -> int:
     """Before a collective: check every rank calls the same one; this rank's call number.
 
@@ -88,6 +89,8 @@ def agree(
             compared, instead of the line it was called from (as Horovod matches names).
         scope: the process set it runs in (``None``: the whole job); only its
             ranks are compared.
+        shadow: what ranks in ``hvd.join()`` do instead (:func:`~manygpu.horovod.joining.
+            zeros_spec`, ``BARRIER``); ``None``: the call is refused while a rank has joined.
     """
     if scope is not None and not scope.whole:
         return _agree_in_set(scope, op, tensor, key=key, desc=desc, shape=shape, details=details)
@@ -100,7 +103,11 @@ def agree(
     site = None if name is None else f"named {name!r}"
     timeout_s = session().timeout_s
     try:
-        dbg.check_same_call(op, tensor, timeout_s=timeout_s, shape=shape, extra=digest, site=site)
+        table = dbg.gather_calls(
+            op, tensor, timeout_s=timeout_s, shape=shape, extra=digest, site=site
+        )
+        if not table.joined():
+            dbg.compare_calls(table, timeout_s=timeout_s)
     except CollectiveMismatchError as exc:
         # Every rank saw the same table and raises here: a collective is safe.
         what = f"{desc}: comparing calls"
@@ -112,6 +119,10 @@ def agree(
         if named is None:
             raise
         raise named from exc
+    if table.joined():  # some ranks are in hvd.join(): they stand in, or every caller raises
+        from manygpu.horovod import joining  # it builds on this module
+
+        joining.with_joined(table, shadow, desc, timeout_s)
     return seq
 
 

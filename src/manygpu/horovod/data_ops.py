@@ -1,4 +1,4 @@
-"""Moving data: allgather (uneven first dimensions), broadcast, alltoall, join, barrier.
+"""Moving data: allgather (uneven first dimensions), broadcast, alltoall, barrier.
 
 Horovod lets ranks' tensors differ in their first dimension for ``allgather``
 and ``alltoall``; the sizes are exchanged first (a tiny collective), then the
@@ -19,9 +19,10 @@ from manygpu.comm.collectives import barrier as comm_barrier
 from manygpu.comm.common import active, all_gather_single, scratch_device, wait
 from manygpu.errors import CollectiveTimeoutError, UsageError
 from manygpu.horovod.basics import Pending, session
-from manygpu.horovod.checks import _store, agree, describe, wait_pending
+from manygpu.horovod.checks import agree, describe, wait_pending
 from manygpu.horovod.exceptions import internal
 from manygpu.horovod.handles import Started, claim, launch, synchronize
+from manygpu.horovod.joining import BARRIER
 from manygpu.horovod.process_sets import Scope, global_process_set, resolve
 from manygpu.horovod.wire import from_wire, to_wire
 
@@ -234,7 +235,9 @@ def _start_alltoall(
 def barrier(process_set: object = global_process_set) -> None:
     """Wait until every process (of the set) gets here (a stall names the missing ranks)."""
     scope = resolve(process_set, "barrier")
-    seq = agree("barrier", None, key=("barrier",), desc="barrier()", scope=scope)
+    seq = agree(
+        "barrier", None, key=("barrier",), desc="barrier()", scope=scope, shadow=lambda: BARRIER
+    )
     if not active():
         return
     if scope.whole:
@@ -246,26 +249,3 @@ def barrier(process_set: object = global_process_set) -> None:
     wait_pending(
         Pending(works=[work], finish=lambda: None, description="barrier()", seq=seq, scope=scope)
     )
-
-
-def join(device: int = -1) -> int:
-    """Wait until every process has joined; the rank that joined last.
-
-    Unlike Horovod's, a joined rank does not stand in (with zeros) for the
-    all-reduces of ranks still training: give every rank the same number of
-    batches (``DistributedSampler`` pads its shards to equal length).
-    """
-    del device  # Horovod's device for its zero tensors; nothing is allocated here
-    s = session()
-    agree("barrier", None, key=("join",), desc="join()")
-    if not active():
-        return 0
-    s.joins += 1
-    store = _store()
-    # Arrival order from the job's store: the rank whose count reaches the world
-    # size joined last; the max-reduce that follows waits for every rank.
-    arrival = int(store.add(f"manygpu/horovod/join/{s.joins}", 1)) if store is not None else 0
-    last = s.topology.rank if arrival == s.topology.size else -1
-    flag = torch.tensor([last], dtype=torch.int64, device=scratch_device())
-    _wait(dist.all_reduce(flag, op=dist.ReduceOp.MAX, async_op=True), "join")
-    return int(flag.item())

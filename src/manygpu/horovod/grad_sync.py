@@ -37,6 +37,7 @@ from manygpu.horovod import sparse
 from manygpu.horovod.basics import Pending, session
 from manygpu.horovod.checks import wait_pending
 from manygpu.horovod.compression import Compressor
+from manygpu.horovod.joining import StepBeacon
 from manygpu.horovod.process_sets import Scope, next_call, resolve
 
 
@@ -71,6 +72,9 @@ class GradientSync:
         self.debug = debug_requested(None)
         self.scope = scope if scope is not None else resolve(None, "DistributedOptimizer")
         """The process set gradients are averaged over; a rank outside it keeps its own."""
+        self.slot = -1
+        """This optimizer's number among the whole job's (:func:`manygpu.horovod.joining.
+        register`); its steps announce it, for ranks in ``hvd.join()``. -1: not announced."""
         self._bucket_of = {i: b for b, members in enumerate(self.buckets) for i in members}
         self._hooks: list[Any] = []
         self.reset()
@@ -82,6 +86,7 @@ class GradientSync:
         self._ready = [0] * len(self.buckets)
         self._next = 0
         self._pending: dict[int, tuple[dist.Work | None, torch.Tensor, Any, Pending]] = {}
+        self._beacon: StepBeacon | None = None
         self.dirty = False
 
     def register_hooks(self) -> None:
@@ -142,6 +147,8 @@ class GradientSync:
         return torch.cat(parts)
 
     def _launch(self, bucket: int) -> None:
+        if bucket == 0 and self.slot >= 0:  # before the first bucket: a joined rank reads it
+            self._beacon = StepBeacon(self.slot)
         flat = self._flatten(bucket)
         if self.prescale != 1.0:
             flat.mul_(self.prescale)
@@ -173,6 +180,8 @@ class GradientSync:
             self._launch(bucket)
         self._next = len(self.buckets)
         world = self.scope.size
+        if self._beacon is not None:
+            self._beacon.finish(f"{self.describe(0)}: step announcement", session().timeout_s)
         gathered: list[int] = []
         for bucket in sorted(self._pending):
             _, sent, ctx, record = self._pending[bucket]

@@ -44,6 +44,12 @@ class Point(enum.IntEnum):
     """A named call was just made: start it if every rank has, and go on anyway."""
     WAIT = 2
     """``synchronize`` on a named call not started yet: go on once it starts."""
+    JOINED = 3
+    """In ``hvd.join()``: stands in for the others' calls (:mod:`manygpu.horovod.joining`);
+    ignored when deciding what starts and who goes on."""
+    STEP = 4
+    """A DistributedOptimizer step's buckets follow (sent without a round; only a joined
+    rank reads it, to stand in for them)."""
 
 
 Row = tuple[int, str | None, list[str]]
@@ -104,17 +110,25 @@ def _stall(descs: list[str], rows: Sequence[Row]) -> CollectiveMismatchError:
 
 
 def common_names(rows: Sequence[Row]) -> list[str]:
-    """The names every rank has deferred, in rank 0's call order (the order all start them)."""
-    others = [set(names) for _, _, names in rows[1:]]
-    return [n for n in rows[0][2] if all(n in o for o in others)]
+    """The names every rank has deferred, in rank 0's call order (the order all start them).
+
+    Joined ranks (``hvd.join``) are left out: they stand in for every call, as in Horovod.
+    """
+    live = [names for point, _, names in rows if point != Point.JOINED]
+    if not live:
+        return []
+    others = [set(names) for names in live[1:]]
+    return [n for n in live[0] if all(n in o for o in others)]
 
 
 def goes_on(rows: Sequence[Row], started: set[str]) -> list[bool]:
     """For each rank, whether it leaves the round (alike on every rank: same table)."""
-    at_collective = all(p == Point.COLLECTIVE for p, _, _ in rows)
+    at_collective = all(p in (Point.COLLECTIVE, Point.JOINED) for p, _, _ in rows)
     out = []
     for point, wanted, _ in rows:
-        if point == Point.SUBMIT:
+        if point == Point.JOINED:
+            out.append(False)  # a joined rank's own loop decides (joining.py)
+        elif point == Point.SUBMIT:
             out.append(True)
         elif point == Point.WAIT:
             out.append(wanted in started)

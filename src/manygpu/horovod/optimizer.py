@@ -29,6 +29,7 @@ from manygpu.horovod.buckets import DEFAULT_CAP_MB, MIB, plan_buckets, split_eve
 from manygpu.horovod.checks import agree
 from manygpu.horovod.compression import Compression, Compressor
 from manygpu.horovod.grad_sync import GradientSync
+from manygpu.horovod.joining import register
 from manygpu.horovod.process_sets import global_process_set, resolve
 from manygpu.horovod.reduce_ops import ReduceOp, resolve_op
 
@@ -227,6 +228,8 @@ def DistributedOptimizer(
     wrapped._parameter_names = {p: names[id(p)] for p in every}
     if active() and scope.rank >= 0:
         sync.register_hooks()
+        if scope.whole:  # ranks in hvd.join() stand in for its steps
+            sync.slot = register(sync)
     return wrapped
 
 

@@ -24,6 +24,7 @@ from manygpu.comm.common import active, reduce_scatter_single
 from manygpu.errors import UsageError
 from manygpu.horovod.checks import agree, describe
 from manygpu.horovod.handles import Started, claim, launch, synchronize
+from manygpu.horovod.joining import zeros_spec
 from manygpu.horovod.missing import not_supported
 from manygpu.horovod.process_sets import Scope, global_process_set, resolve
 from manygpu.horovod.wire import from_wire, to_wire
@@ -97,11 +98,17 @@ def scale_(tensor: torch.Tensor, factor: float, what: str) -> None:
 
 
 def finish_(tensor: torch.Tensor, op: ReduceOp, postscale: float, world: int) -> torch.Tensor:
-    """After the sum: Average and postscale as one factor, ``postscale / world``, as Horovod.
+    """After the sum: the postscale, and Average's division by ``world``, as Horovod.
 
     One multiplication (integers in float64, truncated), so an integer average
-    is truncated toward zero: ``(-3 + 0) / 2`` is ``-1``.
+    is truncated toward zero: ``(-3 + 0) / 2`` is ``-1``. A floating-point average
+    is divided by ``world`` after the postscale, as Horovod's torch binding does:
+    ``x * (1/3)`` and ``x / 3`` differ in the last bit, and Horovod's join test
+    compares exactly.
     """
+    if op is ReduceOp.Average and (tensor.is_floating_point() or tensor.is_complex()):
+        scale_(tensor, postscale, "postscale_factor")
+        return tensor.div_(world)
     factor = postscale / world if op is ReduceOp.Average else postscale
     scale_(tensor, factor, "postscale_factor")
     return tensor
@@ -131,7 +138,10 @@ def allreduce_async_(
     key = ("allreduce", name, int(rop), prescale_factor, postscale_factor)
 
     def start() -> Started:
-        seq = agree("all_reduce", tensor, key=key, desc=desc, name=name, scope=scope)
+        seq = agree(
+            "all_reduce", tensor, key=key, desc=desc, name=name, scope=scope,
+            shadow=lambda: zeros_spec([tensor], _DIST_OPS[rop]),  # what joined ranks send
+        )  # fmt: skip
         data = tensor.detach()  # same storage; a leaf that requires grad is written through it
         wired = to_wire(data, "allreduce", reduce=True)  # `data` unless its dtype is carried
         scale_(wired, prescale_factor, "prescale_factor")
@@ -210,7 +220,10 @@ def grouped_allreduce_async_(
     details = [(f"#{i}", shape, dtype) for i, (shape, dtype) in enumerate(shapes)]
 
     def start() -> Started:
-        seq = agree("all_reduce", None, key=key, desc=desc, details=details, name=name, scope=scope)
+        seq = agree(
+            "all_reduce", None, key=key, desc=desc, details=details, name=name, scope=scope,
+            shadow=lambda: zeros_spec(tensors, _DIST_OPS[rop]),  # what joined ranks send
+        )  # fmt: skip
         works: list[dist.Work | None] = []
         flats = []
         for group in _flat_groups(tensors):
