@@ -10,7 +10,10 @@ Trains the same models on one device, one process per run, written several ways:
   ``Parallel(precision="bf16")``; ``manygpu_bf16_user_compile``: that plus the
   user's own ``torch.compile``; ``manygpu_compile``: ``Parallel(compile=True)``;
   ``manygpu_off``: every new default switched off
-  (``precision="fp32-strict", channels_last=False``);
+  (``precision="fp32-strict", channels_last=False``); ``manygpu_fp8``:
+  ``Parallel(precision="fp8")`` (torchao float8 linears), on GPT-2 355M only and
+  only on GPUs with FP8 tensor cores (compute capability 8.9+; skipped with the
+  reason elsewhere), compared with ``manygpu_bf16``;
 - ``accelerate`` / ``fabric``: Accelerate bf16 and Fabric bf16-mixed, when importable.
 
 Models: GPT-2 124M (batch 16 x 1024 tokens), GPT-2 355M (24 x 1024, batch 8) and
@@ -59,7 +62,7 @@ from rich.table import Table
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 WORKER = HERE / "gpu_defaults_worker.py"
-REFERENCES = ("classic", "hand", "hand_compile", "manygpu_off")
+REFERENCES = ("classic", "hand", "hand_compile", "manygpu_off", "manygpu_bf16")
 """Variants every other one is compared with (when they ran)."""
 
 
@@ -75,6 +78,14 @@ class Variant:
     """Modules of which one must be importable, else the variant is skipped."""
     parallel: tuple[tuple[str, Any], ...] = ()
     """``Parallel(...)`` options it passes: skipped when ``ParallelConfig`` lacks one."""
+    fp8: bool = False
+    """Needs FP8 tensor cores (CUDA compute capability 8.9+): skipped, with the reason,
+    on other GPUs."""
+    models: tuple[str, ...] = ()
+    """Only these models (empty: every model)."""
+
+    def trains(self, model: str) -> bool:
+        return not self.models or model in self.models
 
 
 VARIANTS: tuple[Variant, ...] = (
@@ -91,6 +102,15 @@ VARIANTS: tuple[Variant, ...] = (
         parallel=(("precision", "bf16"),),
     ),
     Variant("manygpu_compile", "manygpu Parallel(compile=True)", parallel=(("compile", True),)),
+    Variant(
+        "manygpu_fp8",
+        'manygpu Parallel(precision="fp8") (torchao float8)',
+        True,
+        requires=("torchao",),
+        parallel=(("precision", "fp8"),),
+        fp8=True,
+        models=("gpt-355m",),
+    ),
     Variant(
         "manygpu_off",
         'manygpu, new defaults off ("fp32-strict", no channels_last)',
@@ -195,8 +215,23 @@ def parallel_supports(options: tuple[tuple[str, Any], ...]) -> str | None:
     return None
 
 
-def split_available(names: tuple[str, ...], cpu: bool) -> tuple[list[Variant], dict[str, str]]:
-    """(variants that can run here, {skipped variant: why})."""
+FP8_CAPABILITY = (8, 9)
+
+
+def gpu_capability() -> tuple[int, int] | None:
+    """The first GPU's CUDA compute capability (``None`` without CUDA)."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return None
+    major, minor = torch.cuda.get_device_capability(0)
+    return major, minor
+
+
+def split_available(
+    names: tuple[str, ...], cpu: bool, capability: tuple[int, int] | None = None
+) -> tuple[list[Variant], dict[str, str]]:
+    """(variants that can run here, {skipped variant: why}); ``capability``: the GPU's."""
     runnable, skipped = [], {}
     for name in names:
         v = BY_NAME[name]
@@ -206,6 +241,13 @@ def split_available(names: tuple[str, ...], cpu: bool) -> tuple[list[Variant], d
             skipped[name] = "GPU techniques (TF32, bf16 autocast on CUDA, pinned copies)"
         elif why := parallel_supports(v.parallel):
             skipped[name] = why
+        elif v.fp8 and (capability is None or capability < FP8_CAPABILITY):
+            has = (
+                "no GPU"
+                if capability is None
+                else f"compute capability {capability[0]}.{capability[1]}"
+            )
+            skipped[name] = f"needs FP8 tensor cores (compute capability 8.9+); this GPU has {has}"
         else:
             runnable.append(v)
     return runnable, skipped
@@ -272,7 +314,7 @@ def run_rounds(cfg: BenchConfig, variants: list[str], console: Console) -> list[
     ckpt_model = CPU_MODELS[0] if cfg.cpu else "gpt-355m"
     with tempfile.TemporaryDirectory(prefix="gpu_defaults-") as tmp:
         for rnd in range(1, cfg.rounds + 1):
-            jobs = [(m, v) for m in cfg.models for v in round_order(variants, rnd - 1)]
+            jobs = round_jobs(cfg.models, variants, rnd)
             if cfg.checkpoint:
                 jobs.insert(0, (ckpt_model, "checkpoint"))  # first: a spent budget keeps it
             for pos, (model, variant) in enumerate(jobs):
@@ -283,6 +325,12 @@ def run_rounds(cfg: BenchConfig, variants: list[str], console: Console) -> list[
                 records.append(record)
                 console.print(progress_line(cfg, record), highlight=False)
     return records
+
+
+def round_jobs(models: tuple[str, ...], variants: list[str], rnd: int) -> list[tuple[str, str]]:
+    """(model, variant) runs of round ``rnd``: each model with the variants that train it."""
+    order = round_order(variants, rnd - 1)
+    return [(m, v) for m in models for v in order if BY_NAME[v].trains(m)]
 
 
 def progress_line(cfg: BenchConfig, r: RunRecord) -> str:
@@ -314,7 +362,7 @@ def summarize(
     for model in models:
         mine = [r for r in runs if r.model == model and r.variant != "checkpoint"]
         rate = {(r.variant, r.round): r.result["units_per_s"] for r in mine if r.ok}
-        for v in variants:
+        for v in (v for v in variants if v.trains(model)):
             runs_v = [r for r in mine if r.variant == v.name]
             ok = [r.result for r in runs_v if r.ok]
             mfus = [x["mfu"] for x in ok if x["mfu"] is not None]
@@ -378,6 +426,9 @@ def targets(summaries: list[Summary], ckpt: dict[str, float], cpu: bool) -> list
                     1.0,
                 )
             )
+        goals.append(
+            ("gpt-355m: fp8 vs bf16", ratio("gpt-355m", "manygpu_fp8", "manygpu_bf16"), 1.0)
+        )
         x = s.get(("gpt-355m", "manygpu_compile"))
         goals.append(("gpt-355m: compile=True MFU", x.mfu if x else None, 0.40))
         goals.append(("checkpoint: async save stall (s)", ckpt.get("async_stall_s"), -1.0))
@@ -530,7 +581,7 @@ def machine_info() -> dict[str, Any]:
 
 def run_benchmark(cfg: BenchConfig, console: Console) -> dict[str, Any]:
     """Measure every available variant; the report is data (printed only as progress)."""
-    variants, skipped = split_available(cfg.variants, cfg.cpu)
+    variants, skipped = split_available(cfg.variants, cfg.cpu, gpu_capability())
     runs = run_rounds(cfg, [v.name for v in variants], console)
     summaries = summarize(runs, cfg.models, variants)
     ckpt = summarize_checkpoint(runs)

@@ -191,6 +191,8 @@ def setup_manygpu(
     precision = resolved_precision(par)
     if precision == "fp32" and par.device.type == "cuda" and mfu.tf32_in_use(is_conv(w)):
         precision = "fp32 (TF32)"
+    if par.precision_choice.precision == "fp8":  # autocast says bf16: the linears are float8
+        precision = "fp8 (float8 linears, bf16 autocast)"
     return Trainer(endless(prepared), step, precision, par.close)
 
 
@@ -250,6 +252,7 @@ SETUPS: dict[str, Callable[[Workload, int, RunConfig], Trainer]] = {
         w, b, c, {"precision": "bf16"}, user_compile=True
     ),
     "manygpu_compile": lambda w, b, c: setup_manygpu(w, b, c, {"compile": True}),
+    "manygpu_fp8": lambda w, b, c: setup_manygpu(w, b, c, {"precision": "fp8"}),
     "manygpu_off": lambda w, b, c: setup_manygpu(
         w, b, c, {"precision": "fp32-strict", "channels_last": False}
     ),

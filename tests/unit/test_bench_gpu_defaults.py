@@ -78,3 +78,27 @@ def test_targets_say_met_not_met_or_not_measured() -> None:
     assert blocking["value"] == pytest.approx(1.2)
     assert got["gpt-124m: defaults vs classic"]["op"] == ">="
     assert got["gpt-355m: compile=True MFU"]["met"] is None
+
+
+def test_fp8_row_runs_on_gpt_355m_only_where_the_gpu_has_fp8() -> None:
+    names = ("manygpu_bf16", "manygpu_fp8")
+    runnable, skipped = gd.split_available(names, cpu=False, capability=(8, 0))  # A100
+    assert [v.name for v in runnable] == ["manygpu_bf16"]
+    assert skipped["manygpu_fp8"] == (
+        "needs FP8 tensor cores (compute capability 8.9+); this GPU has compute capability 8.0"
+    )
+    _, skipped = gd.split_available(names, cpu=True)
+    assert "GPU techniques" in skipped["manygpu_fp8"]
+    runnable, _ = gd.split_available(names, cpu=False, capability=(9, 0))  # H100
+    assert [v.name for v in runnable] == ["manygpu_bf16", "manygpu_fp8"]
+    jobs = gd.round_jobs(gd.GPU_MODELS, list(names), 1)
+    assert ("gpt-355m", "manygpu_fp8") in jobs and ("gpt-124m", "manygpu_bf16") in jobs
+    assert [m for m, v in jobs if v == "manygpu_fp8"] == ["gpt-355m"]
+    runs = [_run("gpt-355m", 1, "manygpu_bf16", 100.0), _run("gpt-355m", 1, "manygpu_fp8", 125.0)]
+    summaries = gd.summarize(runs, ("gpt-124m", "gpt-355m"), runnable)
+    assert [(x.model, x.variant) for x in summaries] == [
+        ("gpt-124m", "manygpu_bf16"), ("gpt-355m", "manygpu_bf16"), ("gpt-355m", "manygpu_fp8"),
+    ]  # fmt: skip
+    got = {t["target"]: t for t in gd.targets(summaries, {}, cpu=False)}
+    assert got["gpt-355m: fp8 vs bf16"]["value"] == pytest.approx(1.25)
+    assert got["gpt-355m: fp8 vs bf16"]["met"] is True
