@@ -20,9 +20,11 @@ shapes still run. Under FSDP2, weights are all-gathered in float8 and their
 scales computed once per step (:mod:`manygpu.strategies.fsdp.fp8`).
 
 Only GPUs with FP8 tensor cores run it (CUDA compute capability 8.9+: L4,
-L40, RTX 40xx, H100, H200, B200); ``precision="auto"`` never picks it: on small
-models the casts cost more than the faster matmuls save, and it changes the
-numerics, so it is a choice the user makes and measures. For tests,
+L40, RTX 40xx, H100, H200, B200); ``precision="auto"`` never picks it: it
+changes the numerics, and on small layers the casts cost more than the faster
+matmuls save (torchao's H100 tables: a linear with at most 4096 in and 1024
+out features is slower in float8), so it is a choice the user makes and
+measures. For tests,
 ``MANYGPU_FP8_EMULATE=1`` runs torchao's emulation (float8 numerics done in
 ordinary matmuls) on any device, the CPU included: slow, for checking numerics only.
 """
