@@ -50,3 +50,8 @@ def train_gpt(strategy: str, precision: str) -> dict[str, Any]:
             full = p.full_tensor() if hasattr(p, "full_tensor") else p
             params[name] = full.detach().clone().float()
     return {"losses": losses, "params": params, "layers": layers}
+
+
+def train_gpt_strategies(strategies: list[str]) -> dict[str, dict[str, Any]]:
+    """:func:`train_gpt` in fp8 under each strategy in turn, in this process."""
+    return {name: train_gpt(name, "fp8") for name in strategies}
