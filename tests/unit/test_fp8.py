@@ -86,14 +86,23 @@ def test_first_last_and_odd_linears_stay_in_high_precision() -> None:
         "5": "last linear layer",
     }
     assert fp8.convert(model, all_gather=False, emulate=True) == ["1", "4"]
+    assert fp8.conversion_line(["1", "4"], kept, shown=2) == (
+        "manygpu: precision='fp8': 2 of 6 linear layers in float8; kept in bf16: "
+        "0 (first linear layer), 2 (dims 64x24 not multiples of 16), 2 more"
+    )
     assert [type(m).__name__ for m in model] == [
         "Linear", "Float8Linear", "Linear", "Linear", "Float8Linear", "Linear",
     ]  # fmt: skip
 
 
 @pytest.mark.usefixtures("emulate")
-def test_gpt_in_fp8_tracks_bf16() -> None:
-    got, ref = train_gpt("single", "fp8"), train_gpt("single", "bf16")
+def test_gpt_in_fp8_tracks_bf16(capsys: pytest.CaptureFixture[str]) -> None:
+    got = train_gpt("single", "fp8")
+    assert capsys.readouterr().out.splitlines() == [
+        "manygpu: precision='fp8': 11 of 13 linear layers in float8; kept in bf16: "
+        "blocks.0.attn.q_proj (first linear layer), head (last linear layer)"
+    ]
+    ref = train_gpt("single", "bf16")
     linears = [n for n, kind in got["layers"].items() if "Linear" in kind]
     assert got["layers"][linears[0]] == got["layers"][linears[-1]] == "Linear"
     assert {got["layers"][n] for n in linears[1:-1]} == {"Float8Linear"}

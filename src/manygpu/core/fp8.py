@@ -74,13 +74,14 @@ def check_fp8_device(
 def kept_linears(model: nn.Module) -> dict[str, str]:
     """The ``nn.Linear`` layers of ``model`` that stay in high precision, by name, with why."""
     linears = [(n, m) for n, m in model.named_modules() if isinstance(m, nn.Linear)]
-    kept: dict[str, str] = {}
-    for name, layer in linears:
+    kept: dict[str, str] = {}  # in module order
+    for i, (name, layer) in enumerate(linears):
         if layer.in_features % FP8_MULTIPLE or layer.out_features % FP8_MULTIPLE:
             kept[name] = f"dims {layer.in_features}x{layer.out_features} not multiples of 16"
-    if linears:
-        kept.setdefault(linears[0][0], "first linear layer")
-        kept.setdefault(linears[-1][0], "last linear layer")
+        elif i == 0:
+            kept[name] = "first linear layer"
+        elif i == len(linears) - 1:
+            kept[name] = "last linear layer"
     return kept
 
 
@@ -132,6 +133,16 @@ def convert(model: nn.Module, *, all_gather: bool, emulate: bool) -> list[str]:
     return [n for n, m in model.named_modules() if isinstance(m, linear)]
 
 
+def conversion_line(converted: list[str], kept: dict[str, str], shown: int = 4) -> str:
+    """``manygpu: precision='fp8': 11 of 13 linear layers in float8; kept in bf16: ...``."""
+    said = [f"{name} ({why})" for name, why in list(kept.items())[:shown]]
+    if len(kept) > shown:
+        said.append(f"{len(kept) - shown} more")
+    total = len(converted) + len(kept)
+    line = f"manygpu: precision='fp8': {len(converted)} of {total} linear layers in float8"
+    return line + (f"; kept in bf16: {', '.join(said)}" if said else "")
+
+
 class Fp8Training:
     """A job's fp8: converts each prepared model and keeps the strategy told of steps."""
 
@@ -139,16 +150,18 @@ class Fp8Training:
         self.emulate = emulate
         self._models: list[tuple[TrainsFp8, weakref.ref[nn.Module]]] = []
 
-    def convert(self, model: nn.Module, strategy: object) -> list[str]:
-        """Convert ``model`` (before ``strategy`` wraps it); the float8 layers' names."""
+    def convert(self, model: nn.Module, strategy: object) -> str:
+        """Convert ``model`` (before ``strategy`` wraps it); the line that says what became
+        float8 and what stayed in bf16, and why."""
         if not isinstance(strategy, TrainsFp8):
             raise UsageError(f"precision='fp8' does not work with {type(strategy).__name__}")
+        kept = kept_linears(model)
         names = convert(model, all_gather=strategy.fp8_all_gather, emulate=self.emulate)
         self._models.append((strategy, weakref.ref(model)))
         model.register_load_state_dict_post_hook(
             lambda module, _keys: strategy.fp8_after_load(module)
         )
-        return names
+        return conversion_line(names, kept)
 
     def watch(self, optimizer: torch.optim.Optimizer) -> None:
         """Tell the strategy after each of ``optimizer``'s steps (FSDP2 rescales then)."""

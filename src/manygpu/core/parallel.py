@@ -247,7 +247,7 @@ class Parallel(JobCollectives, Profiling, RunLog):
         apply_checkpointing(model, self.config.activation_checkpointing, self.strategy.options)
         self._rebinder.before(model)
         if self.precision.fp8 is not None:  # after before(): it may replace weights
-            self.precision.fp8.convert(model, self.strategy)
+            self.print(self.precision.fp8.convert(model, self.strategy))
         wrapped = self.strategy.setup_module(model)
         self._rebinder.after(self.strategy.unwrap(wrapped))
         self.precision.wrap_forward(wrapped)
