@@ -1,4 +1,4 @@
-"""bench train for real, through the CLI: one then two worker processes."""
+"""bench train for real, through the CLI: one then two worker processes, logged as JSONL."""
 
 from __future__ import annotations
 
@@ -8,14 +8,16 @@ import sys
 from pathlib import Path
 
 import pytest
+import tracking_read as read
 from jobs import subprocess_env
 
 
 def test_real_run_one_then_two_processes(tmp_path: Path) -> None:
     out = tmp_path / "results" / "train.json"
+    runs = tmp_path / "results" / "runs"
     cmd = [sys.executable, "-m", "manygpu", "bench", "train", "--model", "demo-cnn",
            "--workers", "1,2", "--batch", "8", "--steps", "4", "--warmup", "1", "--block", "2",
-           "--json", str(out)]  # fmt: skip
+           "--json", str(out), "--log-with", "jsonl", "--run-dir", str(runs)]  # fmt: skip
     # Started in tmp_path: the files go where --json says and nowhere else.
     env = subprocess_env() | {"CUDA_VISIBLE_DEVICES": ""}
     res = subprocess.run(cmd, capture_output=True, text=True, timeout=150, env=env, cwd=tmp_path)
@@ -25,7 +27,10 @@ def test_real_run_one_then_two_processes(tmp_path: Path) -> None:
         assert f"manygpu bench train: {job}" in res.stderr and job not in res.stdout
     assert "manygpu bench train: job 2/2 done in" in res.stderr
     assert [p.name for p in tmp_path.iterdir()] == ["results"]
-    assert sorted(p.name for p in out.parent.iterdir()) == ["train.json", "train.md", "train.png"]
+    assert sorted(p.name for p in out.parent.iterdir()) == [
+        "runs", "train.json", "train.md", "train.png"
+    ]  # fmt: skip
+    _check_runs(runs)
     data = json.loads(out.read_text())
     one, two = data["rows"]
     assert (one["workers"], two["workers"]) == (1, 2)
@@ -49,3 +54,21 @@ def test_real_run_one_then_two_processes(tmp_path: Path) -> None:
     ]
     assert len(table_rows) == 2
     assert out.with_suffix(".png").read_bytes()[:4] == b"\x89PNG"
+
+
+def _check_runs(runs: Path) -> None:
+    """Each job is a run of its own: every timed normal step, with samples/s, no MFU on CPUs."""
+    worlds = []
+    for home in runs.iterdir():
+        records = read.jsonl(home / "metrics.jsonl")
+        worlds.append(records[0]["config"]["world_size"])
+        steps = [r for r in records if "step" in r]
+        assert [r["step"] for r in steps] == [1, 2, 3, 4]
+        for r in steps:
+            values = r["values"]
+            assert values["samples_per_s"] > 0 and values["step_s"] > 0 and "mfu" not in values
+            assert values["lr"] == 1e-4 and values["loss"] > 0
+        # par.log's own figure, on the first step after each block of 2
+        automatic = [r["values"].get("throughput/samples_per_s") for r in steps]
+        assert automatic[0] > 0 and automatic[2] > 0, automatic
+    assert sorted(worlds) == [1, 2]

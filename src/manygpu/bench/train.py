@@ -37,6 +37,7 @@ import torch
 from torch.utils.data import DataLoader, TensorDataset
 
 from manygpu.bench.models import SIZES, Workload
+from manygpu.bench.train_log import StepLog
 from manygpu.core.parallel import Parallel
 from manygpu.errors import UsageError
 
@@ -67,9 +68,16 @@ class TrainBenchConfig:
     """``None``: ``ddp`` with several workers, ``single`` with one."""
     peak_tflops: float | None = None
     """Peak TFLOP/s per worker for MFU; ``None`` looks the GPU up (CPUs: no MFU)."""
+    log_with: tuple[str, ...] = ()
+    """Trackers every timed normal step is logged to (``Parallel(log_with=...)``)."""
+    run_dir: str | None = None
+    """Where the trackers write, each job a run of its own; ``None``: ``runs``."""
 
     def __post_init__(self) -> None:
         from manygpu.core.config import PRECISIONS
+        from manygpu.tracking.registry import check_names
+
+        check_names(self.log_with)
 
         for name in ("steps", "block"):
             value = getattr(self, name)
@@ -100,6 +108,8 @@ def parallel_options(cfg: TrainBenchConfig, accepted: Collection[str]) -> dict[s
     options: dict[str, Any] = {"strategy": cfg.strategy, "timeout_s": 600}
     if cfg.precision is not None:
         options["precision"] = cfg.precision
+    if cfg.log_with:
+        options.update(log_with=cfg.log_with, run_dir=cfg.run_dir)
     if cfg.compile:
         if "compile" not in accepted:
             raise UsageError(
@@ -203,8 +213,9 @@ def _run_block(
     it: Iterator[tuple[torch.Tensor, torch.Tensor]],
     steps: int,
     sync: bool,
+    losses: list[torch.Tensor] | None = None,
 ) -> tuple[list[float], list[float]]:
-    """``steps`` timed steps; returns (step seconds, data-wait seconds)."""
+    """``steps`` timed steps; returns (step seconds, data-wait seconds); appends to ``losses``."""
     model, opt, workload = parts
     cuda = par.device.type == "cuda"
     step_s, data_s = [], []
@@ -218,6 +229,8 @@ def _run_block(
         par.strategy.set_grad_sync(model, sync)
         loss = workload.loss(model(x), y)
         par.backward(loss)  # turns gradient sync back on for the next step
+        if losses is not None:
+            losses.append(loss.detach())
         opt.step()
         opt.zero_grad(set_to_none=True)
         if cuda:
@@ -232,15 +245,19 @@ def _timed_steps(
     parts: tuple[torch.nn.Module, torch.optim.Optimizer, Workload],
     it: Iterator[tuple[torch.Tensor, torch.Tensor]],
     cfg: TrainBenchConfig,
+    log: StepLog | None = None,
 ) -> _Timings:
     t = _Timings([], [], [], [])
     multi = par.world_size > 1
     while len(t.sync_step) < cfg.steps:
         n = min(cfg.block, cfg.steps - len(t.sync_step))
         par.barrier()
-        steps, data = _run_block(par, parts, it, n, sync=True)
+        losses: list[torch.Tensor] = []
+        steps, data = _run_block(par, parts, it, n, sync=True, losses=losses)
         t.sync_step += steps
         t.sync_data += data
+        if log is not None:  # after the block: the log's collective is not timed
+            log.block(parts[1], steps, losses)
         if multi:
             par.barrier()
             steps, data = _run_block(par, parts, it, n, sync=False)
@@ -318,12 +335,6 @@ def measure(par: Parallel, workload: Workload, cfg: TrainBenchConfig) -> RunStat
     loader = par.prepare_loader(synthetic_loader(workload, batch, per_epoch))
     it = batches(loader)  # type: ignore[arg-type]
     parts = (model, opt, workload)
-    _run_block(par, parts, it, cfg.warmup, sync=True)
-    t = _timed_steps(par, parts, it, cfg)
-    ranks = par.gather(torch.tensor([_local(t)], dtype=torch.float64)).reshape(-1, 6)
-    elapsed = float(ranks[:, 0].max())
-    step, compute, comm, data = (float(v) for v in ranks[:, 1:5].mean(0))
-    raw = float(ranks[:, 5].mean())
     cuda = par.device.type == "cuda"
     device_name = torch.cuda.get_device_name(par.device) if cuda else "cpu"
     precision = resolved_precision(par)
@@ -331,6 +342,13 @@ def measure(par: Parallel, workload: Workload, cfg: TrainBenchConfig) -> RunStat
     peak = cfg.peak_tflops
     if peak is None and cuda:
         peak = mfumod.peak_tflops(device_name, precision, tf32)
+    log = StepLog(par, global_batch=batch * par.world_size, flops=flops, peak=peak)
+    _run_block(par, parts, it, cfg.warmup, sync=True)
+    t = _timed_steps(par, parts, it, cfg, log)
+    ranks = par.gather(torch.tensor([_local(t)], dtype=torch.float64)).reshape(-1, 6)
+    elapsed = float(ranks[:, 0].max())
+    step, compute, comm, data = (float(v) for v in ranks[:, 1:5].mean(0))
+    raw = float(ranks[:, 5].mean())
     return RunStats(
         model=workload.name,
         parameters=workload.parameters,

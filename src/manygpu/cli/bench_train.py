@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any
 
 from manygpu.cli.launch import add_launch_options, launch_job
 from manygpu.cli.notes import Notes, add_quiet
+from manygpu.cli.tracking_flags import add_tracking_options, chosen
 from manygpu.errors import UsageError
 from manygpu.flags import positive_float, positive_int
 
@@ -73,6 +74,7 @@ def add_kind(kinds: Any) -> None:
     t.add_argument("--json", default="", help="write the results here (default: no files)")
     t.add_argument("--markdown", default="", help="a markdown table (default: --json's path, .md)")
     t.add_argument("--plot", default="", help="a PNG plot (default: --json's path, .png)")
+    add_tracking_options(t)
     add_quiet(t)
     t.set_defaults(run=run_train)
 
@@ -109,6 +111,7 @@ def bench_config(ns: argparse.Namespace) -> TrainBenchConfig:
     """What every job runs, from the options (validated on construction)."""
     from manygpu.bench.train import TrainBenchConfig
 
+    log_with, run_dir = chosen(ns)  # one run per job, side by side in the run directory
     return TrainBenchConfig(
         model=ns.model,
         size=ns.size,
@@ -120,6 +123,8 @@ def bench_config(ns: argparse.Namespace) -> TrainBenchConfig:
         compile=ns.compile,
         strategy=ns.strategy or None,
         peak_tflops=ns.peak_tflops or None,
+        log_with=log_with,
+        run_dir=run_dir,
     )
 
 

@@ -6,6 +6,7 @@ import argparse
 from typing import Any
 
 from manygpu.cli.launch import launch_spec, resolve_request
+from manygpu.cli.tracking_flags import add_tracking_options, chosen
 from manygpu.flags import positive_int
 from manygpu.launch.spec import LaunchRequest
 
@@ -25,6 +26,7 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--global-batch-size", type=positive_int, default=64)
     p.add_argument("--lr", type=float, default=2e-3)
     p.add_argument("--json", help="also write the results to this JSON file")
+    add_tracking_options(p)
     p.set_defaults(run=run)
 
 
@@ -61,6 +63,7 @@ def announcement(epochs: int, workers: int | None) -> str:
 
 
 def run(ns: argparse.Namespace) -> int:
+    log_with, run_dir = chosen(ns)  # a missing extra fails before anything starts
     print(announcement(ns.epochs, ns.workers), flush=True)
     from manygpu.core.data import per_rank_batch
     from manygpu.demo.config import DemoConfig
@@ -74,6 +77,8 @@ def run(ns: argparse.Namespace) -> int:
         strategy=ns.strategy,
         precision=ns.precision,
         json_path=ns.json,
+        log_with=log_with,
+        run_dir=run_dir,
     )
     workers = ns.workers if get_strategy(config.strategy).multi_process else 1
     request = LaunchRequest(

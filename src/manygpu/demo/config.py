@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from manygpu.core.config import PRECISIONS
 from manygpu.errors import UsageError
 from manygpu.strategies import spec_class
+from manygpu.tracking.registry import check_names
 
 MIN_IMAGE_SIZE = 6
 """Two 3x3 convolutions and a 2x2 pool need at least this many pixels a side."""
@@ -31,6 +32,10 @@ class DemoConfig:
     """Side of the digit images in pixels (scikit-learn's 8x8, interpolated)."""
     json_path: str | None = None
     """Also write the results here as JSON."""
+    log_with: tuple[str, ...] = ()
+    """Trackers every training step is logged to (``Parallel(log_with=...)``); none: no logging."""
+    run_dir: str | None = None
+    """Where the trackers write (``Parallel(run_dir=...)``); ``None``: ``runs``."""
 
     def __post_init__(self) -> None:
         # The order of the checks is the order the command always reported them in.
@@ -47,3 +52,4 @@ class DemoConfig:
             raise UsageError(
                 f"image size must be at least {MIN_IMAGE_SIZE} pixels, got {self.image_size}"
             )
+        check_names(self.log_with)  # an unknown tracker: one line naming the known ones

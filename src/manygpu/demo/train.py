@@ -105,9 +105,15 @@ def train_epoch(
     loader: PreparedLoader,
     epoch: int,
 ) -> tuple[float, float, int]:
-    """One epoch; returns (mean loss over ranks, seconds, samples seen by all ranks)."""
+    """One epoch; returns (mean loss over ranks, seconds, samples seen by all ranks).
+
+    With ``log_with``, every step goes to the trackers: loss, learning rate and
+    step time (``par.log`` adds samples/s); the log's own collective is left
+    out of the next step's time.
+    """
     loss_sum = torch.zeros(1, device=par.device)
     start, seen = time.perf_counter(), 0
+    last = start
     for x, y in par.progress(loader, description=f"epoch {epoch}"):
         loss = F.cross_entropy(model(x), y)
         par.backward(loss)
@@ -116,6 +122,10 @@ def train_epoch(
         loss_sum += loss.detach()
         seen += y.numel()
         par.console.set_status(f"loss {loss.item():.3f}")
+        if par.config.log_with:
+            lr = float(opt.param_groups[0]["lr"])
+            par.log({"loss": loss.detach(), "lr": lr, "step_s": time.perf_counter() - last})
+            last = time.perf_counter()
     elapsed = time.perf_counter() - start
     mean_loss = par.reduce(loss_sum / max(len(loader), 1), "mean")
     return float(mean_loss), elapsed, seen * par.world_size
@@ -123,7 +133,13 @@ def train_epoch(
 
 def main(config: DemoConfig) -> DemoResult:
     """Train, evaluate and compare with one worker; the results on every rank."""
-    with Parallel(strategy=config.strategy, precision=config.precision, split_batches=True) as par:
+    with Parallel(
+        strategy=config.strategy,
+        precision=config.precision,
+        split_batches=True,
+        log_with=config.log_with,
+        run_dir=config.run_dir,
+    ) as par:
         train_set, test_set = digits(config.image_size)
         model = SimpleCNN(config.image_size)
         opt = torch.optim.Adam(model.parameters(), lr=config.lr)
@@ -167,7 +183,21 @@ def main(config: DemoConfig) -> DemoResult:
         _medians(result)
         result.step_times = par.step_times
         report(par, result, config.json_path)
+        where_logged(par, config)
     return result
+
+
+def where_logged(par: Parallel, config: DemoConfig) -> None:
+    """Name the run the trackers wrote and how to look at it (main rank; with ``log_with``)."""
+    state = par.tracking_state()
+    if state is None:
+        return
+    root = config.run_dir or "runs"
+    view = f"; see it: tensorboard --logdir {root}" if "tensorboard" in config.log_with else ""
+    par.print(
+        f"logged run {state['run_id']} ({', '.join(config.log_with)}) to "
+        f"{root}/{state['run_id']}{view}"
+    )
 
 
 def timing_window(par: Parallel, solo: SoloWorker | None, rate: float, steps: int) -> Window:
