@@ -13,8 +13,12 @@ from typing import NoReturn
 from manygpu.errors import UsageError
 
 
-class NotSupportedError(UsageError):
-    """A part of Horovod's API that manygpu.horovod does not provide."""
+class NotSupportedError(UsageError, RuntimeError):
+    """A part of Horovod's API that manygpu.horovod does not provide.
+
+    Also a ``RuntimeError``: Horovod raises one for an operation its build
+    lacks (``op=hvd.Adasum`` without MPI), and scripts catch that.
+    """
 
 
 _ELASTIC = (
