@@ -97,7 +97,7 @@ CLI_BAD: list[tuple[list[str], str]] = [
     (["demo", "--epochs", "0"], "--epochs"),
     (["demo", "--workers", "0"], "at least 1"),
     (["demo", "--strategy", "nope"], "unknown strategy"),
-    (["demo", "--precision", "fp8"], "unknown precision 'fp8'"),
+    (["demo", "--precision", "fp4"], "unknown precision 'fp4'"),
     (["demo", "--workers", "2", "--global-batch-size", "1"], "smaller than the world size"),
     (["checkpoint", "inspect", "/nonexistent"], "does not exist"),
     (["checkpoint", "export", "/nonexistent", "/tmp/x.safetensors"], "does not exist"),
