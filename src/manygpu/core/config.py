@@ -88,14 +88,14 @@ class ParallelConfig:
     """``torch.compile`` the prepared model where its strategy needs it (after
     DDP wrapping, per FSDP2 block, per pipeline stage); ``CompileOptions`` sets
     mode, fullgraph and dynamic."""
-    stragglers: bool | int = True
-    """Every N steps (``True``: 50) gather each rank's step split (input wait,
     activation_checkpointing: bool | str | int | ActivationCheckpointing | None = None
     """Keep less for the backward and recompute the rest, per block (the blocks
     FSDP2 makes units, or ``block_classes``): ``"full"`` recomputes every block,
     ``N`` every N-th block, ``"selective"`` keeps the blocks' matmul and
     attention outputs and recomputes only cheap ops; ``ActivationCheckpointing(
     ...)`` also names the blocks; ``None``/``False``: off."""
+    stragglers: bool | int = True
+    """Every N steps (``True``: 50) gather each rank's step split (input wait,
     compute, exposed communication) to the main rank, which names a rank or host
     that stays slower than its peers (``manygpu: straggler: ...``); ``False`` (or
     ``MANYGPU_STRAGGLERS=0``) turns the reports off."""
@@ -129,9 +129,9 @@ class ParallelConfig:
                 f"compile takes True, False or a CompileOptions(mode=..., fullgraph=..., "
                 f"dynamic=...), not {self.compile!r}"
             )
+        parse_checkpointing(self.activation_checkpointing)  # a typo fails here
         if not isinstance(self.grad_accum_steps, int) or self.grad_accum_steps < 1:
             raise UsageError(
-        parse_checkpointing(self.activation_checkpointing)  # a typo fails here
                 f"grad_accum_steps must be an integer >= 1, got {self.grad_accum_steps!r}"
             )
         object.__setattr__(self, "log_with", check_names(self.log_with))
@@ -198,9 +198,9 @@ class ParallelConfig:
             grad_accum_steps=self.grad_accum_steps,
             compile=self.compile_options,
             channels_last=self.channels_last,
+            checkpointing=parse_checkpointing(self.activation_checkpointing),
         )
 
-            checkpointing=parse_checkpointing(self.activation_checkpointing),
     @property
     def compile_options(self) -> CompileOptions | None:
         """What ``compile`` asks for as options (``True``: torch's defaults), or ``None``."""
