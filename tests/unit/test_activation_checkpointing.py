@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import copy
 import gc
+import re
 import weakref
 from dataclasses import replace
 from typing import Any
@@ -147,3 +148,21 @@ def test_the_planner_recommends_checkpointing_only_when_nothing_fits_without() -
     chosen = next(c for c in tight.candidates if c.strategy == tight.strategy)
     assert chosen.activations_saved > 0 and chosen.extra_compute == pytest.approx(0.31, abs=0.02)
     assert recompute.cost(desc, "selective").extra_compute == 0.0
+
+
+def test_fits_no_strategy_says_when_even_full_checkpointing_does_not_help() -> None:
+    desc = transformer("1.3B", parameters=1_300_000_000, layers=24, hidden=2048, seq_len=2048)
+    small = replace(hardware.preset("a100", gpus_per_node=1), memory_gb=16)
+    with pytest.raises(UsageError) as raised:
+        recommend(desc, small, batch=24, precision="bf16")
+    message = str(raised.value)
+    assert 'even with activation_checkpointing="full"' in message and "\n" not in message
+    found = re.search(r"([\d.]+) GB per device with it \(([\d.]+) GB without\)", message)
+    assert found is not None, message
+    with_it, without = float(found[1]), float(found[2])
+    assert with_it < without, message
+    # A model whose blocks are unknown was never counted with checkpointing: no claim.
+    bare = replace(desc, block_activation_bytes_per_sample=0.0)
+    with pytest.raises(UsageError, match="fits no strategy") as raised:
+        recommend(bare, small, batch=24, precision="bf16")
+    assert "activation_checkpointing" not in str(raised.value)

@@ -117,10 +117,7 @@ def _fitting_memory(
     memory without checkpointing."""
 
     def count(mode: str | None) -> memory.MemoryEstimate:
-        return memory.estimate(desc, strategy, world=world, batch=batch, precision=precision,
-                               optimizer=optimizer, stages=ways,
-                               microbatches=min(4 * ways, ways * batch),
-                               checkpointing=mode)  # fmt: skip
+        return _count(desc, strategy, world, ways, batch, precision, optimizer, mode)
 
     plain = count(None)
     if plain.fits(memory_gb) or not recompute.knows_blocks(desc):
@@ -130,6 +127,45 @@ def _fitting_memory(
         if mem.fits(memory_gb):
             return mem, mode, plain
     return plain, None, plain
+
+
+def _count(
+    desc: ModelDesc, strategy: str, world: int, ways: int, batch: int, precision: str,
+    optimizer: str, mode: str | None,
+) -> memory.MemoryEstimate:  # fmt: skip
+    """One candidate's memory per device with activation checkpointing ``mode``."""
+    return memory.estimate(desc, strategy, world=world, batch=batch, precision=precision,
+                           optimizer=optimizer, stages=ways,
+                           microbatches=min(4 * ways, ways * batch),
+                           checkpointing=mode)  # fmt: skip
+
+
+def _fits_none(
+    desc: ModelDesc, cands: list[Candidate], world: int, memory_gb: float, batch: int,
+    precision: str, optimizer: str,
+) -> str:  # fmt: skip
+    """Why nothing fits, in one line: the smallest candidate's need and, where the
+    model's blocks are known, that even ``"full"`` checkpointing (the least a block
+    can keep) does not help, so the user looks for the fix elsewhere."""
+    head = (
+        f"{desc.name} ({desc.parameters / 1e6:,.1f}M parameters) fits no strategy on "
+        f"{world} device(s) of {memory_gb:g} GB"
+    )
+    best = min(cands, key=lambda c: c.memory.total)
+    need = f"{best.memory.total / 1e9:,.1f} GB per device"
+    if recompute.knows_blocks(desc):
+        full = {
+            id(c): _count(desc, c.strategy, world, c.ways, batch, precision, optimizer, "full")
+            for c in cands
+        }
+        best = min(cands, key=lambda c: full[id(c)].total)
+        head += ', even with activation_checkpointing="full"'
+        need = (
+            f"{full[id(best)].total / 1e9:,.1f} GB per device with it "
+            f"({best.memory.total / 1e9:,.1f} GB without)"
+        )
+    where = f"{best.strategy}{f' x{best.ways}' if best.ways > 1 else ''}"
+    return f"{head}: the smallest, {where}, needs {need}; lower the batch or add devices"
 
 
 def _ways(entry: StrategyCard, world: int, gpus_per_node: int) -> list[int]:
@@ -172,12 +208,8 @@ def recommend(
     cands = _candidates(desc, cluster, world, batch, precision, optimizer, mfu)
     fitting = [c for c in cands if c.fits]
     if not fitting:
-        best = min(cands, key=lambda c: c.memory.total)
         raise UsageError(
-            f"{desc.name} ({desc.parameters / 1e6:,.1f}M parameters) fits no strategy on "
-            f"{world} device(s) of {cluster.memory_gb:g} GB: the smallest, {best.strategy}"
-            f"{f' x{best.ways}' if best.ways > 1 else ''}, needs "
-            f"{best.memory.total / 1e9:,.1f} GB per device; lower the batch or add devices"
+            _fits_none(desc, cands, world, cluster.memory_gb, batch, precision, optimizer)
         )
     return _plan(_choose(fitting), cands, world, precision, cluster.memory_gb)
 
