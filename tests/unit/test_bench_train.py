@@ -171,7 +171,7 @@ def test_model_specs_and_config() -> None:
     with pytest.raises(UsageError, match="batch"):
         TrainBenchConfig(batch=0)
     with pytest.raises(UsageError, match="precision"):
-        TrainBenchConfig(precision="fp8")
+        TrainBenchConfig(precision="fp4")
 
 
 def test_peaks_and_mfu() -> None:
@@ -213,7 +213,7 @@ def test_tf32_is_read_from_torch() -> None:
         (["--model", "resnet", "--workers", "0,1"], "must be >= 1"),
         (["--model", "resnet", "--workers", "1,x"], "comma list of integers"),
         (["--model", "resnet", "--nproc-per-node", "2"], "use --workers"),
-        (["--model", "resnet", "--precision", "fp8"], "unknown precision 'fp8'"),
+        (["--model", "resnet", "--precision", "fp4"], "unknown precision 'fp4'"),
     ],
 )
 def test_bad_input_is_one_line_and_exit_2(

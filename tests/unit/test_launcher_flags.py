@@ -59,7 +59,7 @@ def test_the_extras_become_the_workers_variables_and_logs() -> None:
     ("flags", "needle"),
     [
         (["--strategy", "fdsp"], "--strategy: unknown strategy 'fdsp'; did you mean 'fsdp'?"),
-        (["--precision", "fp8"], "--precision 'fp8': choose one of auto, fp32"),
+        (["--precision", "fp4"], "--precision 'fp4': choose one of auto, fp32"),
         (["--network-interface", "nope0"], "'nope0': no such interface here; this machine has"),
         (["--output-filename", "/a", "--log-dir", "/b"], "give one"),
     ],
