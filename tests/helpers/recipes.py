@@ -120,6 +120,11 @@ def _run(par: Any, recipe: Recipe) -> dict[str, Any]:
         "buffers": {k: b.detach().clone() for k, b in par.unwrap(model).named_buffers()},
         "norms": norms,
         "data_world": par.strategy.data_shard()[1],
+        # Blocks that checkpoint themselves (activation_checkpointing acted on this rank).
+        "checkpointed": sum(
+            bool(getattr(type(m), "_manygpu_checkpointed", False))
+            for m in par.unwrap(model).modules()
+        ),
     }
 
 
