@@ -1,7 +1,8 @@
 """Iterable datasets in one process: the split's arithmetic, refusals, exact resume.
 
 Loader workers and ranks are real processes: tests/launch/test_streams_launch.py.
-Here every reader of the fallback split is simulated by calling :func:`blocks` with its (rank, worker).
+Here every reader of the fallback split is simulated by calling :func:`blocks`
+with its (rank, worker).
 """
 
 from __future__ import annotations
