@@ -50,6 +50,14 @@ OTHER_OPTIMIZERS = [
 ]
 RESNET = Recipe("resnet", optimizer="sgd_nesterov", per_shard_forward=True)
 PIPE = Pipeline(loss_fn=lm_loss, microbatches=2)
+# Activation checkpointing under each strategy: one more run in the case's job,
+# which must equal the same recipe without it in that job (see _check_checkpointing).
+AC, AC_TOL = "activation_checkpointing", 1e-6
+
+
+def _ac(recipe: Recipe, mode: str) -> Recipe:
+    return replace(recipe, parallel={AC: mode})
+
 
 CASES: dict[str, tuple[int, dict[str, Any], list[Recipe]]] = {
     # BatchNorm under ddp: each rank normalises by its own batch (the reference's
@@ -58,9 +66,17 @@ CASES: dict[str, tuple[int, dict[str, Any], list[Recipe]]] = {
     # statistics in use are rank 0's, though each rank's last forward updated its
     # own. torch.nn.SyncBatchNorm (CUDA only) normalises over the global batch.
     "ddp": (2, {"strategy": "ddp"}, [GPT_ACCUM, *HF, *OTHER_OPTIMIZERS, RESNET, *BF16]),
-    "zero1": (2, {"strategy": "zero1"}, [GPT_ACCUM, *HF, *OTHER_OPTIMIZERS]),
+    "zero1": (
+        2,
+        {"strategy": "zero1"},
+        [GPT_ACCUM, *HF, *OTHER_OPTIMIZERS, _ac(GPT_ACCUM, "full")],
+    ),
     "fsdp": (2, {"strategy": "fsdp"}, [GPT_ACCUM, *HF, *OTHER_OPTIMIZERS, *BF16]),
-    "zero2": (2, {"strategy": "zero2"}, [GPT_ACCUM, Recipe("hf_llama")]),
+    "zero2": (
+        2,
+        {"strategy": "zero2"},
+        [GPT_ACCUM, Recipe("hf_llama"), _ac(GPT_ACCUM, "selective")],
+    ),
     "hsdp-dp2-fsdp2": (
         4,
         {"strategy": "fsdp", "mesh": {"dp": 2, "fsdp": 2}},
@@ -69,14 +85,18 @@ CASES: dict[str, tuple[int, dict[str, Any], list[Recipe]]] = {
     "tensor-tp2": (
         2,
         {"strategy": "tensor"},
-        [Recipe("gpt"), Recipe("hf_llama"), Recipe("hf_bert")],
+        [Recipe("gpt"), Recipe("hf_llama"), Recipe("hf_bert"), _ac(Recipe("gpt"), "selective")],
     ),
-    "hybrid-dp2-tp2": (4, {"mesh": {"dp": 2, "tp": 2}}, [GPT_ACCUM, Recipe("hf_llama")]),
-    "pipeline-pp2": (2, {"strategy": PIPE}, [Recipe("gpt_seq")]),
+    "hybrid-dp2-tp2": (
+        4,
+        {"mesh": {"dp": 2, "tp": 2}},
+        [GPT_ACCUM, Recipe("hf_llama"), _ac(GPT_ACCUM, "full")],
+    ),
+    "pipeline-pp2": (2, {"strategy": PIPE}, [Recipe("gpt_seq"), _ac(Recipe("gpt_seq"), "full")]),
     "pipeline-pp2-dp2": (
         4,
         {"strategy": PIPE, "mesh": {"pp": 2, "dp": 2}},
-        [Recipe("gpt_seq", samples=24)],
+        [Recipe("gpt_seq", samples=24), _ac(Recipe("gpt_seq", samples=24), "selective")],
     ),
     "model-dp2": (2, {"strategy": "model", "mesh": {"dp": 2}}, [Recipe("gpt_seq")]),
     # The user's own plan (torchtitan's FSDP2 per block) on the job's mesh.
@@ -107,7 +127,7 @@ _REFERENCES: dict[tuple[str, int], dict[str, Any]] = {}
 
 def _reference(recipe: Recipe, data_world: int) -> dict[str, Any]:
     """``reference_train``, computed once per recipe and data width for all cases."""
-    key = (repr(recipe), data_world)
+    key = (repr(replace(recipe, parallel={})), data_world)  # Parallel's keywords: same reference
     if key not in _REFERENCES:
         _REFERENCES[key] = reference_train(recipe, data_world)
     return _REFERENCES[key]
@@ -133,6 +153,21 @@ def _check(recipe: Recipe, outs: list[dict[str, Any]]) -> None:
         assert clipped >= len(ref["norms"]) / 2, f"clipping seldom active: {ref['norms']}"
 
 
+def _check_checkpointing(recipes: list[Recipe], results: list[list[dict[str, Any]]]) -> None:
+    """A checkpointed run equals the same recipe without it in the same job (1e-6:
+    the same ops recomputed on the same inputs; measured equal to the last bit),
+    and its blocks did checkpoint on every rank (pipeline stages hold some each)."""
+    for i, recipe in enumerate(recipes):
+        if AC not in recipe.parallel:
+            continue
+        j = recipes.index(replace(recipe, parallel={}))
+        for rank, outs in enumerate(results):
+            got, want = outs[i], outs[j]
+            assert got["checkpointed"] > 0 == want["checkpointed"], f"rank {rank}: {recipe}"
+            assert max_diff(got["params"], want["params"]) <= AC_TOL, f"rank {rank}: {recipe}"
+            assert got["norms"] == pytest.approx(want["norms"], rel=AC_TOL), recipe
+
+
 def _check_same(five: Recipe, outs: list[dict[str, Any]], after: list[dict[str, Any]]) -> None:
     """The five-line run equals the build-after run bit for bit (same ops, same order)."""
     errors = [o["error"] for o in outs if "error" in o]
@@ -153,6 +188,7 @@ def test_real_models_match_one_process(case: str) -> None:
     for i, recipe in enumerate(recipes):
         _check(recipe, [r[i] for r in results])
     _check_same(five, [r[len(recipes)] for r in results], [r[0] for r in results])
+    _check_checkpointing(recipes, results)
     for j, (_, needle) in enumerate(refused, start=len(recipes) + 1):
         for rank_results in results:
             error = rank_results[j].get("error", "no error")
