@@ -18,6 +18,7 @@ import functools
 import json
 import re
 import socket
+import warnings
 from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -185,7 +186,11 @@ def _start(
     from torch.profiler import ProfilerActivity, profile, schedule
 
     warmup = steps.start - begin
-    cycle = schedule(wait=0, warmup=warmup, active=len(steps), repeat=1)
+    with warnings.catch_warnings():
+        # A window that opens at the loop's first step has no step to warm up on;
+        # the README says so once, torch would say it on every rank.
+        warnings.filterwarnings("ignore", message="Profiler won't be using warmup")
+        cycle = schedule(wait=0, warmup=warmup, active=len(steps), repeat=1)
     activities = [ProfilerActivity.CPU]
     if device.type == "cuda":
         activities.append(ProfilerActivity.CUDA)
