@@ -13,7 +13,12 @@ Trains the same models on one device, one process per run, written several ways:
   (``precision="fp32-strict", channels_last=False``); ``manygpu_fp8``:
   ``Parallel(precision="fp8")`` (torchao float8 linears), on GPT-2 355M only and
   only on GPUs with FP8 tensor cores (compute capability 8.9+; skipped with the
-  reason elsewhere), compared with ``manygpu_bf16``;
+  reason elsewhere), compared with ``manygpu_bf16``; ``manygpu_ac_full`` /
+  ``manygpu_ac_selective``: ``Parallel(precision="bf16",
+  activation_checkpointing="full" | "selective")`` on GPT-2 355M on a GPU only,
+  whose step time (the ``x manygpu_bf16`` ratio) and peak memory (``peak GB``,
+  ``torch.cuda.max_memory_allocated``) against ``manygpu_bf16`` are
+  checkpointing's cost and saving (MFU counts the model's FLOPs, not the recomputation);
 - ``accelerate`` / ``fabric``: Accelerate bf16 and Fabric bf16-mixed, when importable.
 
 Models: GPT-2 124M (batch 16 x 1024 tokens), GPT-2 355M (24 x 1024, batch 8) and
@@ -83,6 +88,8 @@ class Variant:
     on other GPUs."""
     models: tuple[str, ...] = ()
     """Only these models (empty: every model)."""
+    gpu_why: str = "GPU techniques (TF32, bf16 autocast on CUDA, pinned copies)"
+    """Why a ``gpu_only`` variant is skipped on the CPU."""
 
     def trains(self, model: str) -> bool:
         return not self.models or model in self.models
@@ -110,6 +117,17 @@ VARIANTS: tuple[Variant, ...] = (
         parallel=(("precision", "fp8"),),
         fp8=True,
         models=("gpt-355m",),
+    ),
+    *(
+        Variant(
+            f"manygpu_ac_{mode}",
+            f'Parallel(precision="bf16", activation_checkpointing="{mode}")',
+            True,
+            parallel=(("precision", "bf16"), ("activation_checkpointing", mode)),
+            models=("gpt-355m",),
+            gpu_why="measures GPU step time and peak GPU memory on GPT-2 355M",
+        )
+        for mode in ("full", "selective")
     ),
     Variant(
         "manygpu_off",
@@ -197,6 +215,8 @@ class Summary:
     precision: str | None
     ratios: dict[str, float] = field(default_factory=dict)
     """Median per-round ratio to each reference variant that ran."""
+    peak_memory_gb: float | None = None
+    """Median peak of allocated GPU memory in a run (``None`` on the CPU)."""
 
 
 # -- availability --------------------------------------------------------------------
@@ -238,7 +258,7 @@ def split_available(
         if v.requires and all(importlib.util.find_spec(m) is None for m in v.requires):
             skipped[name] = f"not installed for {sys.executable} ({' / '.join(v.requires)})"
         elif cpu and v.gpu_only:
-            skipped[name] = "GPU techniques (TF32, bf16 autocast on CUDA, pinned copies)"
+            skipped[name] = v.gpu_why
         elif why := parallel_supports(v.parallel):
             skipped[name] = why
         elif v.fp8 and (capability is None or capability < FP8_CAPABILITY):
@@ -366,6 +386,7 @@ def summarize(
             runs_v = [r for r in mine if r.variant == v.name]
             ok = [r.result for r in runs_v if r.ok]
             mfus = [x["mfu"] for x in ok if x["mfu"] is not None]
+            peaks = [x["peak_memory_gb"] for x in ok if x.get("peak_memory_gb") is not None]
             ratios = {}
             for ref in REFERENCES:
                 by_round = {rnd: val for (name, rnd), val in rate.items() if name == ref}
@@ -383,6 +404,7 @@ def summarize(
                     mfu=statistics.median(mfus) if mfus else None,
                     precision=ok[0]["precision"] if ok else None,
                     ratios=ratios,
+                    peak_memory_gb=statistics.median(peaks) if peaks else None,
                 )
             )
     return out
@@ -454,7 +476,8 @@ def render_tables(summaries: list[Summary], refs: list[str]) -> list[Table]:
         rows = [x for x in summaries if x.model == model]
         unit = next((x.unit for x in rows if x.median_rate), "samples")
         table = Table(title=f"{model}: {unit}/s (median over rounds; higher is better)")
-        for col in ("variant", "runs", f"{unit}/s", "MFU", "precision", *(f"x {r}" for r in refs)):
+        cols = ("variant", "runs", f"{unit}/s", "MFU", "peak GB", "precision")
+        for col in (*cols, *(f"x {r}" for r in refs)):
             table.add_column(col, justify="left" if col in ("variant", "precision") else "right")
         for x in rows:
             table.add_row(
@@ -462,6 +485,7 @@ def render_tables(summaries: list[Summary], refs: list[str]) -> list[Table]:
                 f"{x.runs_ok}/{x.runs}",
                 _num(x.median_rate, ",.0f"),
                 _num(x.mfu, ".1%"),
+                _num(x.peak_memory_gb, ".1f"),
                 x.precision or "—",
                 *(_num(x.ratios.get(r), ".2f") for r in refs),
             )

@@ -253,6 +253,12 @@ SETUPS: dict[str, Callable[[Workload, int, RunConfig], Trainer]] = {
     ),
     "manygpu_compile": lambda w, b, c: setup_manygpu(w, b, c, {"compile": True}),
     "manygpu_fp8": lambda w, b, c: setup_manygpu(w, b, c, {"precision": "fp8"}),
+    "manygpu_ac_full": lambda w, b, c: setup_manygpu(
+        w, b, c, {"precision": "bf16", "activation_checkpointing": "full"}
+    ),
+    "manygpu_ac_selective": lambda w, b, c: setup_manygpu(
+        w, b, c, {"precision": "bf16", "activation_checkpointing": "selective"}
+    ),
     "manygpu_off": lambda w, b, c: setup_manygpu(
         w, b, c, {"precision": "fp32-strict", "channels_last": False}
     ),
@@ -267,6 +273,8 @@ def measure(w: Workload, batch: int, cfg: RunConfig) -> dict[str, Any]:
     """Warm up, then time ``cfg.steps`` steps between two synchronisations."""
     flops = mfu.step_flops(w, batch, torch.device("cpu"))  # counted on meta: no memory
     torch.manual_seed(0)
+    if torch.cuda.is_available():  # the peak of this run's steps, not of an earlier set-up
+        torch.cuda.reset_peak_memory_stats()
     trainer = SETUPS[cfg.variant](w, batch, cfg)
     loss = torch.zeros(())
     try:
@@ -279,6 +287,8 @@ def measure(w: Workload, batch: int, cfg: RunConfig) -> dict[str, Any]:
         sync()
         seconds = time.perf_counter() - start
         final = float(loss.detach().float())
+        # What activation checkpointing saves: activations are most of the peak.
+        peak_gb = torch.cuda.max_memory_allocated() / 1e9 if torch.cuda.is_available() else None
     finally:
         trainer.close()
     x, _ = w.make_batch(1, torch.Generator().manual_seed(0))
@@ -295,6 +305,7 @@ def measure(w: Workload, batch: int, cfg: RunConfig) -> dict[str, Any]:
         "mfu": mfu.mfu(flops, cfg.steps / seconds, peak),
         "precision": trainer.precision,
         "final_loss": final,
+        "peak_memory_gb": peak_gb,
     }
 
 

@@ -102,3 +102,19 @@ def test_fp8_row_runs_on_gpt_355m_only_where_the_gpu_has_fp8() -> None:
     got = {t["target"]: t for t in gd.targets(summaries, {}, cpu=False)}
     assert got["gpt-355m: fp8 vs bf16"]["value"] == pytest.approx(1.25)
     assert got["gpt-355m: fp8 vs bf16"]["met"] is True
+
+
+def test_checkpointing_rows_cost_time_and_save_memory_on_gpt_355m_on_a_gpu_only() -> None:
+    names = ("manygpu_bf16", "manygpu_ac_full", "manygpu_ac_selective")
+    _, skipped = gd.split_available(names, cpu=True)
+    assert skipped["manygpu_ac_full"] == "measures GPU step time and peak GPU memory on GPT-2 355M"
+    runnable, _ = gd.split_available(names, cpu=False, capability=(8, 0))
+    assert [v.name for v in runnable] == list(names)
+    assert {m for m, v in gd.round_jobs(gd.GPU_MODELS, list(names), 1) if v != "manygpu_bf16"} == {
+        "gpt-355m"
+    }
+    runs = [_run("gpt-355m", 1, v, rate) for v, rate in (("manygpu_bf16", 100.0), (names[1], 75.0))]
+    runs[0].result["peak_memory_gb"], runs[1].result["peak_memory_gb"] = 60.0, 20.0
+    full = gd.summarize(runs, ("gpt-355m",), runnable)[1]
+    assert full.ratios == {"manygpu_bf16": 0.75} and full.peak_memory_gb == 20.0
+    assert "peak GB" in [c.header for c in gd.render_tables([full], ["manygpu_bf16"])[0].columns]
