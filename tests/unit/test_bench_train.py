@@ -121,6 +121,15 @@ def test_a_measured_run_adds_up_and_names_its_precision() -> None:
         assert resolved_precision(par) == "bf16"
 
 
+def test_fp8_runs_are_named_fp8_and_counted_against_the_16_bit_peak(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setenv("MANYGPU_FP8_EMULATE", "1")  # the CPU's emulation of float8
+    with Parallel(strategy="single", device="cpu", precision="fp8") as par:
+        assert resolved_precision(par) == "fp8"  # its autocast alone says bf16
+    assert mfu.peak_tflops("NVIDIA H100 80GB HBM3", "fp8") == 989.0
+
+
 def test_synthetic_data_stays_small() -> None:
     resnet50_batch = 128 * 3 * 224 * 224 * 4 + 128 * 8
     assert steps_per_epoch(resnet50_batch, 45) == 6  # 77 MB batches: 512 MB at most

@@ -26,13 +26,15 @@ def peak_tflops(device_name: str, precision: str, tf32: bool = False) -> float |
     lacks (bf16 on a V100) gets its fp16 tensor-core peak: one 16-bit reference
     per GPU. ``tf32`` says whether fp32 matmuls (and convolutions) ran as TF32,
     which doubles-to-sevenfolds the ceiling; using the plain fp32 rate then
-    would overstate MFU.
+    would overstate MFU. fp8 is counted against the same 16-bit peak: its
+    float8 matmuls are a speed-up of a bf16 job, which MFU then shows.
     """
     sheet = data_sheet(device_name)
     if sheet is None:
         return None
-    if precision in ("bf16", "fp16"):
-        return sheet.get(precision, sheet.get("fp16"))
+    if precision in ("bf16", "fp16", "fp8"):
+        sixteen = "bf16" if precision == "fp8" else precision
+        return sheet.get(sixteen, sheet.get("fp16"))
     return sheet["tf32"] if tf32 and "tf32" in sheet else sheet["fp32"]
 
 

@@ -313,7 +313,10 @@ def _local(t: _Timings) -> list[float]:
 
 
 def resolved_precision(par: Parallel) -> str:
-    """What the job's autocast really uses (``"auto"`` and the default resolve per device)."""
+    """What the job's autocast really uses (``"auto"`` and the default resolve per device);
+    ``"fp8"`` for float8 linears, which run inside a bf16 autocast."""
+    if par.precision_choice.precision == "fp8":
+        return "fp8"
     with par.autocast():
         if torch.is_autocast_enabled(par.device.type):
             dtype = torch.get_autocast_dtype(par.device.type)
