@@ -192,15 +192,6 @@ class CallTable:
         mark = _OPS.index(JOINED)
         return [r for r, row in enumerate(self.rows) if row[0] == mark]
 
-    def op(self, rank: int) -> str:
-        """The operation ``rank`` is about to make."""
-        index = self.rows[rank][0]
-        return _OPS[index] if 0 <= index < len(_OPS) else "?"
-
-    def extra(self, rank: int) -> int:
-        """The ``extra`` argument ``rank`` sent."""
-        return self.rows[rank][11]
-
     def same(self, ranks: list[int]) -> bool:
         """Whether ``ranks`` call the same thing (call sites compared in strict mode)."""
         strict = any(r[_STRICT] for r in self.rows)
