@@ -79,16 +79,22 @@ def _by_name(hvd: Any) -> dict[str, Any]:
     rank 1 after it; and two named calls in opposite orders on the two ranks."""
     r = hvd.rank()
     x = torch.tensor([float(r)])
-    early = None
+    early = grouped = None
+    polled = None
     if r == 0:
         early = hvd.allgather_async(x, name="early")
+        grouped = hvd.grouped_allgather_async([x, x], name="g")
+        polled = hvd.poll(grouped)  # rank 1 has not made it: not done
     hvd.barrier()  # must not meet rank 0's allgather
     if r == 1:
         early = hvd.allgather_async(x, name="early")
+        grouped = hvd.grouped_allgather_async([x, x], name="g")
     order = ["p", "q"] if r == 0 else ["q", "p"]
     handles = {n: hvd.allreduce_async(torch.tensor([r + 1.0]), name=n, op=hvd.Sum) for n in order}
     return {
         "early": hvd.synchronize(early),
+        "g": hvd.synchronize(grouped),
+        "polled": polled,
         "p": hvd.synchronize(handles["p"]),
         "q": hvd.synchronize(handles["q"]),
     }
@@ -110,14 +116,22 @@ def _job() -> dict[str, Any]:
             out["u64_reduce"] = str(exc)
         out["u64_reduce_s"] = time.monotonic() - start
         out["after"] = hvd.allreduce(torch.tensor([1.0]), op=hvd.Sum).item()  # still usable
+        stuck = hvd.grouped_allgather_async([torch.ones(1)] * 2, name="stuck") if r == 0 else 0
+        hvd.barrier()
         if r == 1:
-            time.sleep(3 * TIMEOUT_S)  # never calls the next collective
+            time.sleep(3 * TIMEOUT_S)  # never makes the named call rank 0 waits for
             return out
         try:
-            hvd.allreduce(torch.ones(2), name="stuck")
+            hvd.synchronize(stuck)
             out["caught"] = "no error"
         except hvd.HorovodInternalError as exc:
             out["caught"] = [isinstance(exc, CollectiveTimeoutError), str(exc)]
+        try:  # the failed call's names are free again
+            hvd.grouped_allgather_async([torch.ones(1)] * 2, name="stuck")
+        except ValueError as exc:
+            out["reuse"] = str(exc)
+        except hvd.HorovodInternalError:
+            out["reuse"] = "free"  # its round times out: rank 1 is still away
         return out
     finally:
         hvd.shutdown()
@@ -149,8 +163,11 @@ def test_dtypes_scaling_names_and_failures_as_horovod() -> None:
         assert "another allreduce named 'dup' is still pending" in out["refused"]
         assert out["first"] == ("float32", [2.0, 2.0, 2.0])
         assert out["early"] == ("float32", [0.0, 1.0])
+        assert out["g"] == [("float32", [0.0, 1.0])] * 2
         assert out["p"] == out["q"] == ("float32", [3.0])
         assert "allreduce of a uint64 tensor is not supported" in out["u64_reduce"]
         assert out["after"] == 2.0
+    assert results[0]["polled"] is False
+    assert results[0]["reuse"] == "free"
     caught = results[0]["caught"]
     assert caught[0] is True and "missing ranks: [1]" in caught[1], caught

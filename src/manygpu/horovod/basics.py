@@ -77,6 +77,9 @@ class Pending:
     (:mod:`manygpu.horovod.matching`); ``None`` once started."""
     error: Exception | None = None
     """Why starting it failed (alike on every rank); ``synchronize`` raises it."""
+    parts: list[int] | None = None
+    """A grouped call's merged handle: the parts' handles, which ``poll`` asks (a named
+    part may start after the merged handle was made)."""
 
 
 @dataclass
@@ -102,6 +105,10 @@ class Session:
     """Named calls made here but not yet by every rank: name -> handle, in call order."""
     meeting: bool = False
     """Whether this rank is matching named calls now (the calls it starts then do not)."""
+    joined: list[int] = field(default_factory=list)
+    """Ranks in ``hvd.join()`` as of this rank's last round (:mod:`manygpu.horovod.
+    matching`): process-set calls are refused meanwhile (a joined rank waits in rounds
+    of the whole job only)."""
     process_sets: SetTable | None = None
     """The registered process sets (:mod:`manygpu.horovod.process_sets`)."""
 

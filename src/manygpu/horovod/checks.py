@@ -141,6 +141,10 @@ def _agree_in_set(
     debug check being over every rank."""
     from manygpu.horovod.process_sets import next_call
 
+    if session().joined:  # its joined ranks wait in the whole job's rounds, not here
+        from manygpu.horovod import joining  # it builds on this module
+
+        joining.refuse_in_set(session().joined, desc + scope.label())
     seq = next_call(scope)
     if not active():
         return seq

@@ -86,7 +86,7 @@ class GradientSync:
         self._ready = [0] * len(self.buckets)
         self._next = 0
         self._pending: dict[int, tuple[dist.Work | None, torch.Tensor, Any, Pending]] = {}
-        self._beacon: StepBeacon | None = None
+        self._beacons: list[StepBeacon] = []
         self.dirty = False
 
     def register_hooks(self) -> None:
@@ -147,8 +147,8 @@ class GradientSync:
         return torch.cat(parts)
 
     def _launch(self, bucket: int) -> None:
-        if bucket == 0 and self.slot >= 0:  # before the first bucket: a joined rank reads it
-            self._beacon = StepBeacon(self.slot)
+        if self.slot >= 0:  # before each bucket: a joined rank reads it, and stands in
+            self._beacons.append(StepBeacon(self.slot, bucket))
         flat = self._flatten(bucket)
         if self.prescale != 1.0:
             flat.mul_(self.prescale)
@@ -180,8 +180,8 @@ class GradientSync:
             self._launch(bucket)
         self._next = len(self.buckets)
         world = self.scope.size
-        if self._beacon is not None:
-            self._beacon.finish(f"{self.describe(0)}: step announcement", session().timeout_s)
+        for bucket, beacon in enumerate(self._beacons):
+            beacon.finish(f"{self.describe(bucket)}: announcement", session().timeout_s)
         gathered: list[int] = []
         for bucket in sorted(self._pending):
             _, sent, ctx, record = self._pending[bucket]

@@ -40,18 +40,33 @@ def _part_name(name: str | None, i: int) -> str | None:
 
 
 def _one_handle(start: Callable[[int], int], count: int, what: str, scope: Any) -> int:
-    """Start ``count`` operations (``start(i)`` gives a handle) and merge them into one."""
-    pending = session().pending
+    """Start ``count`` operations (``start(i)`` gives a handle) and merge them into one.
+
+    The merged handle holds no works of its own: a named part may start later (once
+    every rank has made it), so ``poll`` asks the parts, and ``synchronize`` waits for
+    each part, freeing every part's name even when one fails (a timeout).
+    """
+    s = session()
     handles = [start(i) for i in range(count)]
-    parts: list[Pending] = [pending[h] for h in handles]
-    # A named part not started yet (some rank has not made it) has no works:
-    # synchronizing it, in finish, waits until every rank has.
-    works = [w for p in parts for w in p.works]
+    parts: list[Pending] = [s.pending[h] for h in handles]
 
     def finish() -> list[torch.Tensor]:
-        return [synchronize(h) for h in handles]
+        try:
+            return [synchronize(h) for h in handles]
+        finally:
+            for h in handles:  # the parts not reached when one raised
+                _release(s, s.pending.pop(h, None))
 
-    return submit(list(works), finish, f"{what}({count} tensors)", parts[0].seq, scope)
+    handle = submit([], finish, f"{what}({count} tensors)", parts[0].seq, scope)
+    s.pending[handle].parts = handles
+    return handle
+
+
+def _release(s: Any, part: Pending | None) -> None:
+    """Forget a part that will never be synchronized: its name may be used again."""
+    if part is not None and part.name is not None:
+        s.names.discard(part.name)
+        s.deferred.pop(part.name, None)
 
 
 def grouped_allgather_async(

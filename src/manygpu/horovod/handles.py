@@ -96,6 +96,8 @@ def poll(handle: int) -> bool:
         raise UsageError(f"hvd.poll: unknown handle {handle!r} (already synchronized?)")
     if pending.start is not None:
         return False  # a named call some rank has not made yet
+    if pending.parts is not None:  # a grouped call: done once every part is
+        return all(poll(h) for h in pending.parts if h in session().pending)
     return all(work.is_completed() for work in pending.works)
 
 

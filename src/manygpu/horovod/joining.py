@@ -15,16 +15,19 @@ How a joined rank learns what to stand in for, over torch.distributed, which
 matches collectives by order: every manygpu.horovod call on the whole job
 starts with a round of :mod:`manygpu.horovod.matching` (one tiny all-gather),
 in which a joined rank says :attr:`Point.JOINED`. Named calls every other rank
-has made start then (joined ranks are not waited for), and each explicit
+has made start then (joined ranks are not waited for; one this rank made
+before joining starts as a live call, with its real tensor), and each explicit
 collective begins with the cross-rank check, where a joined rank sends a
 ``joined`` row (:mod:`manygpu.comm.debug`). Seeing such a row, the ranks
 exchange what the joined ranks must do (as JSON: dtype, length and reduce op
 of each all-reduce, never a pickle) and every rank decides alike from the
 same table: stand in, refuse, or report a mismatch. A DistributedOptimizer
-step announces itself with one asynchronous row of the round's shape
+bucket announces itself with one asynchronous row of the round's shape
 (:class:`StepBeacon`, waited for in ``step()``), so a joined rank sends zeros
-for each of its buckets; nobody waits for it while no rank has joined. Only
-the whole job is covered: Horovod's ``join`` has no process set either.
+for that bucket, in the callers' order even when they make other calls between
+buckets; nobody waits for it while no rank has joined. Only the whole job is
+covered: Horovod's ``join`` has no process set either, and process-set calls
+are refused while a rank has joined.
 """
 
 from __future__ import annotations
@@ -44,7 +47,7 @@ from manygpu.errors import CollectiveTimeoutError, UsageError
 from manygpu.horovod.basics import Session, session
 from manygpu.horovod.checks import HorovodMismatchError, named_stall, ranks_text, render_mismatch
 from manygpu.horovod.exceptions import HorovodInternalError
-from manygpu.horovod.matching import Point, common_names, goes_on, stall_text
+from manygpu.horovod.matching import Point, common_names, goes_on, stall_text, start_deferred
 from manygpu.horovod.process_sets import next_call
 from manygpu.horovod.wire import wire_dtype
 
@@ -132,6 +135,16 @@ def with_joined(
     raise HorovodMismatchError(render_mismatch(rows, f"rank {me}: {desc}: ranks disagree"))
 
 
+def refuse_in_set(joined: Sequence[int], desc: str) -> None:
+    """A process-set call while some ranks have joined (as this rank's last round said):
+    refused at once, where the set's joined ranks would leave it waiting until the timeout."""
+    raise JoinedRankError(
+        f"rank {dist.get_rank()}: {desc} is not supported while {ranks_text(joined)} "
+        f"{'has' if len(joined) == 1 else 'have'} joined (hvd.join): a joined rank stands in "
+        "only for calls on the whole job; make process-set calls before any rank joins"
+    )
+
+
 # -- the joined rank ------------------------------------------------------------------------
 def join(device: int = -1) -> int:
     """Stand in for the others' collectives until every rank has joined; the last to join.
@@ -146,6 +159,7 @@ def join(device: int = -1) -> int:
     while True:
         quick = _round_rows(s, [int(Point.JOINED), rounds])
         if all(p == Point.JOINED for p, _ in quick):
+            s.joined = []  # every rank leaves join() here: nobody stands in any more
             return last_joined(quick)
         if any(p == Point.STEP for p, _ in quick):
             _stand_in_step(s, quick)
@@ -180,14 +194,27 @@ def _stand_in_round(s: Session, device: int) -> None:
     rows = [(int(row[0]), row[1], list(row[2])) for row in sent]
     ready = common_names(rows)
     going = goes_on(rows, set(ready))
-    for _ in ready:
-        _stand_in_call(s, device)  # the others start these, in this order, now
+    for name in ready:  # the others start these, in this order, now
+        if name in s.deferred:
+            _start_own(s, name)
+        else:
+            _stand_in_call(s, device)
     if not any(going):  # the others raise this too (matching.py)
         descs = [(str(row[-1]), None) for row in sent]
         raise HorovodMismatchError(render_mismatch(descs, stall_text(rows)))
     live = [p for p, _, _ in rows if p != Point.JOINED]
     if live and all(p == Point.COLLECTIVE for p in live):
         _stand_in_call(s, device)  # every other rank goes on to its collective
+
+
+def _start_own(s: Session, name: str) -> None:
+    """A named call this rank made before joining: it takes part with its real tensor
+    (as in Horovod), its checks run as a live rank's, without meeting again."""
+    s.meeting = True
+    try:
+        start_deferred(s, s.deferred.pop(name))
+    finally:
+        s.meeting = False
 
 
 def _stand_in_call(s: Session, device: int) -> None:
@@ -247,16 +274,23 @@ def register(sync: GradientSync) -> int:
     return len(table) - 1
 
 
+_PER_SLOT = 1 << 24
+"""A beacon's second integer: optimizer slot times this, plus the bucket."""
+
+
 class StepBeacon:
-    """A step's announcement, sent before its first bucket and waited for in ``step()``.
+    """A bucket's announcement, sent before its all-reduce and waited for in ``step()``.
 
     Shaped as a matching round's first exchange, so a joined rank waiting in one
     reads it; while no rank has joined it is one tiny all-gather nobody waits on early.
+    One per bucket, not per step: a rank may make other calls between two buckets
+    (launched at backward, then an ``hvd.allreduce``, then the rest at ``step()``),
+    and the joined rank must answer each in that order.
     """
 
-    def __init__(self, slot: int) -> None:
-        self.slot = slot
-        row = torch.tensor([int(Point.STEP), slot], dtype=torch.int64, device=scratch_device())
+    def __init__(self, slot: int, bucket: int) -> None:
+        self.slot = slot * _PER_SLOT + bucket
+        row = torch.tensor([int(Point.STEP), self.slot], dtype=torch.int64, device=scratch_device())
         self.table = row.new_empty(2 * dist.get_world_size())
         self.work = all_gather_single(self.table, row, async_op=True)
 
@@ -278,14 +312,14 @@ class StepBeacon:
 
 
 def _stand_in_step(s: Session, quick: Sequence[Sequence[int]]) -> None:
-    """Zeros for every bucket of the optimizer the others step, in bucket order."""
+    """Zeros for the bucket the others announced, of the optimizer they step."""
     slots = {k for p, k in quick if p != Point.JOINED}
     if len(slots) != 1 or any(p not in (Point.STEP, Point.JOINED) for p, _ in quick):
         raise HorovodMismatchError(
             f"rank {s.topology.rank}: manygpu.horovod: while this rank stood in (hvd.join), "
             "some ranks stepped a DistributedOptimizer and others made another call"
         )
-    slot = slots.pop()
+    slot, bucket = divmod(slots.pop(), _PER_SLOT)
     ref = s.stand_ins[slot] if 0 <= slot < len(s.stand_ins) else None
     sync = ref() if ref is not None else None
     if sync is None:
@@ -294,15 +328,16 @@ def _stand_in_step(s: Session, quick: Sequence[Sequence[int]]) -> None:
             "which this rank does not hold; build every DistributedOptimizer on every rank "
             "and keep it until join() returns"
         )
-    works = []
-    for bucket, members in enumerate(sync.buckets):
-        if sync.debug:  # the callers check each bucket first (grad_sync.py)
-            dbg.gather_calls(dbg.JOINED, None, timeout_s=s.timeout_s, site=_SITE)
-        next_call(sync.scope)
-        params = [sync.params[i] for i in members]
-        length = sum(p.numel() for p in params) + 2 * len(params)  # values, then two flags each
-        zeros = params[0].new_zeros(length)
-        sent, _ = sync.compression.compress(zeros)
-        works.append((bucket, dist.all_reduce(sent, group=sync.scope.group, async_op=True)))
-    for bucket, work in works:
-        wait(work, f"{_SITE}: standing in for {sync.describe(bucket)}", s.timeout_s)
+    if not 0 <= bucket < len(sync.buckets):
+        raise HorovodMismatchError(
+            f"rank {s.topology.rank}: hvd.join(): the others announce bucket {bucket + 1} of "
+            f"DistributedOptimizer #{slot}, which has {len(sync.buckets)} here"
+        )
+    if sync.debug:  # the callers check each bucket first (grad_sync.py)
+        dbg.gather_calls(dbg.JOINED, None, timeout_s=s.timeout_s, site=_SITE)
+    next_call(sync.scope)
+    params = [sync.params[i] for i in sync.buckets[bucket]]
+    length = sum(p.numel() for p in params) + 2 * len(params)  # values, then two flags each
+    sent, _ = sync.compression.compress(params[0].new_zeros(length))
+    work = dist.all_reduce(sent, group=sync.scope.group, async_op=True)
+    wait(work, f"{_SITE}: standing in for {sync.describe(bucket)}", s.timeout_s)

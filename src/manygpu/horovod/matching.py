@@ -90,7 +90,9 @@ def _round(s: Session, point: Point, desc: str, wanted: str | None) -> bool:
     wait(all_gather_single(table, mine, async_op=True), what, s.timeout_s)
     quick = table.view(-1, 2).tolist()
     if all(p == Point.COLLECTIVE and n == 0 for p, n in quick):
+        s.joined = []
         return True  # the usual case: nothing deferred anywhere, everyone at a collective
+    s.joined = [r for r, (p, _) in enumerate(quick) if p == Point.JOINED]
     sent = all_gather_json([int(point), wanted, names, desc], operation=what, timeout_s=s.timeout_s)
     rows: list[Row] = [(int(p), w, list(n)) for p, w, n, _ in sent]
     ready = common_names(rows)

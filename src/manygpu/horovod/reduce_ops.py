@@ -97,6 +97,15 @@ def scale_(tensor: torch.Tensor, factor: float, what: str) -> None:
     tensor.copy_(tensor.to(torch.float64).mul_(factor).trunc_())
 
 
+def check_scales(tensors: Sequence[torch.Tensor], prescale: float, postscale: float) -> None:
+    """Refuse, before any rank meets another, the scale factors :func:`scale_` would
+    refuse after the cross-rank check: ranks in ``hvd.join()`` are told to stand in
+    by then, and would wait for a collective the callers never start."""
+    for what, factor in (("prescale_factor", prescale), ("postscale_factor", postscale)):
+        if factor != 1.0 and any(t.dtype == torch.bool for t in tensors):
+            raise UsageError(f"{what}={factor} needs a numeric tensor, not torch.bool")
+
+
 def finish_(tensor: torch.Tensor, op: ReduceOp, postscale: float, world: int) -> torch.Tensor:
     """After the sum: the postscale, and Average's division by ``world``, as Horovod.
 
@@ -133,6 +142,7 @@ def allreduce_async_(
     scope = resolve(process_set, "allreduce")
     rop = resolve_op(op, average)
     _contiguous(tensor, "allreduce_")
+    check_scales([tensor], prescale_factor, postscale_factor)
     named = claim("allreduce", name)
     desc = describe("allreduce", tensor, name, op=rop.name)
     key = ("allreduce", name, int(rop), prescale_factor, postscale_factor)
@@ -213,6 +223,7 @@ def grouped_allreduce_async_(
     tensors = list(tensors)
     if not tensors:
         raise UsageError("grouped_allreduce needs a non-empty list of tensors")
+    check_scales(tensors, prescale_factor, postscale_factor)
     named = claim("grouped_allreduce", name)
     shapes = [(tuple(t.shape), str(t.dtype)) for t in tensors]
     desc = describe("grouped_allreduce", None, name, tensors=len(tensors), op=rop.name)
@@ -307,6 +318,7 @@ def reducescatter_async(
     rop = resolve_op(op, None)
     if tensor.dim() == 0:
         raise UsageError("reducescatter needs a tensor with at least one dimension")
+    check_scales([tensor], prescale_factor, postscale_factor)
     named = claim("reducescatter", name)
     desc = describe("reducescatter", tensor, name, op=rop.name)
     key = ("reducescatter", name, int(rop), prescale_factor, postscale_factor)
