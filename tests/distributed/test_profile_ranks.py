@@ -25,6 +25,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from manygpu import Parallel
+from manygpu.runtime import env as envmod
 
 WINDOW = range(2, 4)
 STEPS = 5
@@ -54,6 +55,7 @@ def _job(directory: str) -> dict[str, Any]:
                 par.backward(loss)
                 opt.step()
                 opt.zero_grad()
+        default = par._default_dir(envmod.current())  # no torchrun run id: one broadcast
     assert window.summary is not None and window.trace is not None
     events = json.loads(Path(window.trace).read_text())["traceEvents"]
     return {
@@ -63,6 +65,7 @@ def _job(directory: str) -> dict[str, Any]:
             p: getattr(window.summary.slowest(p), "rank", None) for p in ("compute", "comm")
         },
         "stdout": out.getvalue(),
+        "default": str(default),
     }
 
 
@@ -77,6 +80,10 @@ def test_traces_per_rank_and_a_summary_that_names_the_slow_rank(tmp_path: Path) 
         assert got["trace"] == f"trace-rank{rank}-{host}.json"
         assert got["marks"] == [f"user_step_{s}" for s in WINDOW]  # no step outside the window
         assert got["slowest"] == {"compute": 1, "comm": 0}  # every rank has the summary
+    # Without dir= and torchrun's id: one directory for every rank, unique to this run.
+    default = Path(ranks[0]["default"])
+    assert ranks[1]["default"] == str(default) and default.name == "profile"
+    assert default.parent.name.startswith("local-") and default.parent.name != "local"
     printed = ranks[0]["stdout"]
     assert f"compute: rank 1 ({host})" in printed
     assert f"comm: rank 0 ({host})" in printed

@@ -13,7 +13,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from manygpu import Parallel
 from manygpu.core.profile_split import ProfileSummary, RankTimes, Span, split
-from manygpu.core.profiling import default_dir, trace_name
+from manygpu.core.profiling import default_dir, local_name, torchrun_id, trace_name
 from manygpu.errors import UsageError
 
 
@@ -76,8 +76,14 @@ def test_rank_times_refuse_what_manygpu_does_not_send(sent: object) -> None:
 
 
 def test_default_directory_and_trace_names() -> None:
-    assert default_dir({}) == Path("runs/local/profile")
-    assert default_dir({"TORCHELASTIC_RUN_ID": "job/7"}, "out") == Path("out/job_7/profile")
+    assert torchrun_id({}) is None and torchrun_id({"TORCHELASTIC_RUN_ID": "none"}) is None
+    assert default_dir("out", torchrun_id({"TORCHELASTIC_RUN_ID": "job/7"}) or "") == Path(
+        "out/job_7/profile"
+    )
+    # Without torchrun's id a run is named by its start and process: runs do not overwrite.
+    name = local_name(0.0, 1234)
+    assert name.startswith("local-") and name.endswith("-1234") and name != local_name(1.0, 1234)
+    assert default_dir(None, name) == Path("runs") / name / "profile"
     assert trace_name(1, "node2") == "trace-rank1-node2.json"
     assert trace_name(0, "a b/c") == "trace-rank0-a_b_c.json"
 
@@ -172,7 +178,9 @@ def test_without_dir_traces_go_under_the_run_directory(tmp_path: Path) -> None:
     with Parallel(strategy="single", run_dir=str(tmp_path)) as par:
         window = par.profile(steps=range(0, 1))
         _train(par, 2)
-    assert window.trace == tmp_path / "local" / "profile" / window.trace.name
+    assert window.trace is not None and window.trace.parent.name == "profile"
+    run = window.trace.parent.parent
+    assert run.parent == tmp_path and run.name.startswith("local-")  # named per run
 
 
 def test_one_window_at_a_time_and_a_directory_not_a_file(tmp_path: Path) -> None:

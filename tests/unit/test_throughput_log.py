@@ -24,15 +24,14 @@ def test_the_meter_counts_from_the_first_batch_asked_for_and_scales_by_shards() 
     clock = FakeClock()
     meter = SampleMeter(clock)
     assert meter.take(2) == {}  # no batch yet: no figure
-    hook = meter.hook(8)
     clock.now = 110.0
-    hook(1.0)  # asked for at 109
+    meter.batch(8, 1.0)  # asked for at 109
     clock.now = 111.0
-    hook(0.5)
+    meter.batch(8, 0.5)
     clock.now = 113.0
     assert meter.take(2) == {KEY: 16 * 2 / 4.0}
     clock.now = 200.0  # an evaluation between the log and the next batch is not counted
-    hook(0.0)
+    meter.batch(8, 0.0)
     clock.now = 202.0
     assert meter.take(1) == {KEY: 8 / 2.0}
     assert meter.take(1) == {}  # no batch since the last log
@@ -61,3 +60,12 @@ def test_a_user_logging_only_the_loss_sees_samples_per_second(tmp_path: Path) ->
     assert all(rate is not None and rate > 0 for rate in rates[:10]), rates
     assert rates[10] is None  # no training batch since the last log
     assert all("loss" in r["values"] for r in records)
+
+
+def test_a_short_last_batch_counts_the_samples_it_holds() -> None:
+    data = TensorDataset(torch.randn(10, 3), torch.randn(10, 1))
+    with Parallel(log_with="jsonl") as par:
+        meter = par._meter = SampleMeter()  # the one the prepared loader feeds
+        train = par.prepare(DataLoader(data, batch_size=4))
+        assert [len(x) for x, _ in train] == [4, 4, 2]
+        assert meter.samples == 10  # not 3 batches x 4

@@ -10,7 +10,7 @@ import tracking_read as read
 
 from manygpu import Parallel, ParallelConfig
 from manygpu.errors import UsageError
-from manygpu.tracking.reducer import as_vector, reduce_rows
+from manygpu.tracking.reducer import as_vector, disagreement, reduce_rows
 
 
 def test_an_unknown_tracker_is_one_line_with_a_guess() -> None:
@@ -20,15 +20,25 @@ def test_an_unknown_tracker_is_one_line_with_a_guess() -> None:
         ParallelConfig(log_with=["jsonl", "tensorbord"])
 
 
-def test_rows_reduce_per_key_and_ranks_with_other_keys_are_refused() -> None:
+def test_rows_reduce_per_key() -> None:
     a = as_vector({"loss": 1.0, "tokens": 10, "mem": torch.tensor([3.0])}, torch.device("cpu"))
     b = as_vector({"loss": 3.0, "tokens": 30, "mem": torch.tensor(5.0)}, torch.device("cpu"))
     keys = ["loss", "mem", "tokens"]
     ops = {"loss": "mean", "tokens": "sum", "mem": "max"}
     assert reduce_rows(torch.stack([a, b]), keys, ops) == {"loss": 2.0, "mem": 5.0, "tokens": 40.0}
-    other = as_vector({"loss": 3.0, "tokens": 30, "mem2": 1.0}, torch.device("cpu"))
-    with pytest.raises(UsageError, match="ranks logged different keys"):
-        reduce_rows(torch.stack([a, other]), keys, ops)
+
+
+def test_ranks_that_disagree_get_one_line_naming_each_rank() -> None:
+    # What every rank builds from the exchange after a bad header: the same line.
+    keys = {"keys": ["loss"], "error": None}
+    more = {"keys": ["loss", "mfu"], "error": None}
+    assert disagreement([keys, more, keys]) == (
+        "par.log: ranks logged different keys (rank(s) 0, 2: loss; rank(s) 1: loss, mfu); "
+        "every rank must log the same keys"
+    )
+    bad = {"keys": ["x"], "error": "log(reduce={'x': 'median'}): choose one of ..."}
+    assert disagreement([keys, bad, bad]).startswith("rank 1: log(reduce={'x': 'median'})")
+    assert disagreement([keys, bad, bad]).endswith("(rank(s) 2 refused their values too)")
 
 
 def test_bad_values_are_one_line(tmp_path: Path) -> None:
@@ -39,7 +49,7 @@ def test_bad_values_are_one_line(tmp_path: Path) -> None:
             par.log({"x": 1.0}, reduce={"x": "median"})
 
 
-def test_jsonl_resumes_the_stored_run_without_repeating_steps(tmp_path: Path) -> None:
+def test_jsonl_resumes_the_stored_run_with_the_resumed_values(tmp_path: Path) -> None:
     with Parallel(log_with="jsonl", run_dir=str(tmp_path)) as par:
         for loss in (1.0, 2.0):
             par.log({"loss": loss})
@@ -53,4 +63,14 @@ def test_jsonl_resumes_the_stored_run_without_repeating_steps(tmp_path: Path) ->
     lines = read.jsonl(tmp_path / saved["run_id"] / "metrics.jsonl")
     assert sum("config" in x for x in lines) == 1
     steps = [(x["step"], x["values"]["loss"]) for x in lines if "step" in x]
-    assert steps == [(1, 1.0), (2, 2.0), (3, 3.0), (4, 4.0)]  # step 3 kept, not twice
+    # Step 3 once, with the resumed job's value (as TensorBoard shows it), not the dead job's.
+    assert steps == [(1, 1.0), (2, 2.0), (3, 30.0), (4, 4.0)]
+
+
+def test_a_missing_mlflow_file_store_permission_fails_when_parallel_is_built(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    monkeypatch.delenv("MLFLOW_ALLOW_FILE_STORE", raising=False)
+    with pytest.raises(UsageError, match="MLFLOW_ALLOW_FILE_STORE=true"):
+        Parallel(log_with="mlflow", run_dir=str(tmp_path)).close()  # not at the first log

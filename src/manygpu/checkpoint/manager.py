@@ -367,6 +367,7 @@ class Checkpointer:
     def after_step(self, state: TrainState) -> None:
         """Call after each optimizer step: periodic saves, and save-and-exit on SIGTERM."""
         par = self.par
+        par.note_train_step(state.step)
         signum = self._preemption.agreed(
             device=par.device, world_size=par.world_size, timeout_s=par.timeout_s
         )
@@ -413,7 +414,9 @@ class Checkpointer:
         # The files decide the format, not meta.json (which anyone can edit).
         formats.as_format(formats.detect(path)).read(path, self.parts, group=self._group)
         self._restore_rng(path, meta)
-        self.par.resume_tracking(meta.get("tracking"))
+        # The job's step count (par.profile, par.log's step=None) continues from here.
+        self.par.resume_steps(int(meta["step"]))
+        self.par.resume_tracking(meta.get("tracking"), step=int(meta["step"]))
         state = TrainState(
             step=int(meta["step"]), epoch=int(meta["epoch"]), extra=dict(meta.get("extra") or {})
         )

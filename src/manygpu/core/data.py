@@ -215,6 +215,17 @@ class PreparedLoader:
         first = self._on_wait
         self._on_wait = hook if first is None else _both(first, hook)
 
+    _on_batch: Callable[[Any], None] | None = None
+
+    def also_on_batch(self, hook: Callable[[Any], None]) -> None:
+        """Hand ``hook`` each batch as it is handed out (the throughput meter counts its
+        samples: an epoch's last batch may be short)."""
+        self._on_batch = hook
+
+    def _handed(self, batch: Any) -> None:
+        if self._on_batch is not None:
+            self._on_batch(batch)
+
     def set_epoch(self, epoch: int, skip_batches: int = 0) -> None:
         """Start the next ``iter()`` at ``epoch``, after its first ``skip_batches`` (resuming)."""
         self.epoch = epoch
@@ -278,6 +289,7 @@ class PreparedLoader:
                 batch = batch_to_channels_last(batch) if channels_last else batch
                 if wait is not None:
                     wait(time.perf_counter() - start)
+                self._handed(batch)
                 yield batch
                 start = time.perf_counter()
         finally:

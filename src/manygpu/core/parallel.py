@@ -153,9 +153,9 @@ class Parallel(JobCollectives, Profiling, RunLog):
         self._optimizers: list[PreparedOptimizer] = []
         self.console = MainConsole(self.is_main, self.rank)
         self._steps = self._step_reports(environ)
-        said = announcement(self.precision_choice, self._device_name)
-        if said is not None:
+        if (said := announcement(self.precision_choice, self._device_name)) is not None:
             self.print(said)
+        self._preflight_tracking()  # a missing extra or refused store: one line, now
         if self.config.seed is not None:
             self.seed_everything(self.config.seed)
 

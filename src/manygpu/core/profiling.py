@@ -2,7 +2,8 @@
 
 The prepared optimizer's step is the step boundary users already mark, so the
 window follows it: step ``k`` is the work up to and including the job's
-``k``-th optimizer step (counted from 0, on steps that apply an update), and
+``k``-th optimizer step (counted from 0, on steps that apply an update; a
+``Checkpointer`` resume continues the count from its checkpoint's step), and
 nothing outside ``[a, b)`` is recorded (torch's ``schedule``: one warm-up step
 before ``a`` when there is one, so the first recorded step does not pay for
 the profiler's start). When step ``b - 1`` ends each rank writes its trace,
@@ -16,8 +17,10 @@ from __future__ import annotations
 
 import functools
 import json
+import os
 import re
 import socket
+import time
 import warnings
 from collections.abc import Callable
 from pathlib import Path
@@ -25,7 +28,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from manygpu.comm.objects import all_gather_json, parse_each
+from manygpu.comm.objects import all_gather_json, broadcast_json, parse_each
 from manygpu.core.profile_split import ProfileSummary, RankTimes, Span, split
 from manygpu.errors import UsageError
 from manygpu.runtime import env as envmod
@@ -66,11 +69,20 @@ def check_steps(steps: object, done: int) -> range:
     return steps
 
 
-def default_dir(env: envmod.Environ, run_dir: str | Path | None = None) -> Path:
-    """``<run_dir>/<run id>/profile``: ``run_dir`` defaults to ``./runs``, the run id is
-    torchrun's (``local`` when there is none)."""
+def torchrun_id(env: envmod.Environ) -> str | None:
+    """torchrun's run id, safe as a file name (``None``: not set, or torchrun's ``none``)."""
     run = envmod.get_str(env, "TORCHELASTIC_RUN_ID")
-    job = "local" if run is None or run == "none" else re.sub(r"[^\w.-]", "_", run)
+    return None if run is None or run == "none" else re.sub(r"[^\w.-]", "_", run)
+
+
+def local_name(now: float, pid: int) -> str:
+    """``local-20260102-030405-1234``: a run without torchrun's id, named by when and which
+    process started it, so a second run does not overwrite the first one's traces."""
+    return f"local-{time.strftime('%Y%m%d-%H%M%S', time.localtime(now))}-{pid}"
+
+
+def default_dir(run_dir: str | Path | None, job: str) -> Path:
+    """``<run_dir>/<job>/profile``; ``run_dir`` defaults to ``./runs``."""
     return Path(run_dir if run_dir is not None else "runs") / job / "profile"
 
 
@@ -233,7 +245,8 @@ class Profiling:
         before the loop); its end is a collective. Use it as a ``with`` block
         around the loop so a loop that stops early still writes its trace.
         ``dir``: where every rank writes (default ``<run_dir>/<run id>/profile``, the
-        config's ``run_dir`` or ``./runs``, torchrun's run id or ``local``).
+        config's ``run_dir`` or ``./runs``, torchrun's run id or else the main rank's
+        ``local-<date>-<time>-<pid>``).
         """
         count = self._profiling
         if count.window is not None and count.window.active:
@@ -241,7 +254,7 @@ class Profiling:
                              "profile one window at a time")  # fmt: skip
         steps = check_steps(steps, count.done)
         env = envmod.current()
-        directory = Path(dir) if dir is not None else default_dir(env, self.config.run_dir)
+        directory = Path(dir) if dir is not None else self._default_dir(env)
         if directory.exists() and not directory.is_dir():
             raise UsageError(f"profile(dir={str(directory)!r}) is a file: give a directory")
         count.window = ProfileWindow(
@@ -250,6 +263,23 @@ class Profiling:
             timeout_s=self.timeout_s, say=lambda line: self.console.print(line, markup=False),
         )  # fmt: skip
         return count.window
+
+    def _default_dir(self, env: envmod.Environ) -> Path:
+        """Without torchrun's id every rank takes the main rank's name (one broadcast)."""
+        job = torchrun_id(env) or broadcast_json(
+            local_name(time.time(), os.getpid()), operation="profile directory",
+            timeout_s=self.timeout_s,
+        )  # fmt: skip
+        return default_dir(self.config.run_dir, str(job))
+
+    @property
+    def _optimizer_steps(self) -> int:
+        """Optimizer steps the job has done (a resume's checkpoint step included)."""
+        return self._profiling.done
+
+    def resume_steps(self, step: int) -> None:
+        """A ``Checkpointer`` resumed training step ``step``: the count continues from it."""
+        self._profiling.done = max(self._profiling.done, step)
 
     def _counting_steps(self, tick: Tick | None) -> Tick:
         """The first optimizer's step callback: ``tick`` (the step clock's), then ours."""

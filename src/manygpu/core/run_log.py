@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from manygpu.comm.objects import all_gather_json
 from manygpu.core.throughput import SampleMeter
 from manygpu.errors import UsageError
 from manygpu.runtime import env as envmod
@@ -51,6 +52,8 @@ class RunLog:
     _logged_window: int | None = None
     _hosts_set: bool = False
     _meter: SampleMeter | None = None
+    _train_step: int | None = None
+    timeout_s: float
 
     @property
     def device(self) -> torch.device:
@@ -61,6 +64,10 @@ class RunLog:
         raise NotImplementedError
 
     def gather(self, tensor: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+    @property
+    def _optimizer_steps(self) -> int:
         raise NotImplementedError
 
     def log(
@@ -76,15 +83,19 @@ class RunLog:
         tensors, reduced by their mean, or as ``reduce={"tokens": "sum",
         "max_mem": "max"}`` says per key, all in one collective; the main rank
         writes them to the trackers of ``log_with``. ``step=None``: the step
-        after the last one logged. Returns the reduced values (on every rank).
+        after the last one logged; once a ``Checkpointer`` has seen a step, the
+        job's training step (its ``TrainState.step`` or the optimizer steps,
+        whichever is ahead), so logging before or after ``ckpt.after_step``
+        numbers alike, across resumes too. Returns the reduced values (on every rank).
         """
         run = self._tracking()
         if step is not None and (isinstance(step, bool) or not isinstance(step, int) or step < 0):
             raise UsageError(f"par.log(step={step!r}): give an integer >= 0, or leave it out")
-        at = run.next_step(step)
+        job = None if self._train_step is None else max(self._train_step, self._optimizer_steps)
+        at = run.next_step(step, job)
         if not self._hosts_set:
             self._share_host()
-        reduced = reduce_values(values, reduce, self.gather, self.device)
+        reduced = reduce_values(values, reduce, self.gather, self._exchange, self.device)
         run.write(reduced | self._step_figures() | self._throughput(), at)
         return reduced
 
@@ -92,10 +103,28 @@ class RunLog:
         """What a checkpoint stores of the run (id, last step); ``None`` without ``log_with``."""
         return None if not self.config.log_with else self._tracking().state()
 
-    def resume_tracking(self, saved: Mapping[str, Any] | None) -> None:
-        """Continue the run a checkpoint stored (the checkpointer calls it on resume)."""
+    def resume_tracking(self, saved: Mapping[str, Any] | None, *, step: int | None = None) -> None:
+        """Continue the run a checkpoint of training step ``step`` stored (the checkpointer
+        calls it on resume; ``step=None``: a run stored outside a checkpoint)."""
+        if step is not None:
+            self.note_train_step(step)
         if self.config.log_with:
-            self._tracking().resume(saved)
+            self._tracking().resume(saved, step=step)
+
+    def note_train_step(self, step: int) -> None:
+        """The Checkpointer saw training step ``step`` (``after_step``, resume): ``step=None``
+        logs follow the job's steps from now on."""
+        self._train_step = step
+
+    def _exchange(self, obj: Any) -> list[Any]:
+        """Every rank's ``obj`` as JSON (only after a log call's header disagreed)."""
+        return all_gather_json(obj, operation="par.log", timeout_s=self.timeout_s)
+
+    def _preflight_tracking(self) -> None:
+        """``Parallel.__init__``: a missing extra (every rank) or a tracker that cannot open
+        its store (the main rank, which writes) fails now, before any training."""
+        if self.config.log_with:
+            self._tracking().preflight()
 
     def _tracking(self) -> TrackingRun:
         if self._run is None:
@@ -109,10 +138,11 @@ class RunLog:
 
     def _metered(self, loader: PreparedLoader, train: bool) -> PreparedLoader:
         """``loader``, whose training batches the throughput figure counts (``prepare_loader``)."""
-        if train and loader.batch_size:
+        if train:
             if self._meter is None:
                 self._meter = SampleMeter()
-            loader.also_on_wait(self._meter.hook(loader.batch_size))
+            loader.also_on_wait(self._meter.started)
+            loader.also_on_batch(self._meter.count)
         return loader
 
     def _throughput(self) -> dict[str, float]:

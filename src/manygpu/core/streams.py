@@ -307,4 +307,5 @@ class PreparedStream(PreparedLoader):
         batch = batch_to_channels_last(batch) if channels_last else batch
         if wait is not None:
             wait(time.perf_counter() - start)
+        self._handed(batch)
         return batch

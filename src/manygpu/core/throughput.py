@@ -5,7 +5,8 @@ user who logs only the loss still sees the job's speed. It needs no code of
 theirs and no collective: every training loader :meth:`~manygpu.Parallel.prepare`
 made tells the meter when it hands out a batch and how long the batch took to
 arrive (the same hook that feeds the straggler board's step clock), and the
-meter multiplies the batches by the loader's per-rank batch size.
+meter counts each batch's real size: the rows of its first tensor, so an
+epoch's short last batch counts what it holds, not the loader's ``batch_size``.
 
 The interval starts when the first batch after the previous log was asked for,
 not at the previous log: an evaluation, a checkpoint or another tool's timing
@@ -25,6 +26,10 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch.utils._pytree import tree_leaves
 
 KEY = "throughput/samples_per_s"
 """The name the figure is logged under: samples per second over all data shards."""
@@ -44,9 +49,18 @@ class SampleMeter:
             self._since = self._clock() - max(waited_s, 0.0)
         self._samples += samples
 
-    def hook(self, samples: int) -> Callable[[float], None]:
-        """A loader's wait callback counting ``samples`` (its per-rank batch) per batch."""
-        return lambda waited_s: self.batch(samples, waited_s)
+    def started(self, waited_s: float) -> None:
+        """A loader's wait callback: a batch came after ``waited_s`` (:meth:`count` counts it)."""
+        self.batch(0, waited_s)
+
+    def count(self, batch: Any) -> None:
+        """A loader's batch callback: add the batch's samples."""
+        self._samples += batch_samples(batch)
+
+    @property
+    def samples(self) -> int:
+        """This rank's samples counted since the interval began."""
+        return self._samples
 
     def take(self, shards: int) -> dict[str, float]:
         """``{KEY: samples/s}`` over ``shards`` data shards since the interval began, then
@@ -59,3 +73,12 @@ class SampleMeter:
         if elapsed <= 0:
             return {}
         return {KEY: samples * max(shards, 1) / elapsed}
+
+
+def batch_samples(batch: Any) -> int:
+    """The samples in ``batch``: the first dimension of its first tensor (tensors, tuples,
+    lists, dicts of them); 0 when it holds no tensor with a dimension."""
+    for leaf in tree_leaves(batch):
+        if isinstance(leaf, torch.Tensor) and leaf.dim() > 0:
+            return int(leaf.shape[0])
+    return 0

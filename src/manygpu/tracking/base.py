@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -35,7 +34,8 @@ class Tracker(Protocol):
 
     A resumed run may be handed steps it already holds (those logged after the
     checkpoint, before the job died): the tracker keeps the run free of
-    duplicate steps in its own way (skip them, or hide the old ones).
+    duplicate steps in its own way: replace them with the resumed job's values
+    (TensorBoard, JSONL, W&B offline) or, where it cannot, skip them (MLflow).
     """
 
     def log(self, values: Mapping[str, float], step: int) -> None:
@@ -53,16 +53,3 @@ class Tracker(Protocol):
     def close(self) -> None:
         """End the run (a resume reopens it)."""
         ...
-
-
-def last_step_file(home: Path, name: str) -> Path:
-    """Where a tracker that cannot ask its own files records the last step it was handed."""
-    return home / f".{name}-last-step"
-
-
-def read_last_step(path: Path) -> int:
-    """The step recorded in ``path`` (-1: none, or unreadable after a kill)."""
-    try:
-        return int(json.loads(path.read_text()))
-    except (OSError, ValueError, TypeError):
-        return -1

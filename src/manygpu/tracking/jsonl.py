@@ -2,13 +2,16 @@
 
 Needs nothing installed. The first line of a new run is ``{"config": ...}``;
 each log call is ``{"step": N, "time": ..., "values": {...}}``, flushed at once
-so a killed job loses nothing it logged. A resumed run appends; steps the file
-already holds (logged after the checkpoint, before the kill) are not written again.
+so a killed job loses nothing it logged. A resumed run first drops the steps
+after its checkpoint's (logged by the job that died; the file is rewritten
+and renamed into place), then appends: those steps get the resumed job's
+values, as in TensorBoard, and none appears twice.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import time
 from collections.abc import Mapping
 from pathlib import Path
@@ -25,6 +28,8 @@ class JsonlTracker:
     def __init__(self, info: RunInfo) -> None:
         info.home.mkdir(parents=True, exist_ok=True)
         path = info.home / FILE
+        if info.resumed_at is not None and path.is_file():
+            _drop_after(path, info.resumed_at)
         self._held = last_step_in(path)
         self._fh: IO[str] = path.open("a", encoding="utf-8")
         if path.stat().st_size and not _ends_with_newline(path):
@@ -70,6 +75,27 @@ def last_step_in(path: Path) -> int:
         return -1
     steps = [r["step"] for r in read(path) if isinstance(r.get("step"), int)]
     return max(steps, default=-1)
+
+
+def _drop_after(path: Path, step: int) -> None:
+    """Rewrite ``path`` without the records of steps after ``step`` (atomically: a kill
+    mid-way leaves the old file)."""
+    kept = [
+        line for line in path.read_text(encoding="utf-8").splitlines() if not _after(line, step)
+    ]
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text("".join(line + "\n" for line in kept), encoding="utf-8")
+    os.replace(tmp, path)
+
+
+def _after(line: str, step: int) -> bool:
+    try:
+        record = json.loads(line)
+    except ValueError:
+        return False
+    return (
+        isinstance(record, dict) and isinstance(record.get("step"), int) and record["step"] > step
+    )
 
 
 def _ends_with_newline(path: Path) -> bool:

@@ -5,7 +5,9 @@ The tracking server is ``MLFLOW_TRACKING_URI`` when set, else the file store
 The experiment is ``MLFLOW_EXPERIMENT_NAME`` or ``manygpu``. MLflow chooses the
 run's id; checkpoints store it, and a resumed job reopens that run
 (``run_id=``). Steps the run already holds (logged after the checkpoint, before
-the job died) are not logged again: MLflow keeps every value it is given.
+the job died) are not logged again, so they keep the killed job's values:
+MLflow keeps every value it is given and cannot replace one (the other trackers
+show the resumed job's values there).
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from __future__ import annotations
 import json
 import time
 from collections.abc import Mapping
+from pathlib import Path
 from typing import Any
 
 from manygpu.errors import UsageError
@@ -30,8 +33,7 @@ class MlflowTracker:
         from mlflow.tracking import MlflowClient
 
         environ = envmod.current()
-        uri = envmod.mlflow_tracking_uri(environ) or (info.run_dir / "mlruns").resolve().as_uri()
-        self._client: Any = _client(MlflowClient, uri)
+        self._client: Any = _client(MlflowClient, _uri(info.run_dir))
         stored = info.ids.get(NAME)
         if stored:
             self._run_id = stored
@@ -75,13 +77,26 @@ class MlflowTracker:
         self._client.set_terminated(self._run_id)
 
 
+def _uri(run_dir: Path) -> str:
+    """``MLFLOW_TRACKING_URI``, else the file store ``<run_dir>/mlruns``."""
+    return envmod.mlflow_tracking_uri(envmod.current()) or (run_dir / "mlruns").resolve().as_uri()
+
+
+def check_store(run_dir: Path) -> None:
+    """Open the store the run will use (``Parallel.__init__``, main rank): MLflow 3's
+    refusal of its file store is one line then, before any training."""
+    from mlflow.tracking import MlflowClient
+
+    _client(MlflowClient, _uri(run_dir))
+
+
 def _client(factory: Any, uri: str) -> Any:
     """The client; MLflow 3's refusal of its file store becomes one line saying what to set."""
     from mlflow.exceptions import MlflowException
 
     try:
         client = factory(tracking_uri=uri)
-        client.search_experiments(max_results=1)  # opens the store now, not mid-training
+        client.search_experiments(max_results=1)  # opens the store now, not at the first log
     except MlflowException as exc:
         if "MLFLOW_ALLOW_FILE_STORE" not in str(exc):
             raise

@@ -1,18 +1,24 @@
-"""Every rank's logged values, reduced per key in ONE collective.
+"""Every rank's logged values, reduced per key, after every rank has agreed to go on.
 
-The values go into one float64 vector, keys sorted, with a checksum of the key
-names as its last element; an all-gather brings every rank's vector to every
-rank, which reduces each column with its own operation (mean, sum, max, min).
-One gather instead of one all-reduce per operation: a log call costs a single
-round trip whatever mix of reductions it asks for. The checksum turns ranks
-that log different keys into one clear error instead of mixed-up numbers.
+A log call is two all-gathers. First a fixed-size header, the same shape on
+every rank whatever it logs: ``[number of keys, CRC-32 of the key names, ok]``,
+where ``ok`` is 0 when this rank's own values or ``reduce=`` were refused. Only
+when every header is ok and alike do the values follow, as one float64 vector
+(keys sorted) whose columns each rank reduces with its own operation (mean,
+sum, max, min): one gather whatever mix of reductions the call asks for.
+
+Why the header: a rank that raised on its own input before the collective would
+leave the others waiting in it until the timeout, and vectors of different
+lengths (a rank logging one key more, say ``mfu`` where its device's peak is
+known) break an all-gather that needs equal shapes. After a bad header every
+rank exchanges its key names and its error as JSON and raises the same line.
 """
 
 from __future__ import annotations
 
 import numbers
 import zlib
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -23,10 +29,14 @@ OPS = ("mean", "sum", "max", "min")
 
 Gather = Callable[[torch.Tensor], torch.Tensor]
 """Every rank's 1-D tensor stacked as rows, in rank order (``Parallel.gather`` of a row)."""
+Exchange = Callable[[Any], list[Any]]
+"""Every rank's JSON-serialisable object, in rank order (``all_gather_json``)."""
 
 
 def check_reduce(reduce: Mapping[str, str] | None, keys: Any) -> dict[str, str]:
     """The operation of every key (default ``mean``); an unknown op or key is one line."""
+    if reduce is not None and not isinstance(reduce, Mapping):
+        raise UsageError(f"log(reduce={reduce!r}): give a dict of names to {', '.join(OPS)}")
     ops = dict(reduce or {})
     for key, op in ops.items():
         if op not in OPS:
@@ -37,25 +47,17 @@ def check_reduce(reduce: Mapping[str, str] | None, keys: Any) -> dict[str, str]:
 
 
 def as_vector(values: Mapping[str, Any], device: torch.device) -> torch.Tensor:
-    """``values`` (sorted by key) and the keys' checksum as one float64 vector on ``device``."""
-    parts = [_scalar(key, values[key], device) for key in sorted(values)]
-    parts.append(torch.tensor(float(keys_checksum(values)), dtype=torch.float64, device=device))
-    return torch.stack(parts)
+    """``values`` (sorted by key) as one float64 vector on ``device``."""
+    return torch.stack([_scalar(key, values[key], device) for key in sorted(values)])
 
 
-def keys_checksum(values: Mapping[str, Any]) -> int:
+def keys_checksum(keys: Sequence[str]) -> int:
     """A CRC-32 of the sorted key names (exact in a float64)."""
-    return zlib.crc32("\0".join(sorted(values)).encode())
+    return zlib.crc32("\0".join(sorted(keys)).encode())
 
 
 def reduce_rows(rows: torch.Tensor, keys: list[str], ops: Mapping[str, str]) -> dict[str, float]:
-    """Each key's column of ``rows`` (ranks x keys+1) reduced with its operation."""
-    checks = rows[:, -1]
-    if bool((checks != checks[0]).any()):
-        raise UsageError(
-            "par.log: ranks logged different keys (this rank: "
-            f"{', '.join(keys)}); every rank must log the same keys in the same call"
-        )
+    """Each key's column of ``rows`` (ranks x keys) reduced with its operation."""
     out = {}
     for i, key in enumerate(keys):
         column = rows[:, i]
@@ -71,15 +73,53 @@ def reduce_values(
     values: Mapping[str, Any],
     reduce: Mapping[str, str] | None,
     gather: Gather,
+    exchange: Exchange,
     device: torch.device,
 ) -> dict[str, float]:
-    """``values`` reduced over the ranks (one collective, through ``gather``)."""
+    """``values`` reduced over the ranks; bad input anywhere is the same line on every rank."""
+    keys, problem = _names(values), None
+    try:
+        _check_values(values)
+        ops = check_reduce(reduce, keys)
+        row = as_vector(values, device)
+    except UsageError as exc:
+        problem = str(exc)
+    header = [float(len(keys)), float(keys_checksum(keys)), 0.0 if problem else 1.0]
+    heads = gather(torch.tensor([header], dtype=torch.float64, device=device)).to("cpu")
+    if bool((heads[:, 2] == 0).any()) or bool((heads[:, :2] != heads[0, :2]).any()):
+        raise UsageError(disagreement(exchange({"keys": keys, "error": problem})))
+    rows = gather(row[None, :]).to("cpu")
+    return reduce_rows(rows, keys, ops)
+
+
+def disagreement(sent: list[Any]) -> str:
+    """The one line every rank raises, from every rank's ``{"keys", "error"}`` (rank order)."""
+    errors = [(r, s.get("error")) for r, s in enumerate(sent) if s.get("error")]
+    if errors:
+        rank, first = errors[0]
+        more = [str(r) for r, _ in errors[1:]]
+        also = f" (rank(s) {', '.join(more)} refused their values too)" if more else ""
+        return f"rank {rank}: {first}{also}"
+    groups: dict[str, list[str]] = {}
+    for rank, s in enumerate(sent):
+        groups.setdefault(", ".join(s.get("keys") or []) or "no keys", []).append(str(rank))
+    each = "; ".join(f"rank(s) {', '.join(ranks)}: {names}" for names, ranks in groups.items())
+    return f"par.log: ranks logged different keys ({each}); every rank must log the same keys"
+
+
+def _names(values: Any) -> list[str]:
+    """The keys logged, sorted, as text (what the header's checksum and errors name)."""
+    if not isinstance(values, Mapping):
+        return []
+    return sorted(k if isinstance(k, str) else repr(k) for k in values)
+
+
+def _check_values(values: Any) -> None:
     if not isinstance(values, Mapping) or not values:
         raise UsageError("par.log takes a non-empty dict of names to numbers or 1-element tensors")
-    keys = sorted(values)
-    ops = check_reduce(reduce, keys)
-    rows = gather(as_vector(values, device)[None, :]).to("cpu")
-    return reduce_rows(rows, keys, ops)
+    for key in values:
+        if not isinstance(key, str):
+            raise UsageError(f"par.log: names must be strings, got {key!r}")
 
 
 def _scalar(key: str, value: Any, device: torch.device) -> torch.Tensor:

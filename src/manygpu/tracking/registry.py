@@ -6,6 +6,7 @@ import difflib
 import importlib
 from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
 
 from manygpu.errors import UsageError
 from manygpu.tracking.base import RunInfo, Tracker
@@ -59,6 +60,15 @@ def check_installed(name: str) -> None:
             f"log_with={name!r} needs {entry.needs}, which is not installed: "
             f"pip install 'manygpu[{entry.extra}]'"
         ) from None
+
+
+def check_store(name: str, run_dir: Path) -> None:
+    """Open tracker ``name``'s store now, when its module can (``check_store(run_dir)``):
+    a refused store is one line when ``Parallel`` is built, not at the first log."""
+    module = importlib.import_module(TRACKERS[name].module)
+    check = getattr(module, "check_store", None)
+    if check is not None:
+        check(run_dir)
 
 
 def open_tracker(name: str, info: RunInfo) -> Tracker:

@@ -2,9 +2,10 @@
 
 Trackers open at the first log call, not when ``Parallel`` is built, so a
 checkpoint resumed before it (:meth:`TrackingRun.resume`) decides which run
-they open: the stored one, continued, or a new one. Every rank keeps the step
-count (so ``step=None`` numbers calls alike everywhere); only the main rank
-opens trackers and writes.
+they open: the stored one, continued, or a new one. What can fail without
+training is checked when ``Parallel`` is built (:meth:`TrackingRun.preflight`).
+Every rank keeps the step count (so ``step=None`` numbers calls alike
+everywhere); only the main rank opens trackers and writes.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from manygpu.tracking.base import RunInfo, Tracker
-from manygpu.tracking.registry import check_installed, open_tracker
+from manygpu.tracking.registry import check_installed, check_store, open_tracker
 from manygpu.warn import warn_user
 
 Describe = Callable[[], dict[str, Any]]
@@ -28,8 +29,6 @@ class TrackingRun:
     def __init__(
         self, names: tuple[str, ...], run_dir: str | Path, *, is_main: bool, describe: Describe
     ) -> None:
-        for name in names:  # a missing extra fails now, before any training
-            check_installed(name)
         self.names, self.run_dir, self.is_main = names, Path(run_dir), is_main
         self._describe = describe
         self.run_id = uuid.uuid4().hex[:16]
@@ -40,9 +39,21 @@ class TrackingRun:
         self._ids: dict[str, str] = {}
         self._trackers: dict[str, Tracker] | None = None
 
-    def next_step(self, step: int | None) -> int:
-        """The step of a log call: ``step``, or the one after the last."""
-        return self.last_step + 1 if step is None else step
+    def preflight(self) -> None:
+        """Fail now, in one line, on what would fail at the first log: a missing extra
+        (every rank), a store a tracker cannot open (the main rank, the one that writes)."""
+        for name in self.names:
+            check_installed(name)
+        if self.is_main:
+            for name in self.names:
+                check_store(name, self.run_dir)
+
+    def next_step(self, step: int | None, job_step: int | None = None) -> int:
+        """The step of a log call: ``step``; else the job's training step when it is known
+        and ahead of the last one logged, else the one after the last."""
+        if step is not None:
+            return step
+        return self.last_step + 1 if job_step is None else max(job_step, self.last_step + 1)
 
     def write(self, values: Mapping[str, float], step: int) -> None:
         """Hand ``values`` to every tracker (main rank); every rank counts the step."""
@@ -76,8 +87,16 @@ class TrackingRun:
                 ids[name] = key
         return {"run_id": self.run_id, "ids": ids, "last_step": self.last_step}
 
-    def resume(self, saved: Mapping[str, Any] | None) -> None:
-        """Continue the run a checkpoint stored (``None``: it stored none; a new run)."""
+    def resume(self, saved: Mapping[str, Any] | None, *, step: int | None = None) -> None:
+        """Continue the run a checkpoint of training step ``step`` stored (``None``: it
+        stored none; a new run).
+
+        The run continues after the later of the stored last step and ``step``: a job
+        that logs after ``ckpt.after_step`` saved its checkpoint before logging that
+        step, and the resumed job does not train (or log) that step again.
+        """
+        if step is not None:
+            self.last_step = max(self.last_step, step)
         if not saved or not isinstance(saved.get("run_id"), str):
             return
         if self._trackers is not None:
@@ -87,7 +106,7 @@ class TrackingRun:
             )
             self.close()
         self.run_id = saved["run_id"]
-        self.last_step = int(saved.get("last_step") or 0)
+        self.last_step = max(int(saved.get("last_step") or 0), step or 0)
         self._resumed_at = self.last_step
         self._ids = {str(k): str(v) for k, v in dict(saved.get("ids") or {}).items()}
 

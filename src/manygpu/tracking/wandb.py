@@ -3,11 +3,12 @@
 The run's id is manygpu's; a resumed job calls ``wandb.init(id=..., resume="allow")``.
 Files go under ``<run_dir>/<run_id>/wandb``; ``WANDB_MODE=offline`` keeps them
 there for ``wandb sync``; the project is ``WANDB_PROJECT``'s.
-W&B cannot be asked offline which steps a run holds,
-so the tracker records the last step it had handed over at each checkpoint; a
-resumed run logs from the step after it (W&B refuses steps that go back). Offline,
-W&B's service writes a run's records when the run finishes: a job killed with
-``kill -9`` loses what that offline run held (online, the server has it).
+A resumed run logs from the step after its checkpoint's. Offline, W&B's service
+writes a run's records when the run finishes: a job killed with ``kill -9``
+loses what that offline run held, and the resumed job's values fill those
+steps. Online the server has the killed job's steps after the checkpoint and
+refuses steps that go back (with a warning), so there they keep the killed
+job's values, as in MLflow.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from manygpu.tracking.base import RunInfo, last_step_file, read_last_step
+from manygpu.tracking.base import RunInfo
 
 NAME = "wandb"
 
@@ -28,9 +29,9 @@ class WandbTracker:
 
         home = info.home / "wandb"
         home.mkdir(parents=True, exist_ok=True)
-        self._marker = last_step_file(info.home, NAME)
-        self._held = read_last_step(self._marker) if info.resumed_at is not None else -1
-        self._last = self._held
+        # The checkpoint's step, never a file written outside the checkpoint: what the
+        # resumed model did is what the steps after it show.
+        self._held = -1 if info.resumed_at is None else info.resumed_at
         self._run: Any = wandb.init(
             id=info.run_id,
             resume="allow",
@@ -42,14 +43,12 @@ class WandbTracker:
         if step <= self._held:
             return
         self._run.log(dict(values), step=step)
-        self._last = step
 
     def run_key(self) -> str | None:
         return None
 
     def flush(self) -> None:
-        """A checkpoint is saved: what it counts as logged is what a resume skips."""
-        self._marker.write_text(str(self._last))
+        """Nothing: W&B's service writes the run's records itself."""
 
     def close(self) -> None:
         self._run.finish()
