@@ -8,9 +8,11 @@ dataset:
   each rank whole shards (when their number divides by the ranks; otherwise
   every rank-th example), and the dataset gives each loader worker whole
   shards of its rank's part. Ranks then hold different numbers of batches, so
-  before every step the ranks agree, in one tiny all-reduce, that every one of
-  them still has a batch: all stop with the shortest (a rank's surplus, and
-  each worker's last incomplete batch, are dropped).
+  before every step the ranks agree, in one tiny all-reduce (bounded by the
+  job's timeout), that every one of them still has a batch: all stop with the
+  shortest (a rank's surplus, and each worker's last incomplete batch, are
+  dropped). Which shards a worker gets depends on the number of workers, so a
+  resume needs the same ``num_workers`` too.
 * any other ``torch.utils.data.IterableDataset`` (the fallback: it has no
   shards): every worker of every rank reads the whole stream and keeps its
   blocks. Sample ``i`` is in global batch ``i // (world * batch)``, rank ``r``
@@ -18,8 +20,13 @@ dataset:
   ``w``-th global batch: the steps are one process's consecutive global
   batches cut in ``world`` pieces. A training loader keeps only complete
   global batches (the stream's last ``len % (world * batch)`` samples are
-  dropped), which every reader sees alike: equal steps with no communication,
-  and a resume on another world size continues at the same sample.
+  dropped), which every reader sees alike: equal steps with no communication.
+  The stream is shown no loader worker (``get_worker_info()`` is ``None``
+  while it runs), so one that reads only its worker's slice (torch's idiom)
+  still yields the whole stream to each reader. A resume on another world or
+  batch size starts at the last whole new global batch before the saved
+  position (:func:`manygpu.checkpoint.resumed.position`; the rest is read
+  again, as the resume line says).
 
 Either way the order must be the same on every rank, epoch after epoch: a
 dataset that is itself an iterator (read once) or whose first sample differs
@@ -29,15 +36,19 @@ is told the epoch before each one (its shuffle changes per epoch).
 
 from __future__ import annotations
 
+import datetime as dt
 import hashlib
 import time
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any, NamedTuple
 
+import numpy as np
 import torch
 import torch.distributed as dist
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
+from torch.utils.data._utils import worker as torch_worker
 
+from manygpu.comm.common import wait as wait_work
 from manygpu.comm.objects import all_gather_json
 from manygpu.core.data import PreparedLoader, _seed_worker, batch_to_channels_last, per_rank_batch
 from manygpu.errors import UsageError
@@ -55,6 +66,7 @@ class BlockSplit(IterableDataset[Any]):
 
     Every worker reads the whole stream and keeps its own samples: that costs
     reading it ``world * workers`` times, the price of a stream without shards.
+    The stream runs as if in the main process (:func:`read_whole`).
     """
 
     def __init__(self, stream: Iterable[Any], rank: int, world: int, batch: int) -> None:
@@ -68,7 +80,36 @@ class BlockSplit(IterableDataset[Any]):
         info = get_worker_info()
         workers, worker = (info.num_workers, info.id) if info is not None else (1, 0)
         reader = Reader(self.rank, self.world, worker, workers)
-        return blocks(self.stream, reader, self.batch, self.skip, self.complete_only)
+        stream = self.stream if info is None else read_whole(self.stream)
+        return blocks(stream, reader, self.batch, self.skip, self.complete_only)
+
+
+def read_whole(stream: Iterable[Any]) -> Iterator[Any]:
+    """``stream``'s samples read in a loader worker as if in the main process.
+
+    A stream that splits itself over workers (``__iter__`` reads its slice by
+    ``get_worker_info()``, torch's own idiom) would hand each worker a part,
+    and :func:`blocks`, which expects the whole, would keep a ``1/workers``
+    share of that part: samples lost without an error. So the worker is
+    hidden for every call into the stream (its ``iter()`` and each ``next()``,
+    as a generator asks only when first resumed): torch keeps it in one
+    module variable, which its own worker loop never reads in between.
+    """
+    shown = torch_worker._worker_info
+    torch_worker._worker_info = None
+    try:
+        samples = iter(stream)
+    finally:
+        torch_worker._worker_info = shown
+    while True:
+        torch_worker._worker_info = None
+        try:
+            sample = next(samples)
+        except StopIteration:
+            return
+        finally:
+            torch_worker._worker_info = shown
+        yield sample
 
 
 class Reader(NamedTuple):
@@ -103,14 +144,26 @@ def blocks(
         yield from mine
 
 
+_PLAIN = (int, float, str, bytes, bool, type(None))
+
+
 def _fingerprint(sample: Any) -> str:
-    """A digest of a sample's content (tensors by their bytes), equal across processes."""
+    """A digest of a sample's content, equal across processes.
+
+    Only content goes in: tensors and numpy arrays by their bytes, plain values
+    by value, other objects by ``tobytes()`` when they have it (a PIL image).
+    Anything else counts by its type name alone, as its ``repr`` may hold a
+    memory address, different in every process.
+    """
     digest = hashlib.sha256()
 
     def feed(value: Any) -> None:
+        digest.update(type(value).__name__.encode())
         if isinstance(value, torch.Tensor):
             digest.update(str((value.dtype, tuple(value.shape))).encode())
             digest.update(value.detach().cpu().reshape(-1).view(torch.uint8).numpy().tobytes())
+        elif isinstance(value, np.ndarray):
+            digest.update(str((value.dtype, value.shape)).encode() + value.tobytes())
         elif isinstance(value, dict):
             for key in sorted(value, key=str):
                 digest.update(str(key).encode())
@@ -118,8 +171,10 @@ def _fingerprint(sample: Any) -> str:
         elif isinstance(value, list | tuple):
             for item in value:
                 feed(item)
-        else:
+        elif isinstance(value, _PLAIN):
             digest.update(repr(value).encode())
+        elif callable(getattr(value, "tobytes", None)):
+            digest.update(value.tobytes())
 
     feed(sample)
     return digest.hexdigest()
@@ -206,8 +261,19 @@ def prepare_stream(
         prefetch_factor=loader.prefetch_factor if loader.num_workers else None,
     )
     # A gloo group of its own: the flag is a CPU tensor whatever the training backend.
-    group = dist.new_group(backend="gloo") if agreed else None
-    return PreparedStream(rebuilt, device, group=group, **prepared)
+    timeout = dt.timedelta(seconds=timeout_s)
+    group = dist.new_group(backend="gloo", timeout=timeout) if agreed else None
+    return PreparedStream(
+        rebuilt,
+        device,
+        group=group,
+        timeout_s=timeout_s,
+        split_batches=split_batches,
+        **prepared,
+    )
+
+
+_AGREEMENT = "stream step agreement (does every rank still have a batch?)"
 
 
 class PreparedStream(PreparedLoader):
@@ -225,10 +291,13 @@ class PreparedStream(PreparedLoader):
         device: torch.device,
         *,
         group: dist.ProcessGroup | None = None,
+        timeout_s: float = 180.0,
+        split_batches: bool = False,
         **prepared: Any,
     ) -> None:
         super().__init__(loader, device, **prepared)
-        self._group = group
+        self._group, self._timeout_s = group, timeout_s
+        self._split_batches = split_batches  # the user's batch_size is the global one
         self._skip = 0
 
     def set_epoch(self, epoch: int, skip_batches: int = 0) -> None:
@@ -239,19 +308,37 @@ class PreparedStream(PreparedLoader):
     def __len__(self) -> int:
         raise TypeError("a prepared IterableDataset loader has no length (it is a stream)")
 
+    def state_dict(self) -> dict[str, int]:
+        """The position; a sharded stream's also holds its loader workers (they deal
+        the shards, so another number reads other samples)."""
+        where = super().state_dict()
+        if isinstance(self.loader.dataset, BlockSplit):
+            return where
+        return where | {"workers": self.loader.num_workers}
+
     def check_resume(self, saved: dict[str, int], *, world: int) -> None:
         """Shards split by node replay the batches this rank took, which only
-        another world or batch size would read differently: refuse that."""
-        if isinstance(self.loader.dataset, BlockSplit):
+        another world size, batch size or number of loader workers would read
+        differently: refuse that (nothing to replay at an epoch's start)."""
+        if isinstance(self.loader.dataset, BlockSplit) or not int(saved.get("batches", 0)):
             return  # the fallback skips samples: any world and batch size
-        then = (int(saved.get("world", world)), int(saved.get("batch_size", 0)))
-        now = (world, int(self.loader.batch_size or 0))
-        if then != now:
+        ranks, batch = int(saved.get("world", world)), int(saved.get("batch_size", 0))
+        if (ranks, batch) != (world, int(self.loader.batch_size or 0)):
+            # In the user's units: with split_batches their batch_size is the global one.
+            size = ranks * batch if self._split_batches else batch
+            unit = "global batch" if self._split_batches else "batch"
             raise UsageError(
-                f"this checkpoint's stream position was saved at {then[0]} ranks x "
-                f"batch {then[1]}, and a sharded (Hugging Face) stream resumes exactly "
-                f"only on the same; relaunch with {then[0]} processes and batch "
-                f"{then[1]}, or start the epoch over"
+                f"this checkpoint's stream position was saved at {ranks} ranks x {unit} "
+                f"{size}, and a sharded (Hugging Face) stream resumes exactly only on the "
+                f"same; relaunch with {ranks} processes and batch_size={size}, or start "
+                "the epoch over"
+            )
+        workers = int(saved.get("workers", self.loader.num_workers))
+        if workers != self.loader.num_workers:
+            raise UsageError(
+                f"this checkpoint's stream position was saved with num_workers={workers}, and "
+                "a sharded (Hugging Face) stream deals its shards by the number of loader "
+                f"workers; give the DataLoader num_workers={workers}, or start the epoch over"
             )
 
     def _start(self, epoch: int, skip: int) -> Iterator[Any]:
@@ -276,7 +363,8 @@ class PreparedStream(PreparedLoader):
         if self._group is None:
             return batch
         have = torch.tensor([0 if batch is None else 1], dtype=torch.int32)
-        dist.all_reduce(have, op=dist.ReduceOp.MIN, group=self._group)
+        work = dist.all_reduce(have, op=dist.ReduceOp.MIN, group=self._group, async_op=True)
+        wait_work(work, _AGREEMENT, self._timeout_s)  # a named error, not a raw gloo one
         return batch if int(have.item()) else None
 
     def __iter__(self) -> Iterator[Any]:
