@@ -2,7 +2,9 @@
 
 Tolerances (fp32, CPU): gradients and parameters after an Adam step within
 1e-6 of the run without checkpointing (the recomputation repeats the same ops
-on the same inputs; measured equal to the last bit). The bytes a step keeps
+on the same inputs; measured equal to the last bit), and buffers equal: the
+resnet's BatchNorm running statistics move once a step, not again when its
+blocks are recomputed (they moved twice, ~1e-3 off, before). The bytes a step keeps
 for the backward within 15% of the planner's prediction (the planner counts
 per-block pieces measured once; the allocation of a recomputed region differs
 from its first run in views and small buffers).
@@ -12,6 +14,7 @@ from __future__ import annotations
 
 import copy
 import gc
+import io
 import re
 import weakref
 from dataclasses import replace
@@ -28,12 +31,13 @@ from manygpu.errors import UsageError
 from manygpu.plan import hardware, recompute
 from manygpu.plan.desc import describe, transformer
 from manygpu.plan.recommend import recommend
-from manygpu.strategies.checkpointing import checkpoint_blocks, parse
+from manygpu.strategies.checkpointing import apply, checkpoint_blocks, parse
 
 GRAD_TOL, PLAN_TOL = 1e-6, 0.15
 
 
-def _grads_and_params(name: str, mode: Any) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+def _step(name: str, mode: Any) -> tuple[list[torch.Tensor], list[torch.Tensor], dict[str, Any]]:
+    """One Adam step: the gradients, the parameters after it, and the buffers."""
     entry = ZOO[name]
     torch.manual_seed(0)
     model = entry.build()
@@ -46,16 +50,22 @@ def _grads_and_params(name: str, mode: Any) -> tuple[list[torch.Tensor], list[to
         opt.step()
         checkpointed = [m for m in model.modules() if getattr(m, "_manygpu_checkpointed", False)]
         assert bool(checkpointed) == (mode is not None), "checkpointing did not act"
-        return grads, [p.detach().clone() for p in model.parameters()]
+        buffers = {k: b.clone() for k, b in model.named_buffers()}
+        return grads, [p.detach().clone() for p in model.parameters()], buffers
 
 
-@pytest.mark.parametrize("name", ["gpt", "hf_llama"])
+@pytest.mark.parametrize("name", ["gpt", "hf_llama", "resnet"])
 @pytest.mark.parametrize("mode", ["full", "selective", 2])
 def test_single_trains_as_without_checkpointing(name: str, mode: Any) -> None:
-    want_grads, want_params = _grads_and_params(name, None)
-    grads, params = _grads_and_params(name, mode)
+    want_grads, want_params, want_buffers = _step(name, None)
+    grads, params, buffers = _step(name, mode)
     for a, b in zip([*grads, *params], [*want_grads, *want_params], strict=True):
         assert (a - b).abs().max().item() <= GRAD_TOL
+    # BatchNorm's running statistics (the resnet's) are updated once per step, as
+    # without checkpointing, not again by the recomputation: equal, bit for bit.
+    assert buffers.keys() == want_buffers.keys()
+    for key, value in buffers.items():
+        assert torch.equal(value, want_buffers[key]), f"{name} {mode}: buffer {key} differs"
 
 
 def test_blocks_keep_their_names_and_state_dict_keys() -> None:
@@ -65,6 +75,45 @@ def test_blocks_keep_their_names_and_state_dict_keys() -> None:
     assert [type(b).__name__ for b in blocks] == ["Block"]  # blocks 0 of 2
     assert list(model.state_dict()) == keys
     assert checkpoint_blocks(model, ActivationCheckpointing(block_classes=("Block",))) != []
+
+
+def test_the_latest_setting_wins_on_a_model_checkpointed_before() -> None:
+    torch.manual_seed(0)
+    model = ZOO["gpt"].build()
+    fresh = copy.deepcopy(model)
+    checkpoint_blocks(fresh, parse("selective"))  # type: ignore[arg-type]
+    want = _kept_bytes("gpt", fresh, 4)
+    with Parallel(strategy="single", activation_checkpointing="full") as par:
+        model = par.prepare(model)
+    assert _kept_bytes("gpt", model, 4) < want  # "full" keeps less than "selective"
+    with Parallel(strategy="single", activation_checkpointing="selective") as par:
+        model = par.prepare(model)
+    assert _kept_bytes("gpt", model, 4) == want  # not "full" any more
+    blocks = checkpoint_blocks(model, ActivationCheckpointing(every=2))
+    assert [_checkpointed(b) for b in model.blocks] == [True, False]  # type: ignore[union-attr]
+    assert blocks == [model.blocks[0]]  # type: ignore[index]
+    apply(model, None, None)  # off: every block is its own class again
+    assert not any(_checkpointed(m) for m in model.modules())
+    base = type(ZOO["gpt"].build().blocks[0])  # type: ignore[index]
+    assert all(type(b) is base for b in model.blocks)  # type: ignore[union-attr]
+
+
+def test_a_checkpointed_model_pickles_whole_and_comes_back_checkpointed() -> None:
+    torch.manual_seed(0)
+    model = ZOO["gpt"].build()
+    checkpoint_blocks(model, parse("selective"))  # type: ignore[arg-type]
+    buffer = io.BytesIO()
+    torch.save(model, buffer)  # the whole module, classes by reference
+    buffer.seek(0)
+    loaded = torch.load(buffer, weights_only=False)
+    assert [type(b) for b in loaded.blocks] == [type(b) for b in model.blocks]
+    assert _kept_bytes("gpt", loaded, 4) == _kept_bytes("gpt", model, 4)
+    x, _ = ZOO["gpt"].data(2, torch.Generator().manual_seed(1))
+    assert torch.equal(loaded(x), model(x))
+
+
+def _checkpointed(module: nn.Module) -> bool:
+    return bool(getattr(type(module), "_manygpu_checkpointed", False))
 
 
 def test_a_typo_is_one_line_with_the_nearest_mode() -> None:

@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import difflib
 import functools
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -39,10 +39,12 @@ from torch.utils.checkpoint import (
     CheckpointPolicy,
     checkpoint,
     create_selective_checkpoint_contexts,
+    noop_context_fn,
 )
 
 from manygpu.errors import UsageError
 from manygpu.strategies.fsdp.units import BlockClass, shard_units
+from manygpu.strategies.running_stats import with_running_stats_kept
 
 Mode = Literal["full", "selective"]
 MODES: tuple[str, ...] = ("full", "selective")
@@ -138,11 +140,38 @@ def checkpoint_blocks(
             "block_classes=('LlamaDecoderLayer',)) or FSDP(block_classes=...)"
         )
     chosen = blocks[:: spec.every]
-    context = selective_contexts if spec.mode == "selective" else None
+    for block in blocks:  # the latest setting wins: from each block's own class again
+        block.__class__ = _base_class(block)
     for block in chosen:
-        if not getattr(type(block), "_manygpu_checkpointed", False):
-            block.__class__ = _checkpointed_class(type(block), context)  # type: ignore[arg-type]
+        block.__class__ = _checkpointed_class(type(block), spec.mode)  # type: ignore[arg-type]
     return chosen
+
+
+def remove(model: nn.Module) -> None:
+    """Make every checkpointed block of ``model`` its own class again (checkpointing off)."""
+    for module in model.modules():
+        base = type(module).__dict__.get("_manygpu_base")
+        if base is not None:
+            module.__class__ = base
+
+
+def _base_class(block: nn.Module) -> type[nn.Module]:
+    """The class ``block`` had before it was checkpointed (its class if it never was).
+
+    A class derived from a checkpointed one (FSDP2's ``FSDPBlock``, made when it
+    sharded the block) cannot be unwound without undoing that wrapper too: such a
+    model was prepared already, and is refused.
+    """
+    cls = type(block)
+    if "_manygpu_base" in cls.__dict__:
+        return cls.__dict__["_manygpu_base"]
+    if getattr(cls, "_manygpu_checkpointed", False):
+        raise UsageError(
+            f"activation_checkpointing: block {cls.__name__} was wrapped by a strategy "
+            "after it was checkpointed (an already prepared model); prepare the unwrapped "
+            "model (par.unwrap(model)) or build it again"
+        )
+    return cls
 
 
 _CACHE_KWARGS = ("cache", "past_key_values", "past_key_value", "layer_past")
@@ -178,29 +207,40 @@ def _name(cls: BlockClass) -> str:
 
 
 @functools.cache
-def _checkpointed_class(
-    base: type[nn.Module], context: Callable[[], Any] | None
-) -> type[nn.Module]:
-    """``base`` whose forward runs under a non-reentrant checkpoint.
+def _checkpointed_class(base: type[nn.Module], mode: Mode) -> type[nn.Module]:
+    """``base`` whose forward runs under a non-reentrant checkpoint in ``mode``.
 
     It keeps ``base``'s name: FSDP2's and our ``block_classes`` match blocks by
-    class name, and a log or a repr should still say ``Block``.
+    class name, and a log or a repr should still say ``Block``. Made at run
+    time, it cannot be found by name, so it pickles (``torch.save(model)``,
+    ``copy.deepcopy``) as "``base`` checkpointed in ``mode``" and is made again
+    on load.
     """
     inner = base.forward
-    extra: dict[str, Any] = {} if context is None else {"context_fn": context}
+    mode_contexts = selective_contexts if mode == "selective" else noop_context_fn
 
     def forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
         if not torch.is_grad_enabled():  # evaluation: nothing is saved, nothing to recompute
             return inner(self, *args, **kwargs)
         kwargs = _without_cache(kwargs)
-        return checkpoint(inner, self, *args, use_reentrant=False, **extra, **kwargs)
+        contexts = with_running_stats_kept(self, mode_contexts)
+        return checkpoint(inner, self, *args, use_reentrant=False, context_fn=contexts, **kwargs)
 
-    return type(
-        base.__name__,
-        (base,),
-        {"forward": forward, "_manygpu_checkpointed": True, "__module__": base.__module__,
-         "__qualname__": base.__qualname__},
-    )  # fmt: skip
+    def __reduce_ex__(self: nn.Module, protocol: Any) -> Any:
+        return (_new_checkpointed, (base, mode), self.__getstate__())
+
+    namespace = {
+        "forward": forward, "__reduce_ex__": __reduce_ex__, "_manygpu_checkpointed": True,
+        "_manygpu_base": base, "__module__": base.__module__,
+        "__qualname__": base.__qualname__,
+    }  # fmt: skip
+    return type(base.__name__, (base,), namespace)
+
+
+def _new_checkpointed(base: type[nn.Module], mode: Mode) -> nn.Module:
+    """An empty block of ``base`` checkpointed in ``mode``, for unpickling to fill."""
+    cls = _checkpointed_class(base, mode)  # type: ignore[arg-type]
+    return cls.__new__(cls)
 
 
 def _ops(*names: str) -> frozenset[Any]:
@@ -252,6 +292,7 @@ def apply(model: nn.Module, value: object, options: object) -> list[nn.Module]:
     """``Parallel(activation_checkpointing=value)`` on ``model`` under a strategy whose
     object is ``options`` (its ``block_classes`` name the blocks when ``value`` does not)."""
     spec = parse(value)
-    if spec is None:
+    if spec is None:  # off, also on a model an earlier Parallel checkpointed
+        remove(model)
         return []
     return checkpoint_blocks(model, spec, strategy_block_classes(options))
