@@ -198,7 +198,6 @@ class ParallelConfig:
             grad_accum_steps=self.grad_accum_steps,
             compile=self.compile_options,
             channels_last=self.channels_last,
-            checkpointing=parse_checkpointing(self.activation_checkpointing),
         )
 
     @property

@@ -48,8 +48,6 @@ class Recompute:
     """Activations alive after the forward (fp32), what the backward starts from."""
     peak_bytes_per_sample: float
     """Kept plus the one block being recomputed during the backward."""
-    saved_bytes_per_sample: float
-    """Activation memory saved against no checkpointing, at the peak."""
     extra_compute: float
     """Recomputation as a fraction of the step's compute (0.2: 20% more)."""
 
@@ -91,7 +89,6 @@ def cost(desc: ModelDesc, mode: str | int) -> Recompute:
         mode=label,
         kept_bytes_per_sample=kept,
         peak_bytes_per_sample=peak,
-        saved_bytes_per_sample=desc.activation_bytes_per_sample - peak,
         extra_compute=extra,
     )
 

@@ -19,7 +19,6 @@ from torch import nn
 from manygpu.errors import UsageError
 from manygpu.runtime.cluster import ClusterInfo
 from manygpu.runtime.process_group import DistContext
-from manygpu.strategies.checkpointing import ActivationCheckpointing
 from manygpu.strategies.fp8 import check_fp8_strategy
 from manygpu.strategies.mesh import MeshSpec
 from manygpu.strategies.options import CompileOptions, compile_in_place
@@ -47,8 +46,6 @@ class JobOptions:
     """``torch.compile`` settings when the job compiles its model (``None``: it does not)."""
     channels_last: bool | None = None
     """The job's channels_last setting (``None``: automatic), for strategies that refuse it."""
-    checkpointing: ActivationCheckpointing | None = None
-    """The job's activation checkpointing (``None``: off), for strategies that refuse it."""
 
 
 def given_repr(obj: Any) -> str:
@@ -104,8 +101,6 @@ class Strategy(ABC, Generic[OptionsT]):
     """Why ``channels_last=True`` cannot work here and what to do, or ``None``."""
     compile_refusal: ClassVar[str | None] = None
     """Why ``compile=True`` cannot work here and what to do, or ``None``."""
-    checkpointing_refusal: ClassVar[str | None] = None
-    """Why ``activation_checkpointing`` cannot work here and what to do, or ``None``."""
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         """A class naming its object takes the object's name and card (one source)."""
@@ -162,11 +157,6 @@ class Strategy(ABC, Generic[OptionsT]):
         if job.compile is not None and cls.compile_refusal is not None:
             raise UsageError(
                 f"compile=True does not work with strategy {cls.name!r}: {cls.compile_refusal}"
-            )
-        if job.checkpointing is not None and cls.checkpointing_refusal is not None:
-            raise UsageError(
-                f"activation_checkpointing does not work with strategy {cls.name!r}: "
-                f"{cls.checkpointing_refusal}"
             )
         if job.channels_last is True and cls.channels_last_refusal is not None:
             raise UsageError(
