@@ -96,6 +96,35 @@ def test_first_last_and_odd_linears_stay_in_high_precision() -> None:
 
 
 @pytest.mark.usefixtures("emulate")
+@pytest.mark.parametrize(
+    ("layers", "said"),
+    [
+        ((nn.Linear(32, 64), nn.Linear(64, 32)), "0 (first linear layer), 1 (last linear layer)"),
+        ((nn.Linear(10, 20), nn.Linear(20, 20), nn.Linear(20, 10)), "1 (dims 20x20"),
+    ],
+)
+def test_a_model_with_no_float8_layer_is_refused_in_one_line(
+    layers: tuple[nn.Module, ...], said: str
+) -> None:
+    par = Parallel(strategy="single", precision="fp8", device="cpu")
+    with par, pytest.raises(UsageError) as err:
+        par.prepare(nn.Sequential(*layers))
+    message = str(err.value)
+    assert f"none of Sequential's {len(layers)} linear layers can run in float8" in message
+    assert said in message and "precision='bf16'" in message and "\n" not in message
+
+
+class _CutsLayers:
+    name = "cuts"
+
+
+def test_converting_for_a_strategy_without_fp8_says_what_to_use() -> None:
+    model = nn.Sequential(*(nn.Linear(32, 32) for _ in range(3)))
+    with pytest.raises(UsageError, match=r"strategy 'cuts'.*use strategy 'single'.*'bf16'"):
+        fp8.Fp8Training(emulate=True).convert(model, _CutsLayers())
+
+
+@pytest.mark.usefixtures("emulate")
 def test_gpt_in_fp8_tracks_bf16(capsys: pytest.CaptureFixture[str]) -> None:
     got = train_gpt("single", "fp8")
     assert capsys.readouterr().out.splitlines() == [

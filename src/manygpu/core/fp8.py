@@ -39,7 +39,7 @@ import torch
 from torch import nn
 
 from manygpu.errors import UsageError
-from manygpu.strategies.fp8 import TrainsFp8, check_fp8_strategy
+from manygpu.strategies.fp8 import TrainsFp8, check_fp8_strategy, fp8_ability
 
 if TYPE_CHECKING:
     from torchao.float8 import Float8LinearConfig
@@ -133,6 +133,24 @@ def convert(model: nn.Module, *, all_gather: bool, emulate: bool) -> list[str]:
     return [n for n, m in model.named_modules() if isinstance(m, linear)]
 
 
+def check_some_float8(model: nn.Module, kept: dict[str, str], shown: int = 4) -> None:
+    """Refuse in one line a model none of whose linears would be float8: it would
+    train in bf16 under an fp8 name, paying for the conversion and gaining nothing."""
+    total = sum(isinstance(m, nn.Linear) for m in model.modules())
+    if total > len(kept):
+        return
+    said = [f"{name} ({why})" for name, why in list(kept.items())[:shown]]
+    if len(kept) > shown:
+        said.append(f"{len(kept) - shown} more")
+    reasons = f" ({', '.join(said)})" if said else ""
+    raise UsageError(
+        f"precision='fp8': none of {type(model).__name__}'s {total} linear layers can run "
+        f"in float8{reasons}, so this would be a bf16 job: use precision='bf16', or give it "
+        f"linear layers whose in and out features are multiples of {FP8_MULTIPLE} between "
+        "a first and a last one (those two always stay in bf16)"
+    )
+
+
 def conversion_line(converted: list[str], kept: dict[str, str], shown: int = 4) -> str:
     """``manygpu: precision='fp8': 11 of 13 linear layers in float8; kept in bf16: ...``."""
     said = [f"{name} ({why})" for name, why in list(kept.items())[:shown]]
@@ -152,10 +170,11 @@ class Fp8Training:
 
     def convert(self, model: nn.Module, strategy: object) -> str:
         """Convert ``model`` (before ``strategy`` wraps it); the line that says what became
-        float8 and what stayed in bf16, and why."""
-        if not isinstance(strategy, TrainsFp8):
-            raise UsageError(f"precision='fp8' does not work with {type(strategy).__name__}")
+        float8 and what stayed in bf16, and why. A model none of whose linears can be
+        float8 is refused in one line."""
+        strategy = fp8_ability(strategy)
         kept = kept_linears(model)
+        check_some_float8(model, kept)
         names = convert(model, all_gather=strategy.fp8_all_gather, emulate=self.emulate)
         self._models.append((strategy, weakref.ref(model)))
         model.register_load_state_dict_post_hook(

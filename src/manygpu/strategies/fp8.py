@@ -36,10 +36,21 @@ class TrainsFp8:
 
 def check_fp8_strategy(strategy_cls: type) -> None:
     """Raise :class:`UsageError` in one line when ``strategy_cls`` cannot train in fp8."""
-    if issubclass(strategy_cls, TrainsFp8):
-        return
+    if not issubclass(strategy_cls, TrainsFp8):
+        raise UsageError(_refusal(strategy_cls))
+
+
+def fp8_ability(strategy: object) -> TrainsFp8:
+    """``strategy`` as one that trains in fp8, else the same one-line refusal (a job
+    checks its strategy's class first; this is for callers holding an instance)."""
+    if isinstance(strategy, TrainsFp8):
+        return strategy
+    raise UsageError(_refusal(type(strategy)))
+
+
+def _refusal(strategy_cls: type) -> str:
     name = getattr(strategy_cls, "name", strategy_cls.__name__)
-    raise UsageError(
+    return (
         f"precision='fp8' does not work with strategy {name!r}: torchao's float8 layers "
         "need whole nn.Linear weights on each rank; use strategy 'single', 'ddp', 'zero1', "
         "'fsdp' or 'zero2', or precision='bf16'"
