@@ -22,7 +22,11 @@ Applied first in ``prepare``, before the strategy wraps the model and before
 ``compile``: the blocks change class in place (the way FSDP2's ``fully_shard``
 does), so parameter names, ``state_dict`` keys, tensor-parallel plans and
 checkpoints see the model unchanged, and FSDP2 / DDP / ``compile`` wrap a
-model whose blocks already checkpoint themselves.
+model whose blocks already checkpoint themselves. The change stays on the
+user's model; each apply starts again from the blocks' own classes, so a later
+``Parallel`` on the same model gets its own setting (``None``: none).
+BatchNorm's running statistics are kept out of the recomputation
+(:mod:`.running_stats`).
 """
 
 from __future__ import annotations
