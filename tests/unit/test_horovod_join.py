@@ -2,7 +2,7 @@
 
 Every rank makes these decisions from the same exchanged table, so they must
 not depend on the rank deciding; the multi-rank behaviour is in
-tests/distributed/test_horovod_join.py.
+tests/distributed/test_horovod_join_ranks.py.
 """
 
 from __future__ import annotations

@@ -201,3 +201,15 @@ def test_files_and_functions_stay_small() -> None:
 def test_the_package_imports_cleanly(code: str) -> None:
     res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert res.returncode == 0, res.stderr
+
+
+def test_test_modules_have_unique_names() -> None:
+    """Test directories are not packages, so pytest (and the rank server, which
+    imports a rank's function by module name) knows a test module by its file
+    name alone: two ``test_x.py`` in different directories break collection."""
+    tests = SRC.parents[1] / "tests"
+    seen: dict[str, list[str]] = {}
+    for path in tests.rglob("test_*.py"):
+        seen.setdefault(path.name, []).append(str(path.relative_to(tests)))
+    clashes = {name: paths for name, paths in seen.items() if len(paths) > 1}
+    assert not clashes, f"rename one of each (e.g. add _ranks to the multi-rank one): {clashes}"
