@@ -183,6 +183,17 @@ def test_without_dir_traces_go_under_the_run_directory(tmp_path: Path) -> None:
     assert run.parent == tmp_path and run.name.startswith("local-")  # named per run
 
 
+def test_a_logging_job_profiles_beside_its_trackers_records(tmp_path: Path) -> None:
+    with Parallel(strategy="single", run_dir=str(tmp_path), log_with=["jsonl"]) as par:
+        window = par.profile(steps=range(0, 1))
+        _train(par, 2)
+        par.log({"loss": 1.0})
+        run_id = par.tracking_state()["run_id"]  # type: ignore[index]
+    assert window.trace is not None
+    assert window.trace.parent == tmp_path / run_id / "profile"
+    assert (tmp_path / run_id / "metrics.jsonl").exists()
+
+
 def test_one_window_at_a_time_and_a_directory_not_a_file(tmp_path: Path) -> None:
     (tmp_path / "f").write_text("")
     with pytest.warns(UserWarning, match="nothing was recorded"), Parallel() as par:

@@ -225,6 +225,7 @@ class Profiling:
     config: ParallelConfig
     console: MainConsole
     timeout_s: float
+    _tracking_run_id: Callable[[], str]  # RunLog's, beside this mixin in Parallel
 
     @property
     def rank(self) -> int:
@@ -245,7 +246,8 @@ class Profiling:
         before the loop); its end is a collective. Use it as a ``with`` block
         around the loop so a loop that stops early still writes its trace.
         ``dir``: where every rank writes (default ``<run_dir>/<run id>/profile``, the
-        config's ``run_dir`` or ``./runs``, torchrun's run id or else the main rank's
+        config's ``run_dir`` or ``./runs``; the run id is the trackers' when the job
+        logs (``log_with``), else torchrun's, else the main rank's
         ``local-<date>-<time>-<pid>``).
         """
         count = self._profiling
@@ -265,12 +267,15 @@ class Profiling:
         return count.window
 
     def _default_dir(self, env: envmod.Environ) -> Path:
-        """Without torchrun's id every rank takes the main rank's name (one broadcast)."""
-        job = torchrun_id(env) or broadcast_json(
-            local_name(time.time(), os.getpid()), operation="profile directory",
-            timeout_s=self.timeout_s,
-        )  # fmt: skip
-        return default_dir(self.config.run_dir, str(job))
+        """Beside the trackers' records when the job logs (their run id, the main
+        rank's); else torchrun's id; else the main rank's name (one broadcast)."""
+        if self.config.log_with:
+            run = self._tracking_run_id()
+        else:
+            run = torchrun_id(env) or local_name(time.time(), os.getpid())
+        if self.config.log_with or not torchrun_id(env):
+            run = broadcast_json(run, operation="profile directory", timeout_s=self.timeout_s)
+        return default_dir(self.config.run_dir, str(run))
 
     @property
     def _optimizer_steps(self) -> int:

@@ -126,6 +126,10 @@ class RunLog:
         if self.config.log_with:
             self._tracking().preflight()
 
+    def _tracking_run_id(self) -> str:
+        """The trackers' run id (the main rank's is the job's; a resume's once resumed)."""
+        return self._tracking().run_id
+
     def _tracking(self) -> TrackingRun:
         if self._run is None:
             self._run = TrackingRun(
