@@ -262,6 +262,23 @@ class PreparedLoader:
     def __len__(self) -> int:
         return len(self.loader)
 
+    def _deliver(
+        self,
+        batch: Any,
+        channels_last: bool,
+        wait: Callable[[float], None] | None,
+        start: float,
+    ) -> Any:
+        """``batch`` on the device, its wait since ``start`` reported, counted."""
+        batch = move_to_device(batch, self.device)
+        # On the device, after the copy: the layout change is one cheap kernel
+        # there, and the host-to-device copy stays one contiguous block.
+        batch = batch_to_channels_last(batch) if channels_last else batch
+        if wait is not None:
+            wait(time.perf_counter() - start)
+        self._handed(batch)
+        return batch
+
     def __iter__(self) -> Iterator[Any]:
         sampler = self.loader.sampler
         if isinstance(sampler, DistributedSampler | ResumableSampler):
@@ -283,14 +300,7 @@ class PreparedLoader:
                     self._on_last_batch()
                 last = index == total - 1  # then a resume starts the next epoch
                 self._position = (epoch + 1, 0) if last else (epoch, skipped + index + 1)
-                batch = move_to_device(batch, self.device)
-                # On the device, after the copy: the layout change is one cheap kernel
-                # there, and the host-to-device copy stays one contiguous block.
-                batch = batch_to_channels_last(batch) if channels_last else batch
-                if wait is not None:
-                    wait(time.perf_counter() - start)
-                self._handed(batch)
-                yield batch
+                yield self._deliver(batch, channels_last, wait, start)
                 start = time.perf_counter()
         finally:
             if isinstance(sampler, ResumableSampler):

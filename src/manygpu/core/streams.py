@@ -39,7 +39,7 @@ from __future__ import annotations
 import datetime as dt
 import hashlib
 import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Iterable, Iterator
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -50,9 +50,8 @@ from torch.utils.data._utils import worker as torch_worker
 
 from manygpu.comm.common import wait as wait_work
 from manygpu.comm.objects import all_gather_json
-from manygpu.core.data import PreparedLoader, _seed_worker, batch_to_channels_last, per_rank_batch
+from manygpu.core.data import PreparedLoader, _seed_worker, per_rank_batch
 from manygpu.errors import UsageError
-from manygpu.runtime.device import move_to_device
 
 
 def is_huggingface(dataset: object) -> bool:
@@ -383,17 +382,3 @@ class PreparedStream(PreparedLoader):
             self._position = (epoch + 1, 0) if last else (epoch, taken)
             yield self._deliver(batch, channels_last, wait, start)
             start = time.perf_counter()
-
-    def _deliver(
-        self,
-        batch: Any,
-        channels_last: bool,
-        wait: Callable[[float], None] | None,
-        start: float,
-    ) -> Any:
-        batch = move_to_device(batch, self.device)
-        batch = batch_to_channels_last(batch) if channels_last else batch
-        if wait is not None:
-            wait(time.perf_counter() - start)
-        self._handed(batch)
-        return batch
