@@ -19,7 +19,6 @@ import functools
 import json
 import os
 import re
-import socket
 import time
 import warnings
 from collections.abc import Callable
@@ -261,7 +260,7 @@ class Profiling:
             raise UsageError(f"profile(dir={str(directory)!r}) is a file: give a directory")
         count.window = ProfileWindow(
             steps, directory, done=count.done, rank=self.rank,
-            host=envmod.host_label(env) or socket.gethostname(), device=self.device,
+            host=envmod.host_name(env), device=self.device,
             timeout_s=self.timeout_s, say=lambda line: self.console.print(line, markup=False),
         )  # fmt: skip
         return count.window

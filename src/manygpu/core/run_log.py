@@ -11,7 +11,6 @@ code of the user's.
 
 from __future__ import annotations
 
-import socket
 import sys
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
@@ -223,4 +222,4 @@ def _store() -> Any:
 
 
 def _host() -> str:
-    return envmod.host_label(envmod.current()) or socket.gethostname()
+    return envmod.host_name(envmod.current())

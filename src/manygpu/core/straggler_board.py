@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import json
 import queue
-import socket
 import sys
 import threading
 import time
@@ -163,7 +162,7 @@ def start(
     from torch.distributed.distributed_c10d import _get_default_store
 
     env = envmod.current()
-    host = envmod.host_label(env) or socket.gethostname()
+    host = envmod.host_name(env)
     prefix = f"manygpu/steps/{envmod.restart_count(env)}"
     board = Board(
         _get_default_store(),

@@ -10,6 +10,7 @@ from __future__ import annotations
 import math
 import os
 import re
+import socket
 from collections.abc import Mapping
 
 from manygpu.errors import UsageError
@@ -253,6 +254,12 @@ HOST_LABEL = "MANYGPU_HOST"
 def host_label(env: Environ) -> str | None:
     """This worker's host as the launcher names it, ``None`` when not launched by manygpu."""
     return get_str(env, HOST_LABEL)
+
+
+def host_name(env: Environ) -> str:
+    """This worker's host as verdicts, traces and trackers name it: the launcher's
+    label, else the machine's hostname."""
+    return host_label(env) or socket.gethostname()
 
 
 STRAGGLERS = "MANYGPU_STRAGGLERS"
