@@ -88,7 +88,7 @@ def test_sync_batchnorm_matches_one_process_on_the_global_batch() -> None:
     from manygpu import DDP
 
     world = torch.cuda.device_count()
-    recipe = Recipe("resnet", optimizer="sgd_nesterov", parallel={"precision": "fp32-strict"})
+    recipe = Recipe("resnet", optimizer="sgd_nesterov", precision="fp32-strict")
     strategy = {"strategy": DDP(sync_batchnorm=True)}
     outs = [r[0] for r in run_ranks(train_parallel, world, [recipe], strategy)]
     assert "error" not in outs[0], outs[0]
