@@ -118,7 +118,7 @@ def worker(args: argparse.Namespace) -> None:
     model, opt = par.prepare(model, opt)
     par.backward(model(torch.randn(2, 4096)).sum())
     opt.step()  # creates Adam's exp_avg / exp_avg_sq
-    module, inner = par.unwrap(model), par.checkpoint_parts(model, opt).optimizer
+    module, inner = par.unwrap(model), par.job_state.parts(model, opt).optimizer
     params = sum(p.numel() for p in model.parameters())
     rows = []
     for rnd in range(args.rounds):

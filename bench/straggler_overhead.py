@@ -2,10 +2,10 @@
 
 ``Parallel`` reports every rank's step split to the main rank by default
 (``stragglers=True``: every 50 steps). The training thread pays a few timer
-reads per step (:class:`manygpu.core.step_clock.StepClock`), one read of DDP's
+reads per step (:class:`manygpu.observe.step_clock.StepClock`), one read of DDP's
 reducer timers every ``every // 10`` steps (DDP's runtime-stats sampling runs at
 that rate instead of its default 100) and a queue put per window; a daemon
-thread does the store I/O (:mod:`manygpu.core.straggler_board`). Target: <= 0.5%
+thread does the store I/O (:mod:`manygpu.observe.straggler_board`). Target: <= 0.5%
 of a step at the demo's size. Measured two ways:
 
 - **end to end**: 2-rank gloo jobs on 127.0.0.1 (1 thread a rank, started by hand on

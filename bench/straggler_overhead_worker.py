@@ -147,12 +147,12 @@ def train(cfg: WorkerConfig) -> dict[str, Any]:
 def clock_cost(calls: int, every: int, blocks: int = 10) -> dict[str, float]:
     """The training thread's share, in this process: ns per step of the clock's two calls.
 
-    ``waited_for_input`` + ``step`` of a :class:`~manygpu.core.step_clock.StepClock`
+    ``waited_for_input`` + ``step`` of a :class:`~manygpu.observe.step_clock.StepClock`
     with a no-op sink and a probe that returns ``None`` (the probe's real cost is
     :func:`_probe_us`'s), less an empty loop's time per iteration; median of
     ``blocks`` blocks, the clock's and the empty loop's alternating so drift hits both.
     """
-    from manygpu.core.step_clock import StepClock
+    from manygpu.observe.step_clock import StepClock
 
     clock = StepClock(every, 0, "bench", 0, lambda split: None)
     clock.attach(lambda: None)

@@ -36,7 +36,7 @@ if TYPE_CHECKING:
         Zero2,
     )
     from manygpu.strategies import available as available_strategies
-    from manygpu.strategies.checkpointing import ActivationCheckpointing
+    from manygpu.transforms.checkpointing import ActivationCheckpointing
 
 _WHERE = {
     "Parallel": "manygpu.core.parallel",
@@ -46,7 +46,7 @@ _WHERE = {
     "ManyGPUError": "manygpu.errors",
     "UsageError": "manygpu.errors",
     "CompileOptions": "manygpu.strategies.options",
-    "ActivationCheckpointing": "manygpu.strategies.checkpointing",
+    "ActivationCheckpointing": "manygpu.transforms.checkpointing",
     "DDP": "manygpu.strategies.ddp",
     "Zero1": "manygpu.strategies.ddp",
     "FSDP": "manygpu.strategies.fsdp",

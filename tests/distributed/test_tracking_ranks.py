@@ -3,7 +3,7 @@
 One spawned job for all four trackers: rank r logs ``step + r`` (mean), ``1``
 (sum) and ``r`` (max). Rank 0 SIGKILLs itself after step 5 (the checkpoint holds
 step 3), so steps 4 and 5 were logged by a job that died (and asked
-``par.tracking_state()`` at step 5, as the demo does); one rank then resumes
+``par.job_state.tracking()`` at step 5, as the demo does); one rank then resumes
 and trains to step 8. Each tracker must show one run, the config once, steps
 1..8 each once; steps 4 and 5 hold the resumed job's values except in MLflow,
 which cannot replace them (W&B offline: the resumed half, see manygpu.tracking.wandb).
@@ -48,10 +48,10 @@ def _job(run_dir: str, ckpt_dir: str, total: int, kill_at: int) -> str:
                     reduce={"ranks": "sum", "top": "max"})  # fmt: skip
             ckpt.after_step(TrainState(step=step))
             if step == kill_at and par.rank == 0:
-                par.tracking_state()  # outside a checkpoint: a resume must not trust it
+                par.job_state.tracking()  # outside a checkpoint: a resume must not trust it
                 os.kill(os.getpid(), signal.SIGKILL)
         ckpt.close()
-        return str((par.tracking_state() or {}).get("run_id"))
+        return str((par.job_state.tracking() or {}).get("run_id"))
     finally:
         par.close()
 

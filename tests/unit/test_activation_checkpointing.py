@@ -31,7 +31,7 @@ from manygpu.errors import UsageError
 from manygpu.plan import hardware, recompute
 from manygpu.plan.desc import describe, transformer
 from manygpu.plan.recommend import recommend
-from manygpu.strategies.checkpointing import apply, checkpoint_blocks, parse
+from manygpu.transforms.checkpointing import apply, checkpoint_blocks, parse
 
 GRAD_TOL, PLAN_TOL = 1e-6, 0.15
 

@@ -25,8 +25,8 @@ from zoo import OPTIMIZERS, ZOO, dataset, warmup_cosine
 import manygpu.core.speed as speed
 from manygpu import Parallel, Pipeline, UsageError
 from manygpu.core.data import batch_to_channels_last
-from manygpu.core.speed import wants_channels_last
 from manygpu.strategies import get_strategy
+from manygpu.transforms.channels_last import wants_channels_last
 
 LOSS_TOL, PARAM_TOL = 1e-5, 1e-5
 CL = torch.channels_last

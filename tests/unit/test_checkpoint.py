@@ -139,7 +139,7 @@ def test_parallel_names_what_a_checkpoint_holds(tmp_path: Path) -> None:
         model = nn.Linear(2, 2)
         opt = torch.optim.SGD(model.parameters(), lr=0.1)
         prepared, prepared_opt = par.prepare(model, opt)
-        parts = par.checkpoint_parts(prepared, prepared_opt)
+        parts = par.job_state.parts(prepared, prepared_opt)
         assert parts.format is formats.FULL and parts.model is par.unwrap(prepared)
         assert parts.optimizer is opt  # the optimizer holding the state, not our wrapper
         assert (parts.seed, parts.strategy, parts.precision) == (7, "single", "fp32")

@@ -21,11 +21,11 @@ from zoo import ZOO
 from manygpu import Parallel
 from manygpu.checkpoint import Checkpointer, TrainState
 from manygpu.checkpoint_io import formats, layout
-from manygpu.core import fp8
 from manygpu.core.precision import resolve_precision
 from manygpu.errors import UsageError
 from manygpu.strategies.fsdp.strategy import FSDPStrategy
 from manygpu.strategies.tensor.strategy import TensorParallelStrategy
+from manygpu.transforms import fp8
 
 BF16_REL = 2e-2
 

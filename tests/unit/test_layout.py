@@ -31,20 +31,26 @@ LAYERS: dict[str, int] = {
     "manygpu.emulate": 2,
     # How state reaches disk: below the strategies, which name their format.
     "manygpu.checkpoint_io": 3,
+    # Model transforms (blocks, activation checkpointing, channels_last, fp8): below
+    # the strategies, which find blocks and declare the fp8 ability with them.
+    "manygpu.transforms": 3,
     "manygpu.strategies": 4,
     "manygpu.plan": 5,
     "manygpu.tracking": 5,  # experiment trackers under Parallel.log: below core, which uses them
-    "manygpu.core": 6,
-    "manygpu.checkpoint": 7,
-    "manygpu.launch": 7,
-    "manygpu.doctor": 7,
-    "manygpu.demo": 7,
-    "manygpu.bench": 7,
-    "manygpu.k8s": 7,  # manifests for Kubernetes operators: plain data, beside launch/
-    "manygpu.horovod": 7,  # Horovod's API on runtime/ and comm/, imported only when asked
-    "manygpu.cli": 8,
-    "manygpu.__main__": 8,
-    "manygpu": 9,  # the package's lazy re-exports: for users, not for the library
+    # Observability (step clock, straggler board and rules, profiling, par.log): parts
+    # Parallel is built from, above the trackers they write to.
+    "manygpu.observe": 6,
+    "manygpu.core": 7,
+    "manygpu.checkpoint": 8,
+    "manygpu.launch": 8,
+    "manygpu.doctor": 8,
+    "manygpu.demo": 8,
+    "manygpu.bench": 8,
+    "manygpu.k8s": 8,  # manifests for Kubernetes operators: plain data, beside launch/
+    "manygpu.horovod": 8,  # Horovod's API on runtime/ and comm/, imported only when asked
+    "manygpu.cli": 9,
+    "manygpu.__main__": 9,
+    "manygpu": 10,  # the package's lazy re-exports: for users, not for the library
 }
 
 

@@ -145,7 +145,7 @@ def test_cpu_default_is_fp32_and_quiet(capsys: pytest.CaptureFixture[str]) -> No
         assert par.precision.scaler is None and par.precision.dtype is None
         model = par.prepare(make_model())
         assert model(make_data(2)[0]).dtype == torch.float32
-        assert par.checkpoint_parts(model).precision == "fp32"
+        assert par.job_state.parts(model).precision == "fp32"
         assert "precision='fp32'" in repr(par)
     assert (torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32) == before
     assert capsys.readouterr().out == ""
@@ -154,7 +154,7 @@ def test_cpu_default_is_fp32_and_quiet(capsys: pytest.CaptureFixture[str]) -> No
 def test_strategies_see_the_resolved_precision() -> None:
     with Parallel(strategy="single", device="cpu", precision="fp32-strict") as par:
         assert par.strategy.job.precision == "fp32"
-        assert par.checkpoint_parts(par.prepare(make_model())).precision == "fp32"
+        assert par.job_state.parts(par.prepare(make_model())).precision == "fp32"
 
 
 def test_every_precision_is_accepted_and_others_named() -> None:

@@ -12,9 +12,9 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from manygpu import Parallel
-from manygpu.core.profile_split import ProfileSummary, RankTimes, Span, split
-from manygpu.core.profiling import default_dir, local_name, torchrun_id, trace_name
 from manygpu.errors import UsageError
+from manygpu.observe.profile_split import ProfileSummary, RankTimes, Span, split
+from manygpu.observe.profiling import default_dir, local_name, torchrun_id, trace_name
 
 
 def _span(name: str, start_ms: float, end_ms: float) -> Span:
@@ -100,7 +100,7 @@ class _Loop:
 
     def run(self, steps: int) -> None:
         for _, (xb, yb) in zip(range(steps), self.loader, strict=False):
-            with torch.profiler.record_function(f"user_step_{self.par._profiling.done}"):
+            with torch.profiler.record_function(f"user_step_{self.par.events.done}"):
                 self.par.backward(nn.functional.mse_loss(self.model(xb), yb))
                 self.opt.step()
                 self.opt.zero_grad()
@@ -188,7 +188,7 @@ def test_a_logging_job_profiles_beside_its_trackers_records(tmp_path: Path) -> N
         window = par.profile(steps=range(0, 1))
         _train(par, 2)
         par.log({"loss": 1.0})
-        run_id = par.tracking_state()["run_id"]  # type: ignore[index]
+        run_id = par.job_state.tracking()["run_id"]  # type: ignore[index]
     assert window.trace is not None
     assert window.trace.parent == tmp_path / run_id / "profile"
     assert (tmp_path / run_id / "metrics.jsonl").exists()

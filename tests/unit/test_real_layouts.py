@@ -16,26 +16,26 @@ from zoo import GPT, Block, gpt_sequential
 
 from manygpu import FSDP, Parallel, UsageError
 from manygpu.cli.main import build_parser
-from manygpu.strategies.fsdp.units import shard_units
 from manygpu.strategies.splitting import balanced_cuts, param_sizes
+from manygpu.transforms.blocks import find_blocks
 
 
 def test_fsdp_units_are_the_blocks_of_a_modulelist_and_tied_weights_stay_with_the_root() -> None:
     model = GPT(layers=3)
-    units = shard_units(model)
+    units = find_blocks(model)
     assert units == list(model.blocks)  # not the ModuleList, not wte/head (tied)
 
 
 def test_fsdp_units_keep_a_tied_pair_out_of_separate_units() -> None:
     model = nn.Sequential(nn.Embedding(10, 4), nn.Linear(4, 4), nn.Linear(4, 10))
     model[2].weight = model[0].weight  # tied: both owners must share one unit
-    assert shard_units(model) == [model[1]]
+    assert find_blocks(model) == [model[1]]
 
 
 def test_fsdp_units_by_block_class_name_or_type() -> None:
     model = GPT(layers=2)
-    assert shard_units(model, ("Block",)) == list(model.blocks)
-    assert shard_units(model, (nn.LayerNorm,)) == [
+    assert find_blocks(model, ("Block",)) == list(model.blocks)
+    assert find_blocks(model, (nn.LayerNorm,)) == [
         *(m for b in model.blocks for m in (b.ln1, b.ln2)),
         model.ln_f,
     ]

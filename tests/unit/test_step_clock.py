@@ -1,10 +1,10 @@
 """The step clock and the switches of straggler reports.
 
 :class:`StepClock` runs on a fake time (``perf_counter`` and ``time_ns`` of
-:mod:`manygpu.core.step_clock` replaced): window medians, the uncounted first
+:mod:`manygpu.observe.step_clock` replaced): window medians, the uncounted first
 step, window numbers, compute paired with the probe's sampled step (and its
 fallback), the probe's rate and which probe is kept. Then the pure parts around
-it: ``steps_every`` and ``render`` of :mod:`manygpu.core.straggler_board`, the
+it: ``steps_every`` and ``render`` of :mod:`manygpu.observe.straggler_board`, the
 environment readers of :mod:`manygpu.runtime.env`, and ``ParallelConfig``'s check.
 """
 
@@ -18,10 +18,10 @@ import pytest
 from rich.console import Console
 
 from manygpu import ParallelConfig
-from manygpu.core import step_clock
-from manygpu.core.step_clock import DEFAULT_EVERY, StepClock, StepSplit
-from manygpu.core.straggler_board import render, steps_every
+from manygpu.observe import step_clock
 from manygpu.errors import UsageError
+from manygpu.observe.step_clock import DEFAULT_EVERY, StepClock, StepSplit
+from manygpu.observe.straggler_board import render, steps_every
 from manygpu.runtime import env as envmod
 
 FUTURE_NS = 10**18

@@ -12,8 +12,8 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 
-from manygpu.core.step_clock import StepSplit
-from manygpu.core.straggler_rules import (
+from manygpu.observe.step_clock import StepSplit
+from manygpu.observe.straggler_rules import (
     STREAK,
     STREAK_S,
     Finding,

@@ -9,7 +9,7 @@ import tracking_read as read
 from torch.utils.data import DataLoader, TensorDataset
 
 from manygpu import Parallel
-from manygpu.core.throughput import KEY, SampleMeter
+from manygpu.observe.throughput import KEY, SampleMeter
 
 
 class FakeClock:
@@ -53,7 +53,7 @@ def test_a_user_logging_only_the_loss_sees_samples_per_second(tmp_path: Path) ->
         for _ in test:  # an evaluation loader is not training throughput
             pass
         par.log({"loss": 0.0})
-        run_id = par.tracking_state()["run_id"]  # type: ignore[index]
+        run_id = par.job_state.tracking()["run_id"]  # type: ignore[index]
     records = [r for r in read.jsonl(tmp_path / run_id / "metrics.jsonl") if "step" in r]
     assert len(records) == 11
     rates = [r["values"].get(KEY) for r in records]
@@ -65,7 +65,7 @@ def test_a_user_logging_only_the_loss_sees_samples_per_second(tmp_path: Path) ->
 def test_a_short_last_batch_counts_the_samples_it_holds() -> None:
     data = TensorDataset(torch.randn(10, 3), torch.randn(10, 1))
     with Parallel(log_with="jsonl") as par:
-        meter = par._meter = SampleMeter()  # the one the prepared loader feeds
+        meter = par.job_log._meter = SampleMeter()  # the one the prepared loader feeds
         train = par.prepare(DataLoader(data, batch_size=4))
         assert [len(x) for x, _ in train] == [4, 4, 2]
         assert meter.samples == 10  # not 3 batches x 4

@@ -53,11 +53,11 @@ def test_jsonl_resumes_the_stored_run_with_the_resumed_values(tmp_path: Path) ->
     with Parallel(log_with="jsonl", run_dir=str(tmp_path)) as par:
         for loss in (1.0, 2.0):
             par.log({"loss": loss})
-        saved = par.tracking_state()
+        saved = par.job_state.tracking()
         par.log({"loss": 3.0})  # logged after the "checkpoint", then the job dies
     assert saved is not None and saved["last_step"] == 2
     with Parallel(log_with="jsonl", run_dir=str(tmp_path)) as par:
-        par.resume_tracking(saved)
+        par.job_state.restore(None, saved)
         for loss in (30.0, 4.0):
             par.log({"loss": loss})
     lines = read.jsonl(tmp_path / saved["run_id"] / "metrics.jsonl")

@@ -35,7 +35,7 @@ def _train(root: Path, until: int, *, log_first: bool) -> str:
             if not log_first:
                 par.log({"loss": float(step)})
         ckpt.close()
-        return str(par.tracking_state()["run_id"])  # type: ignore[index]
+        return str(par.job_state.tracking()["run_id"])  # type: ignore[index]
 
 
 @pytest.mark.parametrize("log_first", [True, False], ids=["log-then-save", "save-then-log"])

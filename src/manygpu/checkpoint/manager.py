@@ -10,7 +10,7 @@ step after a resume may sum gradients in another order: last-bit differences
 Saves every ``every`` steps, keeps the newest ``keep``, and on SIGTERM or
 Slurm's warning SIGUSR1 (a preemption, see :mod:`.preemption`) saves at the next
 step boundary and exits cleanly (requeueing the Slurm job on the warning).
-What to save comes from :meth:`manygpu.Parallel.checkpoint_parts`; how to write
+What to save comes from :attr:`manygpu.Parallel.job_state`; how to write
 it, from the parts' :class:`~.formats.Format`.
 """
 
@@ -108,7 +108,7 @@ class Checkpointer:
         self.root = Path(directory)
         if self.root.exists() and not self.root.is_dir():
             raise UsageError(f"checkpoint directory {self.root} is a file; give a directory")
-        parts = par.checkpoint_parts(model, optimizer)
+        parts = par.job_state.parts(model, optimizer)
         self.parts = replace(
             parts, scheduler=scheduler, format=formats.as_format(format or parts.format)
         )
@@ -359,7 +359,7 @@ class Checkpointer:
             "manygpu": __version__,
             "torch": torch.__version__,
             # The tracked run (par.log) and its last step: a resume continues it.
-            "tracking": self.par.tracking_state(),
+            "tracking": self.par.job_state.tracking(),
             "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         }
 
@@ -367,7 +367,7 @@ class Checkpointer:
     def after_step(self, state: TrainState) -> None:
         """Call after each optimizer step: periodic saves, and save-and-exit on SIGTERM."""
         par = self.par
-        par.note_train_step(state.step)
+        par.job_state.note_step(state.step)
         signum = self._preemption.agreed(
             device=par.device, world_size=par.world_size, timeout_s=par.timeout_s
         )
@@ -415,8 +415,7 @@ class Checkpointer:
         formats.as_format(formats.detect(path)).read(path, self.parts, group=self._group)
         self._restore_rng(path, meta)
         # The job's step count (par.profile, par.log's step=None) continues from here.
-        self.par.resume_steps(int(meta["step"]))
-        self.par.resume_tracking(meta.get("tracking"), step=int(meta["step"]))
+        self.par.job_state.restore(int(meta["step"]), meta.get("tracking"))
         state = TrainState(
             step=int(meta["step"]), epoch=int(meta["epoch"]), extra=dict(meta.get("extra") or {})
         )

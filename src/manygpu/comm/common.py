@@ -53,6 +53,29 @@ def first_line(exc: BaseException) -> str:
     return text[0][:200] if text else type(exc).__name__
 
 
+# Backend messages that mean "a peer never answered" rather than a bug in the model.
+_PEER_FAILURE_HINTS = (
+    "timed out",
+    "timeout",
+    "connection closed",
+    "connection reset",
+    "broken pipe",
+)
+
+
+def peer_failure(
+    exc: RuntimeError, *, rank: int, world_size: int, operation: str, timeout_s: float
+) -> CollectiveTimeoutError | None:
+    """``exc`` (raised inside ``operation``) as the collective timeout it means when a
+    peer never answered; ``None`` when it is something else (a bug of the model's)."""
+    if isinstance(exc, CollectiveTimeoutError):  # named already: keep the backend's words
+        return exc
+    text = str(exc).lower()
+    if world_size > 1 and any(hint in text for hint in _PEER_FAILURE_HINTS):
+        return CollectiveTimeoutError(rank, operation, timeout_s, first_line(exc))
+    return None
+
+
 def wait(work: dist.Work | None, operation: str, timeout_s: float) -> None:
     """Wait for ``work``; a backend timeout or peer failure becomes a named error."""
     if work is None:

@@ -2,6 +2,11 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
+import torch
+from torch import nn
+
 
 class Accumulator:
     """Counts micro-steps; every ``steps``-th one (or a forced one) is a boundary.
@@ -36,3 +41,23 @@ class Accumulator:
         self._force = False
         self.last_synced = boundary
         return boundary
+
+
+def reweight_short_cycle(models: Iterable[nn.Module], steps: int, had: int) -> None:
+    """Make a cycle cut short (the epoch's last batches) a mean over its own micro-batches.
+
+    Each micro-batch's loss was divided by ``steps`` (``grad_accum_steps``)
+    before its backward; a cycle of only ``had`` micro-batches would then weigh
+    its batches had/steps as much as a full one (a lone last micro-batch would
+    count half at steps=2). Scaling the summed gradients by steps/had is the
+    mean over what the cycle really had, as one process would compute on those
+    batches.
+    """
+    if had >= steps:
+        return
+    factor = steps / had
+    with torch.no_grad():
+        for model in models:
+            for p in model.parameters():
+                if p.grad is not None:
+                    p.grad.mul_(factor)

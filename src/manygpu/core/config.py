@@ -18,10 +18,10 @@ from manygpu.strategies import (
     serving_strategy,
     spec_class,
 )
-from manygpu.strategies.checkpointing import ActivationCheckpointing
-from manygpu.strategies.checkpointing import parse as parse_checkpointing
 from manygpu.strategies.registry import AUTO, RULES, check_name, resolve_name
 from manygpu.tracking.registry import check_names
+from manygpu.transforms.checkpointing import ActivationCheckpointing
+from manygpu.transforms.checkpointing import parse as parse_checkpointing
 from manygpu.warn import warn_user
 
 if TYPE_CHECKING:
@@ -49,7 +49,7 @@ class ParallelConfig:
     stay fp32 in each. On CUDA, matmuls and convolutions left in fp32 use TF32
     unless ``"fp32-strict"``. ``"fp8"`` (opt-in, never chosen by ``"auto"``):
     torchao's float8 linears in bf16 autocast, on GPUs with compute capability
-    >= 8.9 (:mod:`manygpu.core.fp8`)."""
+    >= 8.9 (:mod:`manygpu.transforms.fp8`)."""
     grad_accum_steps: int = 1
     """Micro-batches per optimizer step; sync only on the last one."""
     seed: int | None = 0

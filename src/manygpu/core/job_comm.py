@@ -1,11 +1,13 @@
 """The job's collectives on :class:`~manygpu.Parallel`: reduce, gather, barrier, and its mesh.
 
-A mixin, so ``Parallel`` keeps one file's worth of preparing and stepping:
-these need only the device, the timeout, the debug setting and the strategy.
+One part of ``Parallel``, given what it needs when built: the device, the
+timeout, the debug setting and (asked for on use: ``"auto"`` may choose again
+in ``prepare``) the strategy.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -17,20 +19,26 @@ from manygpu.strategies.sharded import device_mesh
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
 
-    from manygpu.core.config import ParallelConfig
     from manygpu.strategies.base import Strategy
 
 
 class JobCollectives:
     """Collectives over the job's ranks, or over one dimension of its mesh."""
 
-    config: ParallelConfig
-    strategy: Strategy[Any]
-    timeout_s: float
-
-    @property
-    def device(self) -> torch.device:
-        raise NotImplementedError
+    def __init__(
+        self,
+        *,
+        strategy: Callable[[], Strategy[Any]],
+        device: torch.device,
+        timeout_s: float,
+        debug: bool | None,
+    ) -> None:
+        self._strategy, self.device, self.timeout_s, self._debug = (
+            strategy,
+            device,
+            timeout_s,
+            debug,
+        )
 
     @property
     def mesh(self) -> DeviceMesh:
@@ -41,7 +49,7 @@ class JobCollectives:
         over the ranks for one that replicates. ``par.mesh["tp"]`` is a named
         sub-mesh, ``par.mesh.get_local_rank("dp")`` this rank's data index.
         """
-        return device_mesh(self.strategy)
+        return device_mesh(self._strategy())
 
     def reduce(
         self, tensor: torch.Tensor, op: comm.ReduceOp = "mean", *, over: str | None = None
@@ -55,20 +63,18 @@ class JobCollectives:
         group = self._group(over) if over is not None else None
         # NCCL takes CUDA tensors only: a CPU scalar (a metric) travels via our device.
         work = tensor.detach().to(self.device, copy=True)
-        out = comm.all_reduce(
-            work, op, timeout_s=self.timeout_s, debug=self.config.debug, group=group
-        )
+        out = comm.all_reduce(work, op, timeout_s=self.timeout_s, debug=self._debug, group=group)
         return out.to(tensor.device)
 
     def gather(self, tensor: torch.Tensor) -> torch.Tensor:
         """Every rank's ``tensor`` concatenated along dim 0, in rank order."""
         work = tensor.detach().to(self.device)
-        out = comm.all_gather(work, timeout_s=self.timeout_s, debug=self.config.debug)
+        out = comm.all_gather(work, timeout_s=self.timeout_s, debug=self._debug)
         return out.to(tensor.device)
 
     def barrier(self) -> None:
         """Wait for every rank (bounded by the timeout; names missing ranks on gloo)."""
-        comm.barrier(timeout_s=self.timeout_s, debug=self.config.debug)
+        comm.barrier(timeout_s=self.timeout_s, debug=self._debug)
 
     def _group(self, over: str) -> Any:
         mesh = self.mesh

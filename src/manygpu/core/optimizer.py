@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any
 
 import torch
 
 from manygpu.core.accumulation import Accumulator
 from manygpu.core.precision import PrecisionPlugin
+from manygpu.core.steps import StepEvents
 from manygpu.strategies.optimizer_view import OptimizerView
 
 
@@ -24,22 +24,25 @@ class PreparedOptimizer(OptimizerView):
         optimizer: torch.optim.Optimizer,
         accumulator: Accumulator,
         precision: PrecisionPlugin,
-        on_step: Callable[[], None] | None = None,
+        events: StepEvents | None = None,
+        *,
+        first: bool = True,
     ) -> None:
         # Deliberately no super().__init__: this object owns no parameters.
         self.optimizer = optimizer
         self._accumulator = accumulator
         self._precision = precision
-        self._on_step = on_step  # the step clock's tick (first optimizer only)
+        self._events = events if events is not None else StepEvents()
+        self._first = first  # the job's training steps are the first optimizer's
 
     def step(self, closure: Any = None) -> None:  # type: ignore[override]
         """Apply the update at the end of an accumulation cycle; else do nothing."""
         if closure is not None:
             raise ValueError("closures are not supported by manygpu's prepared optimizer")
         if self._accumulator.last_synced:
+            self._events.stepping(self._first)
             self._precision.step(self.optimizer)
-            if self._on_step is not None:
-                self._on_step()
+            self._events.stepped(self._first)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Clear gradients, except while still accumulating them."""

@@ -1,8 +1,14 @@
 """The one object a training script talks to.
 
 ``Parallel`` knows which process this is, owns the process group, and prepares
-model, optimizer and data for the chosen strategy. It never branches on the
-strategy's name: the strategy object does the strategy-specific work.
+model, optimizer and data for the chosen strategy. It is a facade over parts
+that each get what they need when built: the strategy (:mod:`.build`), the
+step event every per-step feature listens to (:mod:`.steps`), the model
+transforms in their one order (:mod:`manygpu.transforms.pipeline`), the
+collectives (:mod:`.job_comm`), logging and profiling
+(:mod:`manygpu.observe`), and the job's checkpointed state (:mod:`.job_state`).
+It never branches on the strategy's name: the strategy object does the
+strategy-specific work.
 """
 
 from __future__ import annotations
@@ -10,7 +16,8 @@ from __future__ import annotations
 import contextlib
 import functools
 import random
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Mapping
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
@@ -18,69 +25,51 @@ from torch import nn
 from torch.utils.data import DataLoader, IterableDataset
 
 from manygpu import comm
-from manygpu.comm.common import debug_requested, first_line
+from manygpu.comm.common import debug_requested, peer_failure
 from manygpu.comm.debug import check_end
-from manygpu.comm.grad_norm import clip_grads_, total_grad_norm
 from manygpu.comm.module_sync import broadcast_module_state
-from manygpu.core import straggler_board
-from manygpu.core.accumulation import Accumulator
+from manygpu.core import build
+from manygpu.core.accumulation import Accumulator, reweight_short_cycle
 from manygpu.core.auto import choose_strategy
-from manygpu.core.config import ParallelConfig, served_class
+from manygpu.core.clipping import clip_grad_norm
+from manygpu.core.config import ParallelConfig
 from manygpu.core.console import MainConsole
 from manygpu.core.data import PreparedLoader, rebuild_loader
-from manygpu.core.fp8 import planned_precision
 from manygpu.core.job_comm import JobCollectives
+from manygpu.core.job_state import JobState
 from manygpu.core.optimizer import PreparedOptimizer
-from manygpu.core.precision import (
-    PrecisionChoice,
-    PrecisionPlugin,
-    announcement,
-    apply_tf32,
-    cuda_facts,
-    resolve_precision,
-)
-from manygpu.core.profiling import Profiling
+from manygpu.core.precision import PrecisionPlugin, announcement, apply_tf32
 from manygpu.core.rebind import ParameterRebinder
-from manygpu.core.run_log import RunLog
 from manygpu.core.speed import (
     check_compiler,
     fused_step_applies,
-    has_conv2d,
     param_device_types,
-    to_channels_last,
     use_fused_step,
-    wants_channels_last,
 )
+from manygpu.core.steps import StepEvents
 from manygpu.core.streams import prepare_stream
-from manygpu.errors import CollectiveTimeoutError, UsageError
+from manygpu.errors import UsageError
+from manygpu.observe import straggler_board
+from manygpu.observe.job_log import JobLog
+from manygpu.observe.profiling import Profiler, ProfileWindow
 from manygpu.runtime import env as envmod
 from manygpu.runtime.cluster import ClusterInfo, detect_cluster
-from manygpu.runtime.device import choose_backend, choose_device, set_cpu_threads
 from manygpu.runtime.process_group import init_distributed, teardown
-from manygpu.strategies import (
-    Strategy,
-    StrategySpec,
-    abilities,
-)
-from manygpu.strategies.checkpointing import apply as apply_checkpointing
-from manygpu.warn import warn_user
+from manygpu.strategies import Strategy, abilities
+from manygpu.transforms.channels_last import ChannelsLast
+from manygpu.transforms.checkpointing import CheckpointBlocks
+from manygpu.transforms.fp8 import ToFloat8, planned_precision
+from manygpu.transforms.pipeline import Around, ModelTransform, prepare_module
 
 if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
+
     from manygpu.checkpoint_io.formats import Parts
 
 T = TypeVar("T")
 
-# Backend messages that mean "a peer never answered" rather than a bug in the model.
-_PEER_FAILURE_HINTS = (
-    "timed out",
-    "timeout",
-    "connection closed",
-    "connection reset",
-    "broken pipe",
-)
 
-
-class Parallel(JobCollectives, Profiling, RunLog):
+class Parallel:
     """Prepare a model, optimizer and data loaders for one strategy.
 
     Example::
@@ -109,53 +98,68 @@ class Parallel(JobCollectives, Profiling, RunLog):
         if config is None:  # the code's own fields win over the launcher's defaults
             config = ParallelConfig(**(envmod.launcher_defaults(environ, fields) | fields))
         self.config = config
-        self.cluster = cluster if cluster is not None else detect_cluster(environ)
-        self.strategy_name = self.config.resolved_strategy(
-            self.cluster.world_size, served=envmod.ps_servers(environ) is not None
+        detected = cluster if cluster is not None else detect_cluster(environ)
+        name = config.resolved_strategy(
+            detected.world_size, served=envmod.ps_servers(environ) is not None
         )
-        options = self.config.strategy_object(self.strategy_name)
-        strategy_cls = served_class(options, envmod.ps_servers(environ))
-        options = options.launched(environ)
-        device = self._device(strategy_cls, options, environ)
-        capability, self._device_name = cuda_facts(device)
-        self.precision_choice: PrecisionChoice = resolve_precision(
-            self.config.precision, device_type=device.type, capability=capability,
-            refused=strategy_cls.refused_precisions, fp8_emulate=envmod.fp8_emulate(environ),
-        )  # fmt: skip
+        chosen = build.chosen_strategy(config, name, environ)
+        device, self._device_name, self.precision_choice = build.device_and_precision(
+            chosen, config, detected, environ
+        )
         """What ``precision=`` became on this device (``"auto"`` resolved)."""
-        job = self.config.job_options(self.precision_choice.precision)
-        strategy_cls.validate_world(self.cluster, options, job)
-        strategy_cls.validate_features(options, job)
-        self.timeout_s = self.config.timeout_s or envmod.timeout_s(environ)
-        self._bind_device(device, environ)
-        self._ctx = abilities.join(
-            strategy_cls,
-            self.cluster,
-            options,
-            job,
-            device=device,
-            backend=choose_backend(device, self.config.backend),
-            timeout_s=self.timeout_s,
-        )
+        job = build.checked(chosen, config, detected, self.precision_choice.precision)
+        self.timeout_s = config.timeout_s or envmod.timeout_s(environ)
+        self._ctx = build.joined(chosen, detected, job, device, config, self.timeout_s, environ)
         # The job as this rank's role sees it: a parameter-server job's workers
         # count workers only (the servers never run the loop).
         self.cluster = self._ctx.cluster
-        self.strategy: Strategy[Any] = strategy_cls(self._ctx, options, job)
+        self.strategy_name = name
+        self.strategy: Strategy[Any] = chosen.cls(self._ctx, chosen.options, job)
         self.precision = PrecisionPlugin.chosen(self.precision_choice, device)
         self._restore_tf32 = apply_tf32(self.precision_choice)
+        self._parts_of_job(environ)
+
+    def _parts_of_job(self, environ: envmod.Environ) -> None:
+        """The parts that take the built strategy: steps, reports, logging, profiling."""
         self._channels_last = False  # set when a prepared model runs channels_last
         self._accumulator = Accumulator(self.config.grad_accum_steps)
         self._models: list[nn.Module] = []
         self._model_inputs: list[nn.Module] = []  # what users passed: a second prepare is refused
         self._optimizer_inputs: list[torch.optim.Optimizer] = []
+        self._optimizers: list[PreparedOptimizer] = []
         self._rebinder = ParameterRebinder()
         self._auto_batch = 32  # per-device batch the planner assumes for "auto"
-        self._optimizers: list[PreparedOptimizer] = []
         self.console = MainConsole(self.is_main, self.rank)
-        self._steps = self._step_reports(environ)
+        self.events = StepEvents()
+        """The job's optimizer steps and what runs at each (:mod:`manygpu.core.steps`)."""
+        self._reports = self._step_reports(environ)
+        if self._reports is not None:
+            self.events.on_step("clock", lambda _step: self._reports.clock.step())  # type: ignore[union-attr]
+        if self.precision.fp8 is not None:
+            self.events.on_step("fp8", self.precision.fp8.after_step, every_optimizer=True)
         if (said := announcement(self.precision_choice, self._device_name)) is not None:
             self.print(said)
-        self._preflight_tracking()  # a missing extra or refused store: one line, now
+        self.collectives = JobCollectives(
+            strategy=lambda: self.strategy, device=self.device,
+            timeout_s=self.timeout_s, debug=self.config.debug,
+        )  # fmt: skip
+        self.job_log = JobLog(
+            log_with=tuple(self.config.log_with or ()), run_dir=self.config.run_dir,
+            cluster=self.cluster, is_main=self.is_main, device=self.device,
+            timeout_s=self.timeout_s, gather=self.collectives.gather, facts=self._facts,
+            shard_count=lambda: self.strategy.data_shard()[1],
+            job_step=lambda: self.events.job_step, reports=self._reports,
+        )  # fmt: skip
+        self.profiler = Profiler(
+            rank=self.rank, device=self.device, timeout_s=self.timeout_s,
+            run_dir=self.config.run_dir,
+            run_id=self.job_log.run_id if self.config.log_with else None,
+            steps_done=lambda: self.events.done,
+            say=lambda line: self.console.print(line, markup=False),
+        )  # fmt: skip
+        self.events.on_step("profiler", self.profiler.after_step)
+        self.job_state = JobState(events=self.events, log=self.job_log, parts=self._parts)
+        """What a ``Checkpointer`` saves and restores of the job (:mod:`.job_state`)."""
         if self.config.seed is not None:
             self.seed_everything(self.config.seed)
 
@@ -225,9 +229,10 @@ class Parallel(JobCollectives, Profiling, RunLog):
     def prepare_model(self, model: nn.Module) -> nn.Module:
         """Place and wrap ``model`` for the strategy; forward runs under autocast.
 
-        With ``channels_last`` its 4-D weights are stored NHWC (where the
-        strategy keeps whole weights) and the prepared loaders convert image
-        batches; with ``compile`` the strategy compiles it where it needs to.
+        The steps and their order: :mod:`manygpu.transforms.pipeline`. With
+        ``channels_last`` its 4-D weights are stored NHWC (where the strategy
+        keeps whole weights) and the prepared loaders convert image batches;
+        with ``compile`` the strategy compiles it where it needs to.
         """
         if any(model is m for m in [*self._models, *self._model_inputs]):
             raise UsageError(
@@ -236,29 +241,31 @@ class Parallel(JobCollectives, Profiling, RunLog):
             )
         if self.config.planned and not self._models:
             self._choose_strategy(model)
-        # Every replica (and every shard's source) must start from rank 0's
-        # weights, whatever each rank's seed did to the model built after it.
-        broadcast_module_state(model, device=self.device, timeout_s=self.timeout_s)
-        if self._use_channels_last(model):
-            self._channels_last = True
-            if self.strategy.channels_last_weights:
-                to_channels_last(model)  # in place: the user's module stays the one we hold
-        # Before wrapping and compile: FSDP2 / DDP / compile wrap blocks that checkpoint.
-        apply_checkpointing(model, self.config.activation_checkpointing, self.strategy.options)
-        self._rebinder.before(model)
-        if self.precision.fp8 is not None:  # after before(): it may replace weights
-            self.print(self.precision.fp8.convert(model, self.strategy))
-        wrapped = self.strategy.setup_module(model)
-        self._rebinder.after(self.strategy.unwrap(wrapped))
-        self.precision.wrap_forward(wrapped)
-        self.strategy.set_grad_sync(wrapped, self._accumulator.next_is_boundary)
-        if self._steps is not None:
-            clock = self._steps.clock
-            clock.attach(abilities.comm_probe(self.strategy, wrapped, clock.probe_every))
+        layout = ChannelsLast(
+            self.config.channels_last, device_type=self.device.type,
+            allowed=self.strategy.channels_last_refusal is None,
+            weights=self.strategy.channels_last_weights,
+        )  # fmt: skip
+        transforms: list[ModelTransform] = [
+            layout,
+            CheckpointBlocks(self.config.activation_checkpointing, self.strategy.options),
+        ]
+        if self.precision.fp8 is not None:
+            transforms.append(ToFloat8(self.precision.fp8, self.strategy))
         compile_options = self.config.compile_options
-        if compile_options is not None:
-            check_compiler(self.device)
-            self.strategy.compile_module(wrapped, compile_options)
+        around = Around(
+            # Every replica (and every shard's source) starts from rank 0's weights,
+            # whatever each rank's seed did to the model built after it.
+            sync_weights=lambda m: broadcast_module_state(
+                m, device=self.device, timeout_s=self.timeout_s
+            ),
+            remember=self._rebinder.before,
+            shard=self.strategy.setup_module,
+            hook=self._hook_model,
+            compile=None if compile_options is None else self._compiler(compile_options),
+        )
+        wrapped = prepare_module(model, transforms, around, self.print)
+        self._channels_last = self._channels_last or layout.chosen
         self._models.append(wrapped)
         self._model_inputs.append(model)
         return wrapped
@@ -279,12 +286,11 @@ class Parallel(JobCollectives, Profiling, RunLog):
         if fused_step_applies(optimizer, param_device_types(optimizer)):
             use_fused_step(optimizer)  # before the strategy: ZeRO-1 rebuilds from its defaults
         inner = self.strategy.setup_optimizer(optimizer)
-        if self.precision.fp8 is not None:
-            self.precision.fp8.watch(inner)
-        # The first optimizer's steps are the training steps the clock counts.
-        tick = self._steps.clock.step if self._steps and not self._optimizers else None
-        tick = tick if self._optimizers else self._counting_steps(tick)  # par.profile's steps
-        prepared = PreparedOptimizer(inner, self._accumulator, self.precision, on_step=tick)
+        # The first optimizer's steps are the job's training steps.
+        first = not self._optimizers
+        prepared = PreparedOptimizer(
+            inner, self._accumulator, self.precision, self.events, first=first
+        )
         self._optimizers.append(prepared)
         return prepared
 
@@ -297,7 +303,6 @@ class Parallel(JobCollectives, Profiling, RunLog):
         An ``IterableDataset`` is split while it is read (:mod:`manygpu.core.streams`).
         """
         shard_index, shard_count = self.strategy.data_shard()
-        hook = self._end_accumulation_cycle if train else None
         # A generator of ours (the user gave none) is re-seeded per epoch; ranks
         # reading the same shard (tensor/pipeline peers) get the same one.
         seed = (
@@ -305,34 +310,27 @@ class Parallel(JobCollectives, Profiling, RunLog):
             if loader.generator is not None
             else ((self.config.seed or 0) * 1_000_003 + shard_index * 10_007)
         )
+        reports = self._reports
         extras: dict[str, Any] = dict(
-            on_last_batch=hook,
+            on_last_batch=self._end_accumulation_cycle if train else None,
             generator_seed=seed,
             channels_last=lambda: self._channels_last,
-            on_wait=self._steps.clock.waited_for_input if self._steps and train else None,
+            on_wait=reports.clock.waited_for_input if reports is not None and train else None,
         )
+        split_batches = self.config.split_batches
         if isinstance(loader.dataset, IterableDataset):  # a stream: core/streams.py
             stream = prepare_stream(
-                loader,
-                rank=shard_index,
-                world=shard_count,
-                train=train,
-                split_batches=self.config.split_batches,
-                device=self.device,
-                timeout_s=self.timeout_s,
+                loader, rank=shard_index, world=shard_count, train=train,
+                split_batches=split_batches, device=self.device, timeout_s=self.timeout_s,
                 **extras,
-            )
-            return self._metered(stream, train)
+            )  # fmt: skip
+            return self.job_log.metered(stream, train)
         rebuilt = rebuild_loader(
-            loader,
-            rank=shard_index,
-            world=shard_count,
-            train=train,
-            seed=self.config.seed or 0,
-            split_batches=self.config.split_batches,
+            loader, rank=shard_index, world=shard_count, train=train,
+            seed=self.config.seed or 0, split_batches=split_batches,
             pin_memory=self.device.type == "cuda",
-        )
-        return self._metered(PreparedLoader(rebuilt, self.device, **extras), train)
+        )  # fmt: skip
+        return self.job_log.metered(PreparedLoader(rebuilt, self.device, **extras), train)
 
     # -- the training step -----------------------------------------------------
     def backward(self, loss: torch.Tensor) -> None:
@@ -345,7 +343,8 @@ class Parallel(JobCollectives, Profiling, RunLog):
             self._raise_if_peer_failure(exc, "gradient all-reduce in backward")
             raise
         if self._accumulator.advance():
-            self._reweight_short_cycle()
+            steps, had = self.config.grad_accum_steps, self._accumulator.last_cycle
+            reweight_short_cycle(self._models, steps, had)
         self._set_grad_sync(self._accumulator.next_is_boundary)
 
     def clip_grad_norm_(
@@ -356,41 +355,16 @@ class Parallel(JobCollectives, Profiling, RunLog):
     ) -> torch.Tensor:
         """Clip by the whole model's (unscaled) gradient norm, which is returned.
 
-        The norm is the model's, not this rank's part of it: shards (FSDP,
-        tensor parallel) and pipeline stages contribute their pieces, so every
-        strategy clips exactly as one process would. Returns a plain tensor on
-        :attr:`device`. Call only when :attr:`sync_gradients` is True.
+        The norm is the model's, not this rank's part of it (:mod:`.clipping`),
+        so every strategy clips exactly as one process would. Returns a plain
+        tensor on :attr:`device`. Call only when :attr:`sync_gradients` is True.
         """
         params = list(parameters.parameters() if isinstance(parameters, nn.Module) else parameters)
-        if self.sync_gradients:
-            combined = abilities.combined_clip(self.strategy, params, max_norm, norm_type)
-            if combined is not None:  # clipped where the gradients are combined
-                return combined
-        if not self.sync_gradients:
-            # Mid-accumulation the gradients are partial (and scaled): clipping or
-            # unscaling them now would corrupt the sum still being accumulated.
-            warn_user(
-                "clip_grad_norm_ called on a micro-step that does not step the optimizer; "
-                "call it only when par.sync_gradients is True (skipped)"
-            )
-            return torch.zeros((), device=self.device)
-        owned = {id(p) for p in params}
-        for opt in self._optimizers:
-            if any(id(p) in owned for g in opt.param_groups for p in g["params"]):
-                self.precision.unscale(opt.optimizer)
-        try:
-            norm = total_grad_norm(
-                params,
-                norm_type,
-                device=self.device,
-                across=abilities.grad_norm_group(self.strategy),
-                timeout_s=self.timeout_s,
-            )
-        except RuntimeError as exc:
-            self._raise_if_peer_failure(exc, "gradient-norm all-reduce in clip_grad_norm_")
-            raise
-        clip_grads_(params, max_norm, norm)
-        return norm
+        return clip_grad_norm(
+            self.strategy, params, max_norm, norm_type, synced=self.sync_gradients,
+            optimizers=self._optimizers, precision=self.precision, device=self.device,
+            timeout_s=self.timeout_s, rank=self.rank, world_size=self.world_size,
+        )  # fmt: skip
 
     @contextlib.contextmanager
     def autocast(self) -> Iterator[None]:
@@ -398,35 +372,50 @@ class Parallel(JobCollectives, Profiling, RunLog):
         with self.precision.autocast():
             yield
 
+    # -- the job's collectives, logging and profiling (their parts' own docs) --
+    @property
+    def mesh(self) -> DeviceMesh:
+        """The job's named device mesh (:meth:`JobCollectives.mesh`): ``par.mesh["tp"]``."""
+        return self.collectives.mesh
+
+    def reduce(
+        self, tensor: torch.Tensor, op: comm.ReduceOp = "mean", *, over: str | None = None
+    ) -> torch.Tensor:
+        """A new tensor: ``tensor`` reduced over every rank, or over one mesh dimension.
+
+        ``op`` is ``"mean"``, ``"sum"``, ``"max"`` or ``"min"``; ``over="tp"`` reduces
+        among the ranks that differ only in that dimension of :attr:`mesh`.
+        """
+        return self.collectives.reduce(tensor, op, over=over)
+
+    def gather(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Every rank's ``tensor`` concatenated along dim 0, in rank order."""
+        return self.collectives.gather(tensor)
+
+    def barrier(self) -> None:
+        """Wait for every rank (bounded by the timeout; names missing ranks on gloo)."""
+        self.collectives.barrier()
+
+    def log(
+        self,
+        values: Mapping[str, Any],
+        *,
+        step: int | None = None,
+        reduce: Mapping[str, str] | None = None,
+    ) -> dict[str, float]:
+        """Reduce ``values`` over every rank and log them at ``step`` (collective;
+        :meth:`manygpu.observe.job_log.JobLog.log`)."""
+        return self.job_log.log(values, step=step, reduce=reduce)
+
+    def profile(self, steps: range, *, dir: str | Path | None = None) -> ProfileWindow:
+        """torch.profiler on every rank for training ``steps`` only
+        (:meth:`manygpu.observe.profiling.Profiler.profile`)."""
+        return self.profiler.profile(steps, dir=dir)
+
     # -- utilities -------------------------------------------------------------
     def unwrap(self, model: nn.Module) -> nn.Module:
         """The user's module inside the strategy's wrapper."""
         return self.strategy.unwrap(model)
-
-    def checkpoint_parts(
-        self, model: nn.Module, optimizer: torch.optim.Optimizer | None = None
-    ) -> Parts:
-        """What a checkpoint of the prepared ``model`` and ``optimizer`` saves and loads.
-
-        The checkpointer asks this one question instead of reaching into the
-        strategy (format, unwrapping, optimizer consolidation), the precision
-        plugin (the grad scaler) and the config (the seed).
-        """
-        # Imported here: `import manygpu` must not pay for the checkpoint package.
-        from manygpu.checkpoint_io.formats import Parts, as_format
-
-        inner = optimizer.optimizer if isinstance(optimizer, PreparedOptimizer) else optimizer
-        return Parts(
-            format=as_format(self.strategy.checkpoint_format),
-            model=self.unwrap(model),
-            wrapped=model,
-            optimizer=inner,
-            scaler=self.precision.scaler,
-            consolidate=functools.partial(abilities.consolidate, self.strategy),
-            seed=self.config.seed,
-            strategy=self.strategy_name,
-            precision=self.precision_choice.precision,
-        )
 
     def print(self, *objects: Any, **kwargs: Any) -> None:
         """Print on the main process only."""
@@ -439,14 +428,14 @@ class Parallel(JobCollectives, Profiling, RunLog):
             note = abilities.status(self.strategy)
             if note is not None:
                 self.console.set_note(note)
-        if self._steps is not None and (table := self._steps.new_table()):
+        if self._reports is not None and (table := self._reports.new_table()):
             self.print(straggler_board.render(table))
 
     @property
     def step_times(self) -> list[dict[str, Any]]:
         """Every rank's latest step split (ms: step, input, compute, exposed comm, link), on
         the main rank once a report is complete (what straggler verdicts judge); else empty."""
-        return self._steps.table() if self._steps is not None else []
+        return self._reports.table() if self._reports is not None else []
 
     def seed_everything(self, seed: int) -> None:
         """Seed python, numpy and torch with ``seed`` + this rank's data-shard index.
@@ -468,10 +457,10 @@ class Parallel(JobCollectives, Profiling, RunLog):
         In debug mode every rank first checks that all made the same number
         of collectives: a skipped or extra one is named instead of passing.
         """
-        if self._steps is not None:
-            self._steps.close()
-        self._close_profile()
-        self._close_tracking()
+        if self._reports is not None:
+            self._reports.close()
+        self.profiler.close()
+        self.job_log.close()
         if self.world_size > 1 and comm.common.active() and debug_requested(self.config.debug):
             check_end(timeout_s=self.timeout_s)
         abilities.release(self.strategy)
@@ -505,19 +494,61 @@ class Parallel(JobCollectives, Profiling, RunLog):
         )
         if name != self.strategy_name:
             # The chosen strategy's own checks and group needs, not the provisional one's.
-            options = self.config.strategy_object(name)
-            chosen = options.implementation()
-            job = self.config.job_options(self.precision_choice.precision)
-            chosen.validate_world(self.cluster, options, job)
-            chosen.validate_features(options, job)
-            if chosen.needs_process_group and not self._ctx.owns_group and self.world_size == 1:
+            chosen = build.chosen_strategy(self.config, name, envmod.current())
+            job = build.checked(chosen, self.config, self.cluster, self.precision_choice.precision)
+            if chosen.cls.needs_process_group and not self._ctx.owns_group and self.world_size == 1:
                 self._ctx = init_distributed(
                     self.cluster, device=self.device, backend=self._ctx.backend,
                     timeout_s=self.timeout_s, force=True,
                 )  # fmt: skip
-            self.strategy = chosen(self._ctx, options, job)
+            self.strategy = chosen.cls(self._ctx, chosen.options, job)
             self.strategy_name = name
         self.print(f"manygpu: strategy='auto' chose {name!r}")
+
+    def _hook_model(self, wrapped: nn.Module) -> None:
+        """The job's hooks on a wrapped model (step 5 of the transforms' pipeline)."""
+        self._rebinder.after(self.strategy.unwrap(wrapped))
+        self.precision.wrap_forward(wrapped)
+        self.strategy.set_grad_sync(wrapped, self._accumulator.next_is_boundary)
+        if self._reports is not None:
+            clock = self._reports.clock
+            clock.attach(abilities.comm_probe(self.strategy, wrapped, clock.probe_every))
+
+    def _compiler(self, options: Any) -> Any:
+        def compile_module(wrapped: nn.Module) -> None:
+            check_compiler(self.device)
+            self.strategy.compile_module(wrapped, options)
+
+        return compile_module
+
+    def _parts(self, model: nn.Module, optimizer: torch.optim.Optimizer | None) -> Parts:
+        """What a checkpoint of the prepared ``model`` and (inner) ``optimizer`` holds."""
+        # Imported here: `import manygpu` must not pay for the checkpoint package.
+        from manygpu.checkpoint_io.formats import Parts, as_format
+
+        strategy = self.strategy
+        return Parts(
+            format=as_format(strategy.checkpoint_format),
+            model=self.unwrap(model),
+            wrapped=model,
+            optimizer=optimizer,
+            scaler=self.precision.scaler,
+            consolidate=functools.partial(abilities.consolidate, strategy),
+            seed=self.config.seed,
+            strategy=self.strategy_name,
+            precision=self.precision_choice.precision,
+        )
+
+    def _facts(self) -> dict[str, Any]:
+        """The resolved configuration a new tracked run records once."""
+        mesh = self.config.mesh
+        return {
+            "strategy": self.strategy_name,
+            "strategy_options": repr(self.strategy),
+            "mesh": repr(mesh) if mesh is not None else None,
+            "precision": self.precision_choice.precision,
+            "grad_accum_steps": self.config.grad_accum_steps,
+        }
 
     def _step_reports(self, environ: envmod.Environ) -> straggler_board.StepReports | None:
         """This rank's straggler reports (``None``: off, or one process)."""
@@ -530,62 +561,20 @@ class Parallel(JobCollectives, Profiling, RunLog):
             is_main=self.is_main,
         )
 
-    def _device(
-        self, strategy_cls: type[Strategy[Any]], options: StrategySpec, environ: envmod.Environ
-    ) -> torch.device:
-        """This rank's device: the strategy's slot among this node's GPUs (none: the CPU)."""
-        slot = abilities.device_slot(strategy_cls, self.cluster, options)
-        if slot is None:
-            return torch.device("cpu")
-        return choose_device(slot, self.config.device, envmod.gpus_bound_per_task(environ))
-
-    def _bind_device(self, device: torch.device, environ: envmod.Environ) -> None:
-        """This process's GPU, or its share of the CPU's threads."""
-        if device.type == "cuda":
-            torch.cuda.set_device(device)
-        else:
-            set_cpu_threads(self.cluster.local_world_size, environ)
-
-    def _use_channels_last(self, model: nn.Module) -> bool:
-        """Whether ``model`` runs channels_last: the config's choice, or automatic."""
-        return wants_channels_last(
-            self.config.channels_last,
-            has_conv=has_conv2d(model),
-            device_type=self.device.type,
-            allowed=self.strategy.channels_last_refusal is None,
-        )
-
     def _set_grad_sync(self, enabled: bool) -> None:
         for model in self._models:
             self.strategy.set_grad_sync(model, enabled)
-
-    def _reweight_short_cycle(self) -> None:
-        """Make a cycle cut short (the epoch's last batches) a mean over its own micro-batches.
-
-        Each micro-batch's loss was divided by ``grad_accum_steps`` before its
-        backward; a cycle of only k micro-batches would then weigh its batches
-        k/steps as much as a full one (a lone last micro-batch would count half
-        at steps=2). Scaling the summed gradients by steps/k is the mean over
-        what the cycle really had, as one process would compute on those batches.
-        """
-        steps, had = self.config.grad_accum_steps, self._accumulator.last_cycle
-        if had >= steps:
-            return
-        factor = steps / had
-        with torch.no_grad():
-            for model in self._models:
-                for p in model.parameters():
-                    if p.grad is not None:
-                        p.grad.mul_(factor)
 
     def _end_accumulation_cycle(self) -> None:
         self._accumulator.force_boundary()
         self._set_grad_sync(True)
 
     def _raise_if_peer_failure(self, exc: RuntimeError, operation: str) -> None:
-        if isinstance(exc, CollectiveTimeoutError):  # named already: keep the backend's words
+        named = peer_failure(
+            exc, rank=self.rank, world_size=self.world_size, operation=operation,
+            timeout_s=self.timeout_s,
+        )  # fmt: skip
+        if named is exc:
             raise exc
-        text = str(exc).lower()
-        if self.world_size > 1 and any(hint in text for hint in _PEER_FAILURE_HINTS):
-            detail = first_line(exc)
-            raise CollectiveTimeoutError(self.rank, operation, self.timeout_s, detail) from exc
+        if named is not None:
+            raise named from exc

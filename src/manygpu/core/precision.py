@@ -14,7 +14,7 @@ On CUDA, matmuls and convolutions left in fp32 use TF32 tensor cores
 unless the user asked for ``"fp32-strict"``. What strategies, checkpoints and
 the planner see is the resolved ``"fp32"``, ``"bf16"``, ``"fp16"`` or ``"fp8"``.
 
-``"fp8"`` is opt-in only (``"auto"`` never picks it; :mod:`manygpu.core.fp8`
+``"fp8"`` is opt-in only (``"auto"`` never picks it; :mod:`manygpu.transforms.fp8`
 says why): float8 matmuls from torchao inside bf16 autocast, refused in one
 line on devices without FP8 tensor cores.
 """
@@ -30,7 +30,7 @@ from typing import Any, Literal
 import torch
 from torch.utils import _pytree as pytree
 
-from manygpu.core.fp8 import Fp8Training, check_fp8_device, require_torchao
+from manygpu.transforms.fp8 import Fp8Training, check_fp8_device, require_torchao
 
 _DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 _AUTOCAST = {**_DTYPES, "fp8": torch.bfloat16}  # fp8: float8 linears, bf16 around them

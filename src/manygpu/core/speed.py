@@ -1,4 +1,7 @@
-"""The speed-ups ``Parallel`` applies on its own: fused optimizer steps, channels_last.
+"""The speed-ups ``Parallel`` applies on its own to the step: fused optimizer steps, compile.
+
+channels_last, a change of the model, is a model transform
+(:mod:`manygpu.transforms.channels_last`).
 
 Each decision is a pure function of facts passed in (optimizer type and
 settings, device types, the model's layers), so the CUDA-only paths are
@@ -12,7 +15,6 @@ from collections.abc import Collection
 from typing import Any
 
 import torch
-from torch import nn
 
 from manygpu.errors import UsageError
 
@@ -65,31 +67,6 @@ def use_fused_step(optimizer: torch.optim.Optimizer) -> None:
     # unscaling in a separate pass; the kernel checks device and dtype once.
     optimizer._step_supports_amp_scaling = True  # type: ignore[attr-defined]
     optimizer._need_device_dtype_check_for_fused = True  # type: ignore[attr-defined]
-
-
-def has_conv2d(model: nn.Module) -> bool:
-    """Whether ``model`` contains a 2-D convolution (what channels_last speeds up)."""
-    return any(isinstance(m, nn.Conv2d) for m in model.modules())
-
-
-def wants_channels_last(
-    setting: bool | None, *, has_conv: bool, device_type: str, allowed: bool
-) -> bool:
-    """Whether a model runs channels_last (a pure decision).
-
-    ``setting`` is the config's: ``None`` turns it on for conv models on CUDA
-    where the strategy allows it, ``True``/``False`` force it (a strategy that
-    cannot do it has refused ``True`` already).
-    """
-    if setting is not None:
-        return setting
-    return has_conv and device_type == "cuda" and allowed
-
-
-def to_channels_last(model: nn.Module) -> nn.Module:
-    """``model`` with its 4-D parameters and buffers stored channels_last (in place)."""
-    # nn.Module.to takes memory_format, though its typed overloads do not say so.
-    return model.to(memory_format=torch.channels_last)  # type: ignore[call-overload]
 
 
 def check_compiler(device: torch.device) -> None:

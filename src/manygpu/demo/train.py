@@ -189,7 +189,7 @@ def main(config: DemoConfig) -> DemoResult:
 
 def where_logged(par: Parallel, config: DemoConfig) -> None:
     """Name the run the trackers wrote and how to look at it (main rank; with ``log_with``)."""
-    state = par.tracking_state()
+    state = par.job_state.tracking()
     if state is None:
         return
     root = config.run_dir or "runs"

@@ -206,9 +206,9 @@ def describe(
 
 def _block_names(model: nn.Module) -> set[str]:
     """The blocks as the FLOP counter names them (``GPT.blocks.0``)."""
-    from manygpu.strategies.fsdp.units import shard_units
+    from manygpu.transforms.blocks import find_blocks
 
-    blocks = {id(b) for b in shard_units(model)}
+    blocks = {id(b) for b in find_blocks(model)}
     root = type(model).__name__
     return {f"{root}.{n}" for n, m in model.named_modules() if id(m) in blocks}
 

@@ -1,6 +1,6 @@
 """What activation checkpointing saves in memory and costs in compute, per model.
 
-``Parallel(activation_checkpointing=...)`` (:mod:`manygpu.strategies.checkpointing`)
+``Parallel(activation_checkpointing=...)`` (:mod:`manygpu.transforms.checkpointing`)
 checkpoints the model's blocks. The planner counts it from four numbers of a
 :class:`~manygpu.plan.desc.ModelDesc`, measured on a real model by
 :func:`measure_blocks` or derived from a transformer's shape:
@@ -122,10 +122,10 @@ def measure_blocks(
 ) -> BlockBytes:
     """Saved-for-backward bytes inside the model's blocks (as checkpointing finds
     them), their inputs, and the outputs of the ops ``"selective"`` keeps."""
-    from manygpu.strategies.checkpointing import SAVED_OPS
-    from manygpu.strategies.fsdp.units import shard_units
+    from manygpu.transforms.blocks import find_blocks
+    from manygpu.transforms.checkpointing import SAVED_OPS
 
-    blocks = shard_units(model)
+    blocks = find_blocks(model)
     tally = _Tally(SAVED_OPS, {p.data_ptr() for p in model.parameters()})
     handles = []
     for block in blocks:

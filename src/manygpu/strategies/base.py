@@ -19,10 +19,10 @@ from torch import nn
 from manygpu.errors import UsageError
 from manygpu.runtime.cluster import ClusterInfo
 from manygpu.runtime.process_group import DistContext
-from manygpu.strategies.fp8 import check_fp8_strategy
 from manygpu.strategies.mesh import MeshSpec
 from manygpu.strategies.options import CompileOptions, compile_in_place
 from manygpu.strategies.spec import StrategySpec
+from manygpu.transforms.fp8 import check_fp8_strategy
 
 if TYPE_CHECKING:
     from manygpu.checkpoint_io.formats import Format
@@ -153,7 +153,7 @@ class Strategy(ABC, Generic[OptionsT]):
                 f"{cls.precision_refusal}"
             )
         if job.precision == "fp8":
-            check_fp8_strategy(cls)  # fp8 is an ability (strategies/fp8.py), not a default
+            check_fp8_strategy(cls)  # fp8 is an ability (transforms/fp8.py), not a default
         if job.compile is not None and cls.compile_refusal is not None:
             raise UsageError(
                 f"compile=True does not work with strategy {cls.name!r}: {cls.compile_refusal}"

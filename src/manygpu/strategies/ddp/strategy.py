@@ -15,9 +15,9 @@ from manygpu.runtime.cluster import ClusterInfo
 from manygpu.strategies.abilities import CommProbe
 from manygpu.strategies.base import JobOptions, Strategy
 from manygpu.strategies.ddp import DDP
-from manygpu.strategies.fp8 import TrainsFp8
 from manygpu.strategies.mesh import check_dims
 from manygpu.strategies.options import CompileOptions, compile_in_place
+from manygpu.transforms.fp8 import TrainsFp8
 
 _HOOKS = {
     "fp16": default_hooks.fp16_compress_hook,

@@ -19,7 +19,7 @@ from typing import ClassVar
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from manygpu.strategies.fp8 import TrainsFp8
+from manygpu.transforms.fp8 import TrainsFp8
 
 
 def _cast_weights(module: nn.Module) -> list[object]:

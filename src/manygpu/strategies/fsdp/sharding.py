@@ -22,7 +22,7 @@ from torch.distributed.fsdp import (
 
 from manygpu.strategies.fsdp import FSDP
 from manygpu.strategies.fsdp.outputs import unview_outputs
-from manygpu.strategies.fsdp.units import shard_units
+from manygpu.transforms.blocks import find_blocks
 
 
 def set_fsdp_grad_sync(module: nn.Module, enabled: bool) -> None:
@@ -56,13 +56,13 @@ def shard_data_dims(
     children: bool,
     block_classes: tuple[Any, ...] = (),
 ) -> nn.Module:
-    """FSDP2 over the data dimensions: each block (see :mod:`.fsdp.units`), then the root.
+    """FSDP2 over the data dimensions: each block (:mod:`manygpu.transforms.blocks`), then the root.
 
     With a 2-D (dp, fsdp) mesh this is HSDP (with fsdp=1, plain replication);
     with 1-D fsdp it is ZeRO-3. It works on parameters that are already
     DTensors on a ``tp`` dimension (2-D FSDP + TP), which DDP does not.
     """
-    units = shard_units(module, block_classes) if children else []
+    units = find_blocks(module, block_classes) if children else []
     for unit in [*units, module]:
         unview_outputs(unit)  # before fully_shard: FSDP2's hooks see tensors, not views
         fully_shard(unit, mesh=dp_mesh, **kwargs)

@@ -5,8 +5,8 @@ from __future__ import annotations
 from torch import nn
 
 from manygpu.strategies.base import Strategy
-from manygpu.strategies.fp8 import TrainsFp8
 from manygpu.strategies.single import Single
+from manygpu.transforms.fp8 import TrainsFp8
 
 
 class SingleDevice(Strategy[Single], TrainsFp8):

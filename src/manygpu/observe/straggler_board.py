@@ -1,12 +1,12 @@
 """Carry every rank's step split to the main rank and say who is slow (on by default).
 
-Each rank's :class:`~manygpu.core.step_clock.StepClock` hands its window to a
+Each rank's :class:`~manygpu.observe.step_clock.StepClock` hands its window to a
 daemon thread, which writes it under a key of the job's c10d store — not a
 collective: nothing is added to the training stream, no sequence number of a
 hang verdict moves, and a rank that is late simply reports late. One rank per
 host also times a 1 MiB round trip to the store, its link's measure. The main
 rank's thread reads a window once every rank's key is there, deletes the keys,
-and asks :class:`~manygpu.core.straggler_rules.Judge`, printing each verdict
+and asks :class:`~manygpu.observe.straggler_rules.Judge`, printing each verdict
 once as ``manygpu: straggler: ...``.
 
 Anything the store refuses (the job ending, the store's host gone) quietly ends
@@ -24,8 +24,8 @@ from collections.abc import Callable
 from dataclasses import asdict, replace
 from typing import Any
 
-from manygpu.core.step_clock import DEFAULT_EVERY, StepClock, StepSplit
-from manygpu.core.straggler_rules import Judge
+from manygpu.observe.step_clock import DEFAULT_EVERY, StepClock, StepSplit
+from manygpu.observe.straggler_rules import Judge
 from manygpu.runtime import env as envmod
 
 LINK_PAYLOAD = b"\0" * (1 << 20)

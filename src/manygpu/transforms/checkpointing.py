@@ -2,7 +2,7 @@
 
 ``Parallel(activation_checkpointing="full" | "selective" | N)`` applies it to
 the model's blocks, found the way FSDP2 finds its units
-(:func:`~manygpu.strategies.fsdp.units.shard_units`, ``block_classes`` picks
+(:func:`~manygpu.transforms.blocks.find_blocks`, ``block_classes`` picks
 them explicitly), so a checkpointed region and a sharded unit are the same
 block and a unit's parameters are gathered once for its recomputation.
 
@@ -47,8 +47,8 @@ from torch.utils.checkpoint import (
 )
 
 from manygpu.errors import UsageError
-from manygpu.strategies.fsdp.units import BlockClass, shard_units
-from manygpu.strategies.running_stats import with_running_stats_kept
+from manygpu.transforms.blocks import BlockClass, find_blocks
+from manygpu.transforms.running_stats import with_running_stats_kept
 
 Mode = Literal["full", "selective"]
 MODES: tuple[str, ...] = ("full", "selective")
@@ -135,7 +135,7 @@ def checkpoint_blocks(
     Returns the blocks changed; a model without blocks is refused in one line.
     """
     classes = tuple(spec.block_classes) or tuple(fallback)
-    blocks = shard_units(model, classes)
+    blocks = find_blocks(model, classes)
     if not blocks:
         where = f"no module of class {', '.join(map(_name, classes))}" if classes else "no blocks"
         raise UsageError(
@@ -300,3 +300,21 @@ def apply(model: nn.Module, value: object, options: object) -> list[nn.Module]:
         remove(model)
         return []
     return checkpoint_blocks(model, spec, strategy_block_classes(options))
+
+
+@dataclass(frozen=True)
+class CheckpointBlocks:
+    """The model transform (:mod:`.pipeline`): ``apply`` with the job's setting."""
+
+    value: object
+    """``Parallel(activation_checkpointing=...)``."""
+    options: object
+    """The strategy's object (its ``block_classes``, if any)."""
+
+    @property
+    def name(self) -> str:
+        return "activation checkpointing"
+
+    def convert(self, model: nn.Module) -> str | None:
+        apply(model, self.value, self.options)
+        return None

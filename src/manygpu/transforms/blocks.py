@@ -1,4 +1,8 @@
-"""Which submodules FSDP2 shards as their own units, the way torchtitan does it.
+"""A model's blocks: the one answer to "which submodules are the repeated layers".
+
+FSDP2 shards each block as its own unit, activation checkpointing wraps the
+same blocks, and the planner counts them, so a checkpointed region and a
+sharded unit are always the same module. Found the way torchtitan does it:
 
 A unit's parameters are gathered together for its forward and freed after, so
 units bound peak memory and let one unit's all-gather overlap another's
@@ -76,7 +80,7 @@ def _shares_outside(unit: nn.Module, uses: Counter[int]) -> bool:
     return any(uses[pid] > count for pid, count in inside.items())
 
 
-def shard_units(root: nn.Module, block_classes: Sequence[BlockClass] = ()) -> list[nn.Module]:
+def find_blocks(root: nn.Module, block_classes: Sequence[BlockClass] = ()) -> list[nn.Module]:
     """Submodules to shard as units, innermost first; the root is not in the list.
 
     ``block_classes`` (classes or class names, e.g. ``"LlamaDecoderLayer"``)

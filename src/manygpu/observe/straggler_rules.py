@@ -28,7 +28,7 @@ import statistics
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from manygpu.core.step_clock import StepSplit
+from manygpu.observe.step_clock import StepSplit
 
 RELATIVE = 0.20
 ABSOLUTE_MS = 1.0

@@ -11,7 +11,7 @@ loader — and asks the strategy for the exposed communication of a sampled step
 
 Every ``every`` steps the window's medians (robust to the one step that saved a
 checkpoint or ran an evaluation) are handed to a sink, which ships them to the
-main rank off the training thread (:mod:`manygpu.core.straggler_board`).
+main rank off the training thread (:mod:`manygpu.observe.straggler_board`).
 """
 
 from __future__ import annotations

@@ -9,13 +9,12 @@ before ``a`` when there is one, so the first recorded step does not pay for
 the profiler's start). When step ``b - 1`` ends each rank writes its trace,
 ``trace-rank{rank}-{host}.json`` (Chrome trace format: Perfetto or
 ``chrome://tracing``), and the ranks exchange their split (compute,
-communication, input; :mod:`manygpu.core.profile_split`) in one small JSON
+communication, input; :mod:`manygpu.observe.profile_split`) in one small JSON
 all-gather — no pickle — after which the main rank prints the comparison.
 """
 
 from __future__ import annotations
 
-import functools
 import json
 import os
 import re
@@ -28,18 +27,13 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from manygpu.comm.objects import all_gather_json, broadcast_json, parse_each
-from manygpu.core.profile_split import ProfileSummary, RankTimes, Span, split
 from manygpu.errors import UsageError
+from manygpu.observe.profile_split import ProfileSummary, RankTimes, Span, split
 from manygpu.runtime import env as envmod
 from manygpu.warn import warn_user
 
 if TYPE_CHECKING:
     from torch.profiler import profile as TorchProfile
-
-    from manygpu.core.config import ParallelConfig
-    from manygpu.core.console import MainConsole
-
-Tick = Callable[[], None]
 
 
 def check_steps(steps: object, done: int) -> range:
@@ -218,25 +212,20 @@ def _start(
     return prof
 
 
-class Profiling:
-    """``Parallel``'s profiling: :meth:`profile`, fed by the first optimizer's steps."""
+class Profiler:
+    """``par.profile``: arms windows over the job's steps (a listener of its step event)."""
 
-    config: ParallelConfig
-    console: MainConsole
-    timeout_s: float
-    _tracking_run_id: Callable[[], str]  # RunLog's, beside this mixin in Parallel
-
-    @property
-    def rank(self) -> int:
-        raise NotImplementedError
-
-    @property
-    def device(self) -> torch.device:
-        raise NotImplementedError
-
-    @functools.cached_property
-    def _profiling(self) -> _StepCount:
-        return _StepCount()
+    def __init__(
+        self, *, rank: int, device: torch.device, timeout_s: float, run_dir: str | None,
+        run_id: Callable[[], str] | None, steps_done: Callable[[], int],
+        say: Callable[[str], None],
+    ) -> None:  # fmt: skip
+        """``run_id``: the trackers' run id when the job logs (``None``: it does not);
+        ``steps_done``: the job's optimizer steps so far (a resume's step included)."""
+        self._rank, self._device, self._timeout_s = rank, device, timeout_s
+        self._run_dir, self._run_id = run_dir, run_id
+        self._steps_done, self._say = steps_done, say
+        self.window: ProfileWindow | None = None
 
     def profile(self, steps: range, *, dir: str | Path | None = None) -> ProfileWindow:
         """Run torch.profiler on every rank for training ``steps`` only (see the module).
@@ -249,67 +238,39 @@ class Profiling:
         logs (``log_with``), else torchrun's, else the main rank's
         ``local-<date>-<time>-<pid>``).
         """
-        count = self._profiling
-        if count.window is not None and count.window.active:
-            raise UsageError(f"a profile of steps {count.window.steps!r} is still running: "
+        if self.window is not None and self.window.active:
+            raise UsageError(f"a profile of steps {self.window.steps!r} is still running: "
                              "profile one window at a time")  # fmt: skip
-        steps = check_steps(steps, count.done)
+        done = self._steps_done()
+        steps = check_steps(steps, done)
         env = envmod.current()
         directory = Path(dir) if dir is not None else self._default_dir(env)
         if directory.exists() and not directory.is_dir():
             raise UsageError(f"profile(dir={str(directory)!r}) is a file: give a directory")
-        count.window = ProfileWindow(
-            steps, directory, done=count.done, rank=self.rank,
-            host=envmod.host_name(env), device=self.device,
-            timeout_s=self.timeout_s, say=lambda line: self.console.print(line, markup=False),
+        self.window = ProfileWindow(
+            steps, directory, done=done, rank=self._rank,
+            host=envmod.host_name(env), device=self._device,
+            timeout_s=self._timeout_s, say=self._say,
         )  # fmt: skip
-        return count.window
+        return self.window
+
+    def after_step(self, step: int) -> None:
+        """The step event's listener: an open window advances with the job's steps."""
+        if self.window is not None:
+            self.window.after_step()
 
     def _default_dir(self, env: envmod.Environ) -> Path:
         """Beside the trackers' records when the job logs (their run id, the main
         rank's); else torchrun's id; else the main rank's name (one broadcast)."""
-        if self.config.log_with:
-            run = self._tracking_run_id()
+        if self._run_id is not None:
+            run = self._run_id()
         else:
             run = torchrun_id(env) or local_name(time.time(), os.getpid())
-        if self.config.log_with or not torchrun_id(env):
-            run = broadcast_json(run, operation="profile directory", timeout_s=self.timeout_s)
-        return default_dir(self.config.run_dir, str(run))
+        if self._run_id is not None or not torchrun_id(env):
+            run = broadcast_json(run, operation="profile directory", timeout_s=self._timeout_s)
+        return default_dir(self._run_dir, str(run))
 
-    @property
-    def _optimizer_steps(self) -> int:
-        """Optimizer steps the job has done (a resume's checkpoint step included)."""
-        return self._profiling.done
-
-    def resume_steps(self, step: int) -> None:
-        """A ``Checkpointer`` resumed training step ``step``: the count continues from it."""
-        self._profiling.done = max(self._profiling.done, step)
-
-    def _counting_steps(self, tick: Tick | None) -> Tick:
-        """The first optimizer's step callback: ``tick`` (the step clock's), then ours."""
-        count = self._profiling
-
-        def stepped() -> None:
-            if tick is not None:
-                tick()
-            count.step()
-
-        return stepped
-
-    def _close_profile(self) -> None:
+    def close(self) -> None:
         """``Parallel.close``: a window still open ends here, without the collective."""
-        if self._profiling.window is not None:
-            self._profiling.window.close()
-
-
-class _StepCount:
-    """Optimizer steps done so far, and the window (if any) they drive."""
-
-    def __init__(self) -> None:
-        self.done = 0
-        self.window: ProfileWindow | None = None
-
-    def step(self) -> None:
-        self.done += 1
         if self.window is not None:
-            self.window.after_step()
+            self.window.close()

@@ -33,18 +33,23 @@ from __future__ import annotations
 
 import logging
 import weakref
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, ClassVar
 
-import torch
 from torch import nn
 
 from manygpu.errors import UsageError
-from manygpu.strategies.fp8 import TrainsFp8, check_fp8_strategy, fp8_ability
 
 if TYPE_CHECKING:
     from torchao.float8 import Float8LinearConfig
 
-__all__ = ["Fp8Training", "check_fp8_strategy", "planned_precision", "require_torchao"]
+__all__ = [
+    "Fp8Training",
+    "TrainsFp8",
+    "check_fp8_strategy",
+    "fp8_ability",
+    "planned_precision",
+    "require_torchao",
+]
 
 FP8_CAPABILITY = (8, 9)
 """The first CUDA compute capability with FP8 tensor cores (Ada Lovelace; Hopper is 9.0)."""
@@ -52,6 +57,53 @@ FP8_MULTIPLE = 16
 """Float8 matmuls need both dimensions of a weight to be multiples of this."""
 EMULATE_VARIABLE = "MANYGPU_FP8_EMULATE"
 INSTALL = "pip install 'manygpu[fp8]'"
+
+
+# -- the ability: which strategies keep whole nn.Linear layers for torchao --------
+# Strategies that keep each layer whole on a rank (one device, DDP) or shard it
+# with FSDP2 (which torchao teaches to all-gather weights in float8) have it.
+# Those that cut layers themselves (tensor parallel needs torchao's own float8
+# styles), split the model into stages or send weights to servers do not, so
+# precision="fp8" is refused there by name instead of training with layers
+# torchao does not expect.
+
+
+class TrainsFp8:
+    """Mixed into the strategies ``precision="fp8"`` runs with; the defaults fit a
+    strategy that holds whole weights (nothing to do around the optimizer)."""
+
+    fp8_all_gather: ClassVar[bool] = False
+    """Whether weights travel in float8 in the strategy's all-gathers (FSDP2): the
+    conversion then wraps them so FSDP2 casts before it gathers (half bf16's bytes)."""
+
+    def fp8_after_step(self, module: nn.Module) -> None:
+        """Called after every optimizer step on ``module`` (a converted, prepared model)."""
+
+    def fp8_after_load(self, module: nn.Module) -> None:
+        """Called after ``module.load_state_dict`` (a checkpoint replaced its weights)."""
+
+
+def check_fp8_strategy(strategy_cls: type) -> None:
+    """Raise :class:`UsageError` in one line when ``strategy_cls`` cannot train in fp8."""
+    if not issubclass(strategy_cls, TrainsFp8):
+        raise UsageError(_refusal(strategy_cls))
+
+
+def fp8_ability(strategy: object) -> TrainsFp8:
+    """``strategy`` as one that trains in fp8, else the same one-line refusal (a job
+    checks its strategy's class first; this is for callers holding an instance)."""
+    if isinstance(strategy, TrainsFp8):
+        return strategy
+    raise UsageError(_refusal(type(strategy)))
+
+
+def _refusal(strategy_cls: type) -> str:
+    name = getattr(strategy_cls, "name", strategy_cls.__name__)
+    return (
+        f"precision='fp8' does not work with strategy {name!r}: torchao's float8 layers "
+        "need whole nn.Linear weights on each rank; use strategy 'single', 'ddp', 'zero1', "
+        "'fsdp' or 'zero2', or precision='bf16'"
+    )
 
 
 def check_fp8_device(
@@ -182,15 +234,26 @@ class Fp8Training:
         )
         return conversion_line(names, kept)
 
-    def watch(self, optimizer: torch.optim.Optimizer) -> None:
-        """Tell the strategy after each of ``optimizer``'s steps (FSDP2 rescales then)."""
-        optimizer.register_step_post_hook(lambda *_: self._after_step())
-
-    def _after_step(self) -> None:
+    def after_step(self, step: int) -> None:
+        """The step event's listener, after every optimizer's update (FSDP2 rescales then)."""
         for strategy, ref in self._models:
             model = ref()
             if model is not None:
                 strategy.fp8_after_step(model)
+
+
+class ToFloat8:
+    """The model transform (:mod:`.pipeline`): a job's fp8 conversion under ``strategy``."""
+
+    def __init__(self, training: Fp8Training, strategy: object) -> None:
+        self._training, self._strategy = training, strategy
+
+    @property
+    def name(self) -> str:
+        return "fp8"
+
+    def convert(self, model: nn.Module) -> str | None:
+        return self._training.convert(model, self._strategy)
 
 
 def planned_precision(precision: str) -> str:

@@ -1,0 +1,93 @@
+"""Building the job's strategy: the one sequence, for the first choice and for ``"auto"``'s.
+
+``Parallel()`` decides a strategy before it knows the model (the name the
+config and the launcher give; ``"auto"``'s provisional one), and ``"auto"``
+decides again in ``prepare`` once the planner has seen the model. Both go
+through :func:`chosen_strategy` (the options object, the class, the
+launcher's say) and :func:`checked` (the class's own checks of the world and
+of the job's features), so a strategy built either way is refused for the
+same reasons with the same words.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from manygpu.core.config import ParallelConfig, served_class
+from manygpu.core.precision import PrecisionChoice, cuda_facts, resolve_precision
+from manygpu.runtime import env as envmod
+from manygpu.runtime.cluster import ClusterInfo
+from manygpu.runtime.device import choose_backend, choose_device, set_cpu_threads
+from manygpu.runtime.process_group import DistContext
+from manygpu.strategies import Strategy, StrategySpec, abilities
+from manygpu.strategies.base import JobOptions
+
+
+@dataclass(frozen=True)
+class Chosen:
+    """A strategy decided but not yet built: its name, class and options."""
+
+    name: str
+    cls: type[Strategy[Any]]
+    options: StrategySpec
+
+
+def chosen_strategy(config: ParallelConfig, name: str, environ: envmod.Environ) -> Chosen:
+    """Strategy ``name``'s options (the script's object, else its defaults), its class
+    (a ``--ps`` launch admits only a serving one) and what the launcher decided."""
+    options = config.strategy_object(name)
+    cls = served_class(options, envmod.ps_servers(environ))
+    return Chosen(name, cls, options.launched(environ))
+
+
+def checked(
+    chosen: Chosen, config: ParallelConfig, cluster: ClusterInfo, precision: str
+) -> JobOptions:
+    """The job's options for ``chosen`` after its class's checks of the world and of
+    the features asked for (each refusal one line naming the fix)."""
+    job = config.job_options(precision)
+    chosen.cls.validate_world(cluster, chosen.options, job)
+    chosen.cls.validate_features(chosen.options, job)
+    return job
+
+
+def device_and_precision(
+    chosen: Chosen, config: ParallelConfig, cluster: ClusterInfo, environ: envmod.Environ
+) -> tuple[torch.device, str, PrecisionChoice]:
+    """This rank's device (the strategy's slot among the node's GPUs; none: the CPU),
+    its name, and what ``precision=`` becomes there (``"auto"`` resolved)."""
+    slot = abilities.device_slot(chosen.cls, cluster, chosen.options)
+    if slot is None:
+        device = torch.device("cpu")
+    else:
+        device = choose_device(slot, config.device, envmod.gpus_bound_per_task(environ))
+    capability, name = cuda_facts(device)
+    choice = resolve_precision(
+        config.precision, device_type=device.type, capability=capability,
+        refused=chosen.cls.refused_precisions, fp8_emulate=envmod.fp8_emulate(environ),
+    )  # fmt: skip
+    return device, name, choice
+
+
+def joined(
+    chosen: Chosen,
+    cluster: ClusterInfo,
+    job: JobOptions,
+    device: torch.device,
+    config: ParallelConfig,
+    timeout_s: float,
+    environ: envmod.Environ,
+) -> DistContext:
+    """This process bound to its device (its GPU, or its share of the CPU's threads)
+    and joined to the job's process group as the strategy's role needs."""
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    else:
+        set_cpu_threads(cluster.local_world_size, environ)
+    return abilities.join(
+        chosen.cls, cluster, chosen.options, job, device=device,
+        backend=choose_backend(device, config.backend), timeout_s=timeout_s,
+    )  # fmt: skip
