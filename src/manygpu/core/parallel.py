@@ -22,33 +22,24 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
 from torch import nn
-from torch.utils.data import DataLoader, IterableDataset
+from torch.utils.data import DataLoader
 
 from manygpu import comm
 from manygpu.comm.common import debug_requested, peer_failure
 from manygpu.comm.debug import check_end
-from manygpu.comm.module_sync import broadcast_module_state
 from manygpu.core import build
 from manygpu.core.accumulation import Accumulator, reweight_short_cycle
 from manygpu.core.auto import choose_strategy
 from manygpu.core.clipping import clip_grad_norm
 from manygpu.core.config import ParallelConfig
 from manygpu.core.console import MainConsole
-from manygpu.core.data import PreparedLoader, rebuild_loader
+from manygpu.core.data import PreparedLoader
 from manygpu.core.job_comm import JobCollectives
 from manygpu.core.job_state import JobState
 from manygpu.core.optimizer import PreparedOptimizer
 from manygpu.core.precision import PrecisionPlugin, announcement, apply_tf32
-from manygpu.core.rebind import ParameterRebinder
-from manygpu.core.speed import (
-    check_compiler,
-    fused_step_applies,
-    param_device_types,
-    use_fused_step,
-)
+from manygpu.core.preparing import Preparer
 from manygpu.core.steps import StepEvents
-from manygpu.core.streams import prepare_stream
-from manygpu.errors import UsageError
 from manygpu.observe import straggler_board
 from manygpu.observe.job_log import JobLog
 from manygpu.observe.profiling import Profiler, ProfileWindow
@@ -56,10 +47,7 @@ from manygpu.runtime import env as envmod
 from manygpu.runtime.cluster import ClusterInfo, detect_cluster
 from manygpu.runtime.process_group import init_distributed, teardown
 from manygpu.strategies import Strategy, abilities
-from manygpu.transforms.channels_last import ChannelsLast
-from manygpu.transforms.checkpointing import CheckpointBlocks
-from manygpu.transforms.fp8 import ToFloat8, planned_precision
-from manygpu.transforms.pipeline import Around, ModelTransform, prepare_module
+from manygpu.transforms.fp8 import planned_precision
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
@@ -121,20 +109,18 @@ class Parallel:
 
     def _parts_of_job(self, environ: envmod.Environ) -> None:
         """The parts that take the built strategy: steps, reports, logging, profiling."""
-        self._channels_last = False  # set when a prepared model runs channels_last
         self._accumulator = Accumulator(self.config.grad_accum_steps)
-        self._models: list[nn.Module] = []
-        self._model_inputs: list[nn.Module] = []  # what users passed: a second prepare is refused
-        self._optimizer_inputs: list[torch.optim.Optimizer] = []
-        self._optimizers: list[PreparedOptimizer] = []
-        self._rebinder = ParameterRebinder()
         self._auto_batch = 32  # per-device batch the planner assumes for "auto"
         self.console = MainConsole(self.is_main, self.rank)
         self.events = StepEvents()
         """The job's optimizer steps and what runs at each (:mod:`manygpu.core.steps`)."""
-        self._reports = self._step_reports(environ)
-        if self._reports is not None:
-            self.events.on_step("clock", lambda _step: self._reports.clock.step())  # type: ignore[union-attr]
+        self._reports = reports = straggler_board.start(
+            straggler_board.steps_every(self.config.stragglers, environ), self.rank,
+            self.world_size, local_rank=self.local_rank,
+            peers=abilities.timing_peers(self.strategy), is_main=self.is_main,
+        )  # fmt: skip
+        if reports is not None:
+            self.events.on_step("clock", lambda _step: reports.clock.step())
         if self.precision.fp8 is not None:
             self.events.on_step("fp8", self.precision.fp8.after_step, every_optimizer=True)
         if (said := announcement(self.precision_choice, self._device_name)) is not None:
@@ -148,7 +134,7 @@ class Parallel:
             cluster=self.cluster, is_main=self.is_main, device=self.device,
             timeout_s=self.timeout_s, gather=self.collectives.gather, facts=self._facts,
             shard_count=lambda: self.strategy.data_shard()[1],
-            job_step=lambda: self.events.job_step, reports=self._reports,
+            job_step=lambda: self.events.job_step, reports=reports,
         )  # fmt: skip
         self.profiler = Profiler(
             rank=self.rank, device=self.device, timeout_s=self.timeout_s,
@@ -160,6 +146,12 @@ class Parallel:
         self.events.on_step("profiler", self.profiler.after_step)
         self.job_state = JobState(events=self.events, log=self.job_log, parts=self._parts)
         """What a ``Checkpointer`` saves and restores of the job (:mod:`.job_state`)."""
+        self._prep = Preparer(
+            strategy=lambda: self.strategy, config=self.config, device=self.device,
+            timeout_s=self.timeout_s, precision=self.precision,
+            accumulator=self._accumulator, events=self.events, reports=reports,
+            job_log=self.job_log, say=self.print,
+        )  # fmt: skip
         if self.config.seed is not None:
             self.seed_everything(self.config.seed)
 
@@ -234,65 +226,14 @@ class Parallel:
         keeps whole weights) and the prepared loaders convert image batches;
         with ``compile`` the strategy compiles it where it needs to.
         """
-        if any(model is m for m in [*self._models, *self._model_inputs]):
-            raise UsageError(
-                "this model was already prepared: call par.prepare(model) once and keep "
-                "using the module it returned"
-            )
-        if self.config.planned and not self._models:
+        self._prep.refuse_again(model)
+        if self.config.planned and not self._prep.models:
             self._choose_strategy(model)
-        layout = ChannelsLast(
-            self.config.channels_last, device_type=self.device.type,
-            allowed=self.strategy.channels_last_refusal is None,
-            weights=self.strategy.channels_last_weights,
-        )  # fmt: skip
-        transforms: list[ModelTransform] = [
-            layout,
-            CheckpointBlocks(self.config.activation_checkpointing, self.strategy.options),
-        ]
-        if self.precision.fp8 is not None:
-            transforms.append(ToFloat8(self.precision.fp8, self.strategy))
-        compile_options = self.config.compile_options
-        around = Around(
-            # Every replica (and every shard's source) starts from rank 0's weights,
-            # whatever each rank's seed did to the model built after it.
-            sync_weights=lambda m: broadcast_module_state(
-                m, device=self.device, timeout_s=self.timeout_s
-            ),
-            remember=self._rebinder.before,
-            shard=self.strategy.setup_module,
-            hook=self._hook_model,
-            compile=None if compile_options is None else self._compiler(compile_options),
-        )
-        wrapped = prepare_module(model, transforms, around, self.print)
-        self._channels_last = self._channels_last or layout.chosen
-        self._models.append(wrapped)
-        self._model_inputs.append(model)
-        return wrapped
+        return self._prep.model(model)
 
     def prepare_optimizer(self, optimizer: torch.optim.Optimizer) -> PreparedOptimizer:
         """Wrap ``optimizer`` so it steps once per accumulation cycle."""
-        if (
-            isinstance(optimizer, PreparedOptimizer)
-            or any(optimizer is o.optimizer or optimizer is o for o in self._optimizers)
-            or any(optimizer is o for o in self._optimizer_inputs)
-        ):
-            raise UsageError(
-                "this optimizer was already prepared: call par.prepare(optimizer) once and "
-                "keep using the optimizer it returned"
-            )
-        self._optimizer_inputs.append(optimizer)
-        self._rebinder.rebind(optimizer)  # built before a strategy replaced the parameters
-        if fused_step_applies(optimizer, param_device_types(optimizer)):
-            use_fused_step(optimizer)  # before the strategy: ZeRO-1 rebuilds from its defaults
-        inner = self.strategy.setup_optimizer(optimizer)
-        # The first optimizer's steps are the job's training steps.
-        first = not self._optimizers
-        prepared = PreparedOptimizer(
-            inner, self._accumulator, self.precision, self.events, first=first
-        )
-        self._optimizers.append(prepared)
-        return prepared
+        return self._prep.optimizer(optimizer)
 
     def prepare_loader(self, loader: DataLoader, *, train: bool = True) -> PreparedLoader:
         """This rank's share of ``loader`` on this device.
@@ -302,35 +243,7 @@ class Parallel:
         steps); evaluation loaders (``train=False``) see each sample exactly once.
         An ``IterableDataset`` is split while it is read (:mod:`manygpu.core.streams`).
         """
-        shard_index, shard_count = self.strategy.data_shard()
-        # A generator of ours (the user gave none) is re-seeded per epoch; ranks
-        # reading the same shard (tensor/pipeline peers) get the same one.
-        seed = (
-            None
-            if loader.generator is not None
-            else ((self.config.seed or 0) * 1_000_003 + shard_index * 10_007)
-        )
-        reports = self._reports
-        extras: dict[str, Any] = dict(
-            on_last_batch=self._end_accumulation_cycle if train else None,
-            generator_seed=seed,
-            channels_last=lambda: self._channels_last,
-            on_wait=reports.clock.waited_for_input if reports is not None and train else None,
-        )
-        split_batches = self.config.split_batches
-        if isinstance(loader.dataset, IterableDataset):  # a stream: core/streams.py
-            stream = prepare_stream(
-                loader, rank=shard_index, world=shard_count, train=train,
-                split_batches=split_batches, device=self.device, timeout_s=self.timeout_s,
-                **extras,
-            )  # fmt: skip
-            return self.job_log.metered(stream, train)
-        rebuilt = rebuild_loader(
-            loader, rank=shard_index, world=shard_count, train=train,
-            seed=self.config.seed or 0, split_batches=split_batches,
-            pin_memory=self.device.type == "cuda",
-        )  # fmt: skip
-        return self.job_log.metered(PreparedLoader(rebuilt, self.device, **extras), train)
+        return self._prep.loader(loader, train=train)
 
     # -- the training step -----------------------------------------------------
     def backward(self, loss: torch.Tensor) -> None:
@@ -344,8 +257,8 @@ class Parallel:
             raise
         if self._accumulator.advance():
             steps, had = self.config.grad_accum_steps, self._accumulator.last_cycle
-            reweight_short_cycle(self._models, steps, had)
-        self._set_grad_sync(self._accumulator.next_is_boundary)
+            reweight_short_cycle(self._prep.models, steps, had)
+        self._prep.set_grad_sync(self._accumulator.next_is_boundary)
 
     def clip_grad_norm_(
         self,
@@ -362,7 +275,7 @@ class Parallel:
         params = list(parameters.parameters() if isinstance(parameters, nn.Module) else parameters)
         return clip_grad_norm(
             self.strategy, params, max_norm, norm_type, synced=self.sync_gradients,
-            optimizers=self._optimizers, precision=self.precision, device=self.device,
+            optimizers=self._prep.optimizers, precision=self.precision, device=self.device,
             timeout_s=self.timeout_s, rank=self.rank, world_size=self.world_size,
         )  # fmt: skip
 
@@ -505,22 +418,6 @@ class Parallel:
             self.strategy_name = name
         self.print(f"manygpu: strategy='auto' chose {name!r}")
 
-    def _hook_model(self, wrapped: nn.Module) -> None:
-        """The job's hooks on a wrapped model (step 5 of the transforms' pipeline)."""
-        self._rebinder.after(self.strategy.unwrap(wrapped))
-        self.precision.wrap_forward(wrapped)
-        self.strategy.set_grad_sync(wrapped, self._accumulator.next_is_boundary)
-        if self._reports is not None:
-            clock = self._reports.clock
-            clock.attach(abilities.comm_probe(self.strategy, wrapped, clock.probe_every))
-
-    def _compiler(self, options: Any) -> Any:
-        def compile_module(wrapped: nn.Module) -> None:
-            check_compiler(self.device)
-            self.strategy.compile_module(wrapped, options)
-
-        return compile_module
-
     def _parts(self, model: nn.Module, optimizer: torch.optim.Optimizer | None) -> Parts:
         """What a checkpoint of the prepared ``model`` and (inner) ``optimizer`` holds."""
         # Imported here: `import manygpu` must not pay for the checkpoint package.
@@ -549,25 +446,6 @@ class Parallel:
             "precision": self.precision_choice.precision,
             "grad_accum_steps": self.config.grad_accum_steps,
         }
-
-    def _step_reports(self, environ: envmod.Environ) -> straggler_board.StepReports | None:
-        """This rank's straggler reports (``None``: off, or one process)."""
-        return straggler_board.start(
-            straggler_board.steps_every(self.config.stragglers, environ),
-            self.rank,
-            self.world_size,
-            local_rank=self.local_rank,
-            peers=abilities.timing_peers(self.strategy),
-            is_main=self.is_main,
-        )
-
-    def _set_grad_sync(self, enabled: bool) -> None:
-        for model in self._models:
-            self.strategy.set_grad_sync(model, enabled)
-
-    def _end_accumulation_cycle(self) -> None:
-        self._accumulator.force_boundary()
-        self._set_grad_sync(True)
 
     def _raise_if_peer_failure(self, exc: RuntimeError, operation: str) -> None:
         named = peer_failure(

@@ -29,6 +29,7 @@ if TYPE_CHECKING:
     from manygpu.observe.straggler_board import StepReports
     from manygpu.runtime.cluster import ClusterInfo
 
+
 class _Metered(Protocol):
     """A prepared loader, as the throughput meter sees it."""
 
