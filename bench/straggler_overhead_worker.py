@@ -119,7 +119,7 @@ def train(cfg: WorkerConfig) -> dict[str, Any]:
                     break
         probe_us = _probe_us(model, cfg.probe_calls)
         final_loss = float(par.reduce(loss.detach(), "mean"))
-        clock = par._steps.clock if par._steps is not None else None
+        clock = par._reports.clock if par._reports is not None else None
         probe_every = clock.probe_every if clock is not None else None
     # After close: the main rank's board has collected the last windows it could.
     rows = par.step_times
@@ -135,7 +135,7 @@ def train(cfg: WorkerConfig) -> dict[str, Any]:
         "mean_ms": statistics.fmean(steps),
         "p90_ms": _percentile(steps, 0.9),
         "max_ms": max(steps),
-        "reports_on": par._steps is not None,
+        "reports_on": par._reports is not None,
         "probe_every": probe_every,
         "windows_judged": (rows[0]["window"] + 1) if rows else 0,
         "last_window": rows,

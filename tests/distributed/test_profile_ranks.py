@@ -55,7 +55,7 @@ def _job(directory: str) -> dict[str, Any]:
                 par.backward(loss)
                 opt.step()
                 opt.zero_grad()
-        default = par._default_dir(envmod.current())  # no torchrun run id: one broadcast
+        default = par.profiler._default_dir(envmod.current())  # no torchrun run id: one broadcast
     assert window.summary is not None and window.trace is not None
     events = json.loads(Path(window.trace).read_text())["traceEvents"]
     return {

@@ -21,7 +21,7 @@ from manygpu.core.precision import PrecisionChoice, cuda_facts, resolve_precisio
 from manygpu.runtime import env as envmod
 from manygpu.runtime.cluster import ClusterInfo
 from manygpu.runtime.device import choose_backend, choose_device, set_cpu_threads
-from manygpu.runtime.process_group import DistContext
+from manygpu.runtime.process_group import DistContext, init_distributed
 from manygpu.strategies import Strategy, StrategySpec, abilities
 from manygpu.strategies.base import JobOptions
 
@@ -91,3 +91,45 @@ def joined(
         chosen.cls, cluster, chosen.options, job, device=device,
         backend=choose_backend(device, config.backend), timeout_s=timeout_s,
     )  # fmt: skip
+
+
+def rebuilt(
+    name: str, config: ParallelConfig, ctx: DistContext, precision: str, timeout_s: float
+) -> tuple[DistContext, Strategy[Any]]:
+    """Strategy ``name`` in place of ``"auto"``'s provisional one: its own checks and
+    group needs (a one-process job gets a group when the new strategy needs one)."""
+    chosen = chosen_strategy(config, name, envmod.current())
+    job = checked(chosen, config, ctx.cluster, precision)
+    if chosen.cls.needs_process_group and not ctx.owns_group and ctx.cluster.world_size == 1:
+        ctx = init_distributed(
+            ctx.cluster, device=ctx.device, backend=ctx.backend, timeout_s=timeout_s,
+            force=True,
+        )  # fmt: skip
+    return ctx, chosen.cls(ctx, chosen.options, job)
+
+
+@dataclass(frozen=True)
+class Started:
+    """A job's strategy built and joined, with what ``Parallel`` keeps of the way there."""
+
+    chosen: Chosen
+    strategy: Strategy[Any]
+    ctx: DistContext
+    choice: PrecisionChoice
+    name: str
+    """The device's name (for the precision announcement)."""
+    timeout_s: float
+
+
+def started(config: ParallelConfig, cluster: ClusterInfo, environ: envmod.Environ) -> Started:
+    """The strategy the config and the launcher ask for, checked, on its device, joined."""
+    name = config.resolved_strategy(
+        cluster.world_size, served=envmod.ps_servers(environ) is not None
+    )
+    chosen = chosen_strategy(config, name, environ)
+    device, device_name, choice = device_and_precision(chosen, config, cluster, environ)
+    job = checked(chosen, config, cluster, choice.precision)
+    timeout_s = config.timeout_s or envmod.timeout_s(environ)
+    ctx = joined(chosen, cluster, job, device, config, timeout_s, environ)
+    strategy = chosen.cls(ctx, chosen.options, job)
+    return Started(chosen, strategy, ctx, choice, device_name, timeout_s)

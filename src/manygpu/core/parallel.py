@@ -14,7 +14,6 @@ strategy-specific work.
 from __future__ import annotations
 
 import contextlib
-import functools
 import random
 from collections.abc import Iterable, Iterator, Mapping
 from pathlib import Path
@@ -28,31 +27,25 @@ from manygpu import comm
 from manygpu.comm.common import debug_requested, peer_failure
 from manygpu.comm.debug import check_end
 from manygpu.core import build
-from manygpu.core.accumulation import Accumulator, reweight_short_cycle
+from manygpu.core.accumulation import reweight_short_cycle
+from manygpu.core.assembly import Current, Job, assemble
 from manygpu.core.auto import choose_strategy
 from manygpu.core.clipping import clip_grad_norm
 from manygpu.core.config import ParallelConfig
-from manygpu.core.console import MainConsole
 from manygpu.core.data import PreparedLoader
-from manygpu.core.job_comm import JobCollectives
-from manygpu.core.job_state import JobState
 from manygpu.core.optimizer import PreparedOptimizer
 from manygpu.core.precision import PrecisionPlugin, announcement, apply_tf32
-from manygpu.core.preparing import Preparer
-from manygpu.core.steps import StepEvents
 from manygpu.observe import straggler_board
-from manygpu.observe.job_log import JobLog
-from manygpu.observe.profiling import Profiler, ProfileWindow
+from manygpu.observe.profiling import ProfileWindow
 from manygpu.runtime import env as envmod
 from manygpu.runtime.cluster import ClusterInfo, detect_cluster
-from manygpu.runtime.process_group import init_distributed, teardown
+from manygpu.runtime.process_group import teardown
 from manygpu.strategies import Strategy, abilities
 from manygpu.transforms.fp8 import planned_precision
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
 
-    from manygpu.checkpoint_io.formats import Parts
 
 T = TypeVar("T")
 
@@ -86,74 +79,31 @@ class Parallel:
         if config is None:  # the code's own fields win over the launcher's defaults
             config = ParallelConfig(**(envmod.launcher_defaults(environ, fields) | fields))
         self.config = config
-        detected = cluster if cluster is not None else detect_cluster(environ)
-        name = config.resolved_strategy(
-            detected.world_size, served=envmod.ps_servers(environ) is not None
-        )
-        chosen = build.chosen_strategy(config, name, environ)
-        device, self._device_name, self.precision_choice = build.device_and_precision(
-            chosen, config, detected, environ
-        )
+        started = build.started(config, cluster or detect_cluster(environ), environ)
+        self.precision_choice = started.choice
         """What ``precision=`` became on this device (``"auto"`` resolved)."""
-        job = build.checked(chosen, config, detected, self.precision_choice.precision)
-        self.timeout_s = config.timeout_s or envmod.timeout_s(environ)
-        self._ctx = build.joined(chosen, detected, job, device, config, self.timeout_s, environ)
+        self.timeout_s, self._ctx, self._device_name = started.timeout_s, started.ctx, started.name
         # The job as this rank's role sees it: a parameter-server job's workers
         # count workers only (the servers never run the loop).
         self.cluster = self._ctx.cluster
-        self.strategy_name = name
-        self.strategy: Strategy[Any] = chosen.cls(self._ctx, chosen.options, job)
+        self._current = Current(started.chosen.name, started.strategy)
+        device = self._ctx.device
         self.precision = PrecisionPlugin.chosen(self.precision_choice, device)
         self._restore_tf32 = apply_tf32(self.precision_choice)
-        self._parts_of_job(environ)
-
-    def _parts_of_job(self, environ: envmod.Environ) -> None:
-        """The parts that take the built strategy: steps, reports, logging, profiling."""
-        self._accumulator = Accumulator(self.config.grad_accum_steps)
         self._auto_batch = 32  # per-device batch the planner assumes for "auto"
-        self.console = MainConsole(self.is_main, self.rank)
-        self.events = StepEvents()
+        facts = Job(config, self.cluster, self.is_main, device, self.timeout_s,
+                    self.precision, self.precision_choice)  # fmt: skip
+        parts = assemble(self._current, facts, environ)
+        self._accumulator, self._reports, self._prep = parts.accumulator, parts.reports, parts.prep
+        self.console, self.events, self.collectives = parts.console, parts.events, parts.collectives
         """The job's optimizer steps and what runs at each (:mod:`manygpu.core.steps`)."""
-        self._reports = reports = straggler_board.start(
-            straggler_board.steps_every(self.config.stragglers, environ), self.rank,
-            self.world_size, local_rank=self.local_rank,
-            peers=abilities.timing_peers(self.strategy), is_main=self.is_main,
-        )  # fmt: skip
-        if reports is not None:
-            self.events.on_step("clock", lambda _step: reports.clock.step())
-        if self.precision.fp8 is not None:
-            self.events.on_step("fp8", self.precision.fp8.after_step, every_optimizer=True)
+        self.job_log, self.profiler = parts.job_log, parts.profiler
+        self.job_state = parts.job_state
+        """What a ``Checkpointer`` saves and restores of the job (:mod:`.job_state`)."""
         if (said := announcement(self.precision_choice, self._device_name)) is not None:
             self.print(said)
-        self.collectives = JobCollectives(
-            strategy=lambda: self.strategy, device=self.device,
-            timeout_s=self.timeout_s, debug=self.config.debug,
-        )  # fmt: skip
-        self.job_log = JobLog(
-            log_with=tuple(self.config.log_with or ()), run_dir=self.config.run_dir,
-            cluster=self.cluster, is_main=self.is_main, device=self.device,
-            timeout_s=self.timeout_s, gather=self.collectives.gather, facts=self._facts,
-            shard_count=lambda: self.strategy.data_shard()[1],
-            job_step=lambda: self.events.job_step, reports=reports,
-        )  # fmt: skip
-        self.profiler = Profiler(
-            rank=self.rank, device=self.device, timeout_s=self.timeout_s,
-            run_dir=self.config.run_dir,
-            run_id=self.job_log.run_id if self.config.log_with else None,
-            steps_done=lambda: self.events.done,
-            say=lambda line: self.console.print(line, markup=False),
-        )  # fmt: skip
-        self.events.on_step("profiler", self.profiler.after_step)
-        self.job_state = JobState(events=self.events, log=self.job_log, parts=self._parts)
-        """What a ``Checkpointer`` saves and restores of the job (:mod:`.job_state`)."""
-        self._prep = Preparer(
-            strategy=lambda: self.strategy, config=self.config, device=self.device,
-            timeout_s=self.timeout_s, precision=self.precision,
-            accumulator=self._accumulator, events=self.events, reports=reports,
-            job_log=self.job_log, say=self.print,
-        )  # fmt: skip
-        if self.config.seed is not None:
-            self.seed_everything(self.config.seed)
+        if config.seed is not None:
+            self.seed_everything(config.seed)
 
     # -- identity --------------------------------------------------------------
     @property
@@ -187,6 +137,16 @@ class Parallel:
     def device(self) -> torch.device:
         """The device this process computes on."""
         return self._ctx.device
+
+    @property
+    def strategy(self) -> Strategy[Any]:
+        """The strategy object doing the work (``"auto"``: decided at the first model)."""
+        return self._current.strategy
+
+    @property
+    def strategy_name(self) -> str:
+        """The strategy's registry name, e.g. ``"ddp"``."""
+        return self._current.name
 
     @property
     def sync_gradients(self) -> bool:
@@ -397,55 +357,16 @@ class Parallel:
     def _choose_strategy(self, model: nn.Module) -> None:
         """``strategy="auto"``: ask the planner now that the model is known."""
         name = choose_strategy(
-            model,
-            world=self.world_size,
-            local_world=self.cluster.local_world_size,
-            device=self.device,
-            precision=planned_precision(self.precision_choice.precision),
-            batch=self._auto_batch,
-            timeout_s=self.timeout_s,
-        )
+            model, world=self.world_size, local_world=self.cluster.local_world_size,
+            device=self.device, precision=planned_precision(self.precision_choice.precision),
+            batch=self._auto_batch, timeout_s=self.timeout_s,
+        )  # fmt: skip
         if name != self.strategy_name:
-            # The chosen strategy's own checks and group needs, not the provisional one's.
-            chosen = build.chosen_strategy(self.config, name, envmod.current())
-            job = build.checked(chosen, self.config, self.cluster, self.precision_choice.precision)
-            if chosen.cls.needs_process_group and not self._ctx.owns_group and self.world_size == 1:
-                self._ctx = init_distributed(
-                    self.cluster, device=self.device, backend=self._ctx.backend,
-                    timeout_s=self.timeout_s, force=True,
-                )  # fmt: skip
-            self.strategy = chosen.cls(self._ctx, chosen.options, job)
-            self.strategy_name = name
+            self._ctx, strategy = build.rebuilt(
+                name, self.config, self._ctx, self.precision_choice.precision, self.timeout_s
+            )
+            self._current.name, self._current.strategy = name, strategy
         self.print(f"manygpu: strategy='auto' chose {name!r}")
-
-    def _parts(self, model: nn.Module, optimizer: torch.optim.Optimizer | None) -> Parts:
-        """What a checkpoint of the prepared ``model`` and (inner) ``optimizer`` holds."""
-        # Imported here: `import manygpu` must not pay for the checkpoint package.
-        from manygpu.checkpoint_io.formats import Parts, as_format
-
-        strategy = self.strategy
-        return Parts(
-            format=as_format(strategy.checkpoint_format),
-            model=self.unwrap(model),
-            wrapped=model,
-            optimizer=optimizer,
-            scaler=self.precision.scaler,
-            consolidate=functools.partial(abilities.consolidate, strategy),
-            seed=self.config.seed,
-            strategy=self.strategy_name,
-            precision=self.precision_choice.precision,
-        )
-
-    def _facts(self) -> dict[str, Any]:
-        """The resolved configuration a new tracked run records once."""
-        mesh = self.config.mesh
-        return {
-            "strategy": self.strategy_name,
-            "strategy_options": repr(self.strategy),
-            "mesh": repr(mesh) if mesh is not None else None,
-            "precision": self.precision_choice.precision,
-            "grad_accum_steps": self.config.grad_accum_steps,
-        }
 
     def _raise_if_peer_failure(self, exc: RuntimeError, operation: str) -> None:
         named = peer_failure(
