@@ -6,7 +6,7 @@ per configuration: ddp on N processes; parameter servers on the same N (the
 first serves, ``--ps 1``, the others train), sync and async; each with every
 worker alike, then with one worker slowed by ``--slow-ms`` per step.
 
-The prediction is :func:`manygpu.plan.stragglers.samples_per_s` for hosts with
+The prediction is :func:`manygpu.plan.uneven_hosts.samples_per_s` for hosts with
 the compute time per step measured in the uniform ddp run (plus the sleep on
 the slow worker) and a link of ``--link-gbit``; the predicted time to
 accuracy assumes every configuration needs as many samples as the uniform
@@ -31,7 +31,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from manygpu.plan.stragglers import Host, samples_per_s
+from manygpu.plan.uneven_hosts import Host, samples_per_s
 
 ROOT = Path(__file__).resolve().parents[1]
 WORKER = ROOT / "bench" / "ps_tta_worker.py"

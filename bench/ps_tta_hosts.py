@@ -17,7 +17,7 @@ Creates N hosts (network namespaces on a bridge, every link shaped to
 
 Cases run interleaved (repeat 1 of every case, then repeat 2, ...) and the
 table shows the median. The prediction is
-:func:`manygpu.plan.stragglers.samples_per_s` on hosts with the compute time
+:func:`manygpu.plan.uneven_hosts.samples_per_s` on hosts with the compute time
 per step measured in the uniform ddp runs (plus the sleep on the straggler)
 and a link of ``--rate``; predicted time to accuracy = the case's own
 measured samples-to-target / predicted samples/s, so the ratio
@@ -47,7 +47,7 @@ from rich.table import Table
 
 from manygpu.bench import report
 from manygpu.emulate import EmulatedCluster, LinkShape, netns_available
-from manygpu.plan.stragglers import Host, samples_per_s
+from manygpu.plan.uneven_hosts import Host, samples_per_s
 
 ROOT = Path(__file__).resolve().parents[1]
 WORKER = ROOT / "bench" / "ps_tta_worker.py"
@@ -189,7 +189,7 @@ def plot(cases: list[dict[str, Any]], path: Path, title: str) -> None:
     fig, ax = plt.subplots(figsize=(9, 4.5))
     ax.bar([x - 0.2 for x in xs], [c["tta_s"] or 0 for c in cases], 0.4, label="measured")
     ax.bar([x + 0.2 for x in xs], [c.get("predicted_tta_s") or 0 for c in cases], 0.4,
-           label="planner (stragglers.samples_per_s)", alpha=0.7)  # fmt: skip
+           label="planner (uneven_hosts.samples_per_s)", alpha=0.7)  # fmt: skip
     ax.set_xticks(list(xs), names, fontsize=8)
     ax.set_ylabel("seconds to target accuracy (lower is better)")
     ax.set_title(title, fontsize=9)

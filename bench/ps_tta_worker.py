@@ -16,7 +16,7 @@ then come from the servers' update count (async: one worker batch per update;
 sync: one per worker) or, for ddp, from the steps. The first worker writes
 OUT.json: the curve, the time to accuracy, samples/s, and its median compute
 time per step (forward + backward), which the planner's straggler model
-(:mod:`manygpu.plan.stragglers`) takes as input.
+(:mod:`manygpu.plan.uneven_hosts`) takes as input.
 """
 
 from __future__ import annotations

@@ -11,7 +11,7 @@ from manygpu.plan.desc import ModelDesc
 from manygpu.plan.hardware import Cluster
 from manygpu.plan.memory import estimate as memory_estimate
 from manygpu.plan.recommend import recommend
-from manygpu.plan.stragglers import Host, ps_sync_step_s, ring_step_s, samples_per_s
+from manygpu.plan.uneven_hosts import Host, ps_sync_step_s, ring_step_s, samples_per_s
 
 GBIT = 1 / 8  # GB/s of 1 Gbit/s
 MODEL = 25e6 * 4  # 25M fp32 parameters: the bytes of gradients and of weights

@@ -1,8 +1,9 @@
 """Throughput on hosts that differ: ring all-reduce versus parameter servers, sync and async.
 
 :mod:`.perf` times one step of identical devices. The trade-off the classic
-tutorials describe needs hosts that differ: a *straggler*, whose steps or
-link are slower. Every host here has its own compute time per step and its
+tutorials describe needs hosts that differ *by design*: one whose steps or
+link are slower (a planning input; a rank found slow while a job runs is a
+straggler, :mod:`manygpu.observe.straggler_rules`). Every host here has its own compute time per step and its
 own link; the formulas are the alpha-beta ones of :mod:`.perf`:
 
 - ring all-reduce (ddp): every step waits for the slowest host, then the
