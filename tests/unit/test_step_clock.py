@@ -18,8 +18,8 @@ import pytest
 from rich.console import Console
 
 from manygpu import ParallelConfig
-from manygpu.observe import step_clock
 from manygpu.errors import UsageError
+from manygpu.observe import step_clock
 from manygpu.observe.step_clock import DEFAULT_EVERY, StepClock, StepSplit
 from manygpu.observe.straggler_board import render, steps_every
 from manygpu.runtime import env as envmod
