@@ -3,8 +3,8 @@
 :mod:`.perf` times one step of identical devices. The trade-off the classic
 tutorials describe needs hosts that differ *by design*: one whose steps or
 link are slower (a planning input; a rank found slow while a job runs is a
-straggler, :mod:`manygpu.observe.straggler_rules`). Every host here has its own compute time per step and its
-own link; the formulas are the alpha-beta ones of :mod:`.perf`:
+straggler, :mod:`manygpu.observe.straggler_rules`). Every host here has its
+own compute time per step and its own link; the formulas are the alpha-beta ones of :mod:`.perf`:
 
 - ring all-reduce (ddp): every step waits for the slowest host, then the
   ring runs at its slowest link: ``max c + 2 (N-1)/N S / min B + 2 (N-1) alpha``;
