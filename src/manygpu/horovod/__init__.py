@@ -29,7 +29,6 @@ from manygpu.horovod.basics import (
     ddl_built,
     gloo_built,
     gloo_enabled,
-    init,
     is_homogeneous,
     is_initialized,
     local_rank,
@@ -43,7 +42,6 @@ from manygpu.horovod.basics import (
     shutdown,
     size,
 )
-from manygpu.horovod.checks import HorovodMismatchError
 from manygpu.horovod.compression import Compression, Compressor, FP16Compressor, NoneCompressor
 from manygpu.horovod.data_ops import (
     allgather_async,
@@ -70,7 +68,8 @@ from manygpu.horovod.grouped import (
     grouped_reducescatter_async,
 )
 from manygpu.horovod.handles import poll, synchronize
-from manygpu.horovod.joining import JoinedRankError, join
+from manygpu.horovod.joining import JoinedRankError
+from manygpu.horovod.lifecycle import init
 from manygpu.horovod.missing import LEFT_OUT, NotSupportedError, not_supported
 from manygpu.horovod.optimizer import DistributedOptimizer
 from manygpu.horovod.optimizer_state import broadcast_optimizer_state
@@ -95,7 +94,9 @@ from manygpu.horovod.reduce_ops import (
     grouped_allreduce_async_,
     reducescatter_async,
 )
+from manygpu.horovod.reports import HorovodMismatchError
 from manygpu.horovod.sparse import sparse_allreduce_async
+from manygpu.horovod.stand_in import join
 
 
 def __getattr__(name: str) -> object:
