@@ -33,7 +33,7 @@ from __future__ import annotations
 import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -45,9 +45,6 @@ from manygpu.horovod.basics import owned
 from manygpu.horovod.exceptions import HorovodInternalError
 from manygpu.horovod.reports import HorovodMismatchError, ranks_text, render_mismatch
 from manygpu.horovod.wire import wire_dtype
-
-if TYPE_CHECKING:
-    from manygpu.horovod.grad_sync import GradientSync
 
 Spec = dict[str, Any]
 """What joined ranks do for a call, as it travels (JSON): ``{"zeros": [[device type,
@@ -160,17 +157,19 @@ def joined_ranks() -> list[int]:
     return list(owned(_Joins).joined)
 
 
-def register(sync: GradientSync) -> int:
-    """Number a whole-job optimizer (built in the same order on every rank): its steps'
-    beacons name it, so a joined rank knows whose buckets to stand in for."""
+def register(sync: object) -> int:
+    """Number a whole-job optimizer's gradient sync (built in the same order on every rank):
+    its steps' beacons name it, so a joined rank knows whose buckets to stand in for.
+
+    Held weakly, and untyped here: the sync is :mod:`manygpu.horovod.grad_sync`'s, a call
+    above this step, which only :mod:`manygpu.horovod.stand_in` reads back."""
     table = owned(_Joins).stand_ins
     table.append(weakref.ref(sync))
     return len(table) - 1
 
 
-def registered(slot: int) -> GradientSync | None:
-    """The optimizer numbered ``slot`` here; ``None`` when unknown or dropped."""
+def registered(slot: int) -> Any:
+    """The gradient sync numbered ``slot`` here; ``None`` when unknown or dropped."""
     table = owned(_Joins).stand_ins
     ref = table[slot] if 0 <= slot < len(table) else None
-    sync: GradientSync | None = ref() if ref is not None else None
-    return sync
+    return ref() if ref is not None else None

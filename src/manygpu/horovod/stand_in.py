@@ -22,7 +22,7 @@ path (see the package's docstring) and uses its steps, never the reverse.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -50,6 +50,9 @@ from manygpu.horovod.reports import (
     ranks_text,
     render_mismatch,
 )
+
+if TYPE_CHECKING:
+    from manygpu.horovod.grad_sync import GradientSync
 
 _SITE = "join()"
 _DTYPES = {
@@ -214,7 +217,7 @@ def _stand_in_step(s: Session, quick: Sequence[Sequence[int]]) -> None:
             "some ranks stepped a DistributedOptimizer and others made another call"
         )
     slot, bucket = divmod(slots.pop(), _PER_SLOT)
-    sync = registered(slot)
+    sync: GradientSync | None = registered(slot)
     if sync is None:
         raise UsageError(
             f"rank {s.topology.rank}: hvd.join(): the others step DistributedOptimizer #{slot}, "
