@@ -19,6 +19,12 @@ translation between set ranks and global ranks. As in Horovod, ``root_rank``
 stays a global rank, and a rank outside the set that calls an operation on
 it gets an error (Horovod: "Rank 1 is not a member of the provided process
 set").
+
+This is the first step of a call's path (see the package's docstring): it owns
+the registered sets (:class:`SetTable`, in the session) and the ids of
+:data:`global_process_set`; a :class:`~manygpu.horovod.basics.Scope` is the plain
+value every later step is handed. Adding or removing a set is itself a call,
+agreed on through :mod:`manygpu.horovod.checks`, the next step.
 """
 
 from __future__ import annotations
@@ -161,7 +167,8 @@ def resolve(process_set: object, what: str, *, member: bool = True) -> Scope:
 
 
 def setup(process_sets: object) -> None:
-    """At ``hvd.init``: register the static sets in order, or allow dynamic ones."""
+    """At ``hvd.init`` (:mod:`manygpu.horovod.lifecycle`), once the session exists:
+    register the static sets in order, or allow dynamic ones."""
     dynamic = envmod.horovod_dynamic_process_sets(envmod.current())
     if isinstance(process_sets, str):
         if process_sets.lower() != "dynamic":
