@@ -12,9 +12,9 @@ import manygpu.horovod as hvd
 from manygpu.errors import UsageError
 from manygpu.horovod.basics import backend_for, cross_of
 from manygpu.horovod.buckets import plan_buckets, split_even
-from manygpu.horovod.checks import describe_stall, layout_diff, render_mismatch
 from manygpu.horovod.data_ops import send_splits
 from manygpu.horovod.reduce_ops import resolve_op, scatter_counts
+from manygpu.horovod.reports import describe_stall, layout_diff, render_mismatch
 
 
 # -- pure functions ----------------------------------------------------------------

@@ -16,7 +16,6 @@ from torch import nn
 
 from manygpu.comm import debug as dbg
 from manygpu.comm.objects import PayloadError, all_gather_json, broadcast_json, decode_json
-from manygpu.horovod.checks import parse_row
 from manygpu.horovod.optimizer_state import (
     _Unsendable,
     describe_state,
@@ -25,6 +24,7 @@ from manygpu.horovod.optimizer_state import (
     value_from_json,
     value_to_json,
 )
+from manygpu.horovod.reports import parse_row
 from manygpu.runtime import env as envmod
 
 

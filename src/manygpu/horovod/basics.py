@@ -1,11 +1,16 @@
-"""Who this process is in a Horovod-style job: ``init``, ``shutdown``, sizes and ranks.
+"""Who this process is in a Horovod-style job: the session, sizes and ranks.
 
 Horovod's API is a set of module functions over one hidden session, so this
-module keeps one: the job's topology, the process group it joined, the
-collective timeout and the table of pending asynchronous operations. It is
-created by :func:`init` and dropped by :func:`shutdown`; nothing else writes it.
+module keeps one, holding only what is global to the job: its topology, the
+process group it joined and the collective timeout. The state of each step of
+a call (registered process sets, call numbers, pending handles, names, joined
+ranks) belongs to the module of that step, which keeps it in the session
+through :func:`owned` so that it lives and dies with the session; no other
+module reaches it (see the package's docstring for the owners).
+:func:`open_session` (called by ``hvd.init``, :mod:`manygpu.horovod.lifecycle`)
+creates the session and :func:`shutdown` drops it; nothing else writes it.
 
-``init`` reads the job from the launcher's environment (``manygpu launch``,
+``hvd.init`` reads the job from the launcher's environment (``manygpu launch``,
 torchrun, Slurm, MPI) through :mod:`manygpu.runtime`, and creates the default
 process group there: gloo when there is no CUDA, and ``cpu:gloo,cuda:nccl``
 when there is (CUDA tensors over NCCL, CPU tensors, such as the metrics
@@ -17,11 +22,9 @@ CUDA tensor it is given, the one the script pinned.
 
 from __future__ import annotations
 
-import atexit
-import itertools
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -33,8 +36,7 @@ from manygpu.runtime.cluster import ClusterInfo, detect_cluster
 from manygpu.runtime.device import set_cpu_threads
 from manygpu.runtime.process_group import DistContext, init_distributed, teardown
 
-if TYPE_CHECKING:
-    from manygpu.horovod.process_sets import Scope, SetTable
+T = TypeVar("T")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -57,68 +59,74 @@ class Topology:
     """Whether every host runs the same number of processes."""
 
 
-@dataclass
-class Pending:
-    """An asynchronous operation: the backend's works and what turns them into the result."""
+@dataclass(frozen=True)
+class Scope:
+    """Where one collective runs: the whole job (id 0) or a registered process set
+    (:mod:`manygpu.horovod.process_sets` resolves ``process_set=`` to one), as this rank
+    sees it."""
 
-    works: list[dist.Work]
-    finish: Callable[[], Any]
-    """Run once every work is done: scaling, trimming, copying back; returns the result."""
-    description: str
-    """How errors name it: ``allreduce('loss', float32[4], op=Average)``."""
-    seq: int
-    """This rank's number for the call, shown when a stall is reported."""
-    scope: Scope | None = None
-    """The process set it runs in; ``None`` for the whole job."""
-    name: str | None = None
-    """Horovod's name for it (``allreduce.loss``) while pending, when the user gave one."""
-    start: Callable[[], Any] | None = None
-    """A named call not started yet: what starts it once every rank has made it
-    (:mod:`manygpu.horovod.matching`); ``None`` once started."""
-    error: Exception | None = None
-    """Why starting it failed (alike on every rank); ``synchronize`` raises it."""
-    parts: list[int] | None = None
-    """A grouped call's merged handle: the parts' handles, which ``poll`` asks (a named
-    part may start after the merged handle was made)."""
+    set_id: int
+    ranks: tuple[int, ...]
+    """The set's global ranks, in order: set rank ``i`` is global rank ``ranks[i]``."""
+    group: Any
+    """The sub-group; ``None`` for the whole job (torch's default group)."""
+    me: int
+    """This process's global rank."""
+
+    @property
+    def size(self) -> int:
+        return len(self.ranks)
+
+    @property
+    def rank(self) -> int:
+        """This process's rank within the set; -1 outside it."""
+        return self.ranks.index(self.me) if self.me in self.ranks else -1
+
+    @property
+    def whole(self) -> bool:
+        """Whether this is the whole job (the checks and stall notes of the job apply)."""
+        return self.set_id == 0
+
+    def set_rank(self, global_rank: int) -> int:
+        """A global rank's place in the set (the caller checked it belongs)."""
+        return self.ranks.index(global_rank)
+
+    def label(self) -> str:
+        return "" if self.whole else f" in process set {self.set_id} (ranks {list(self.ranks)})"
 
 
-@dataclass
+@dataclass(frozen=True)
 class Session:
-    """What ``hvd.init()`` set up, alive until ``hvd.shutdown()``."""
+    """What ``hvd.init()`` set up, alive until ``hvd.shutdown()``: what is global to the job."""
 
     topology: Topology
     ctx: DistContext
     timeout_s: float
     """Bound on every collective (``MANYGPU_TIMEOUT``, else manygpu's default)."""
-    calls: int = 0
-    """Collectives this rank has started through manygpu.horovod."""
-    pending: dict[int, Pending] = field(default_factory=dict)
-    handles: Iterator[int] = field(default_factory=lambda: itertools.count(1))
-    """Horovod's handles are integers; the next one."""
-    stand_ins: list[Any] = field(default_factory=list)
-    """Weak references to the whole job's DistributedOptimizers' gradient syncs, in the
-    order built (the same on every rank): a rank in ``hvd.join()`` stands in for the
-    buckets of the one the others step (:mod:`manygpu.horovod.joining`)."""
-    names: set[str] = field(default_factory=set)
-    """Names of the pending operations: Horovod refuses a second call with one of them."""
-    deferred: dict[str, int] = field(default_factory=dict)
-    """Named calls made here but not yet by every rank: name -> handle, in call order."""
-    meeting: bool = False
-    """Whether this rank is matching named calls now (the calls it starts then do not)."""
-    joined: list[int] = field(default_factory=list)
-    """Ranks in ``hvd.join()`` as of this rank's last round (:mod:`manygpu.horovod.
-    matching`): process-set calls are refused meanwhile (a joined rank waits in rounds
-    of the whole job only)."""
-    process_sets: SetTable | None = None
-    """The registered process sets (:mod:`manygpu.horovod.process_sets`)."""
-
-    def next_call(self) -> int:
-        self.calls += 1
-        return self.calls
+    owned: dict[type, Any] = field(default_factory=dict)
+    """Each owner module's state, by its class (:func:`owned`); dropped with the session."""
 
 
 _session: Session | None = None
-_exit_hook = False
+
+
+def owned(kind: type[T]) -> T:
+    """The live session's instance of an owner's state class, made on first use.
+
+    Only the module defining ``kind`` asks for it (``tests/unit/test_horovod_layout.py``
+    checks it): that module is the one place its state changes.
+    """
+    table = session().owned
+    if kind not in table:
+        table[kind] = kind()
+    state: T = table[kind]
+    return state
+
+
+def whole_job() -> Scope:
+    """The whole job as a :class:`Scope` (``hvd.global_process_set``)."""
+    topo = session().topology
+    return Scope(set_id=0, ranks=tuple(range(topo.size)), group=None, me=topo.rank)
 
 
 def backend_for(cuda_available: bool) -> str:
@@ -170,24 +178,10 @@ def _topology(cluster: ClusterInfo, timeout_s: float) -> Topology:
     )
 
 
-def init(comm: Any = None, process_sets: Any = None) -> None:
-    """Join the job the launcher started (a second call does nothing, as in Horovod).
-
-    Args:
-        comm: Horovod's MPI communicator or rank list: not supported; start
-            only the processes you want instead.
-        process_sets: ``hvd.ProcessSet`` objects to register, in order (ids 1, 2, ...),
-            or ``"dynamic"`` to allow ``hvd.add_process_set`` later.
-    """
-    global _session, _exit_hook
-    if comm is not None:
-        raise UsageError(
-            "hvd.init(comm=...) is not supported: manygpu.horovod joins every process the "
-            "launcher started; start only the ones you want (manygpu launch -np N), or use "
-            "torch.distributed.new_group(ranks) for a subgroup"
-        )
-    if _session is not None:
-        return
+def open_session() -> None:
+    """Join the job the launcher started and create the session (``hvd.init``'s first half;
+    :mod:`manygpu.horovod.lifecycle` registers the process sets after it)."""
+    global _session
     environ = envmod.current()
     cluster = detect_cluster(environ)
     timeout_s = envmod.timeout_s(environ)
@@ -199,20 +193,11 @@ def init(comm: Any = None, process_sets: Any = None) -> None:
         cluster, device=torch.device("cpu"), backend=backend_for(cuda), timeout_s=timeout_s
     )
     _session = Session(topology=_topology(cluster, timeout_s), ctx=ctx, timeout_s=timeout_s)
-    from manygpu.horovod import process_sets as sets  # it builds on this module
-
-    try:
-        sets.setup(_session, process_sets)
-    except BaseException:
-        shutdown()  # a bad process set leaves no half-initialized job behind
-        raise
-    if not _exit_hook:
-        atexit.register(shutdown)  # Horovod shuts down at exit too
-        _exit_hook = True
 
 
 def shutdown() -> None:
-    """Leave the job: destroy the process group ``init`` created (safe to call twice)."""
+    """Leave the job: destroy the process group ``hvd.init`` created and drop the session,
+    every owner's state with it (safe to call twice)."""
     global _session
     if _session is None:
         return
@@ -221,7 +206,7 @@ def shutdown() -> None:
 
 
 def is_initialized() -> bool:
-    """Whether :func:`init` has run (and :func:`shutdown` has not)."""
+    """Whether ``hvd.init`` has run (and :func:`shutdown` has not)."""
     return _session is not None
 
 
@@ -319,14 +304,3 @@ def mpi_enabled() -> bool:
 def mpi_threads_supported() -> bool:
     """Horovod's MPI thread-support query: no MPI here, so False."""
     return False
-
-
-def __getattr__(name: str) -> Any:
-    """``global_process_set`` and ``check_process_set`` moved to
-    :mod:`manygpu.horovod.process_sets` (which builds on this module, so it cannot be
-    imported at the top here); the old names still work."""
-    if name in ("global_process_set", "check_process_set"):
-        from manygpu.horovod import process_sets
-
-        return getattr(process_sets, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -18,12 +18,15 @@ from manygpu.comm import debug as dbg
 from manygpu.comm.collectives import barrier as comm_barrier
 from manygpu.comm.common import active, all_gather_single, scratch_device, wait
 from manygpu.errors import CollectiveTimeoutError, UsageError
-from manygpu.horovod.basics import Pending, session
-from manygpu.horovod.checks import agree, describe, wait_pending
+from manygpu.horovod.basics import Scope, session
+from manygpu.horovod.checks import agree
 from manygpu.horovod.exceptions import internal
-from manygpu.horovod.handles import Started, claim, launch, synchronize
+from manygpu.horovod.handles import synchronize
 from manygpu.horovod.joining import BARRIER
-from manygpu.horovod.process_sets import Scope, global_process_set, resolve
+from manygpu.horovod.matching import claim, launch
+from manygpu.horovod.pending import Pending, Started, wait_pending
+from manygpu.horovod.process_sets import global_process_set, resolve
+from manygpu.horovod.reports import describe
 from manygpu.horovod.wire import from_wire, to_wire
 
 

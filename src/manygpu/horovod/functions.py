@@ -20,10 +20,11 @@ from manygpu.comm.common import active
 from manygpu.comm.objects import all_gather_object
 from manygpu.comm.objects import broadcast_object as comm_broadcast_object
 from manygpu.errors import UsageError
-from manygpu.horovod.basics import Pending
-from manygpu.horovod.checks import Entry, agree, wait_pending
+from manygpu.horovod.checks import agree
 from manygpu.horovod.data_ops import check_root
+from manygpu.horovod.pending import Pending, wait_pending
 from manygpu.horovod.process_sets import global_process_set, resolve
+from manygpu.horovod.reports import Entry
 
 
 def _named(params: object) -> list[tuple[str, torch.Tensor]]:

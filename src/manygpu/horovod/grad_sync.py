@@ -34,11 +34,12 @@ from manygpu.comm import debug as dbg
 from manygpu.comm.common import active, debug_requested
 from manygpu.errors import UsageError
 from manygpu.horovod import sparse
-from manygpu.horovod.basics import Pending, session
-from manygpu.horovod.checks import wait_pending
+from manygpu.horovod.basics import Scope, session
 from manygpu.horovod.compression import Compressor
-from manygpu.horovod.joining import StepBeacon
-from manygpu.horovod.process_sets import Scope, next_call, resolve
+from manygpu.horovod.pending import Pending, wait_pending
+from manygpu.horovod.process_sets import resolve
+from manygpu.horovod.reports import next_call
+from manygpu.horovod.stand_in import StepBeacon
 
 
 class GradientSync:

@@ -19,11 +19,12 @@ from typing import Any
 import torch
 
 from manygpu.errors import UsageError
-from manygpu.horovod.basics import Pending, session
+from manygpu.horovod import pending
 from manygpu.horovod.compression import Compression, Compressor
 from manygpu.horovod.data_ops import allgather_async
 from manygpu.horovod.differentiable import grouped_allreduce
-from manygpu.horovod.handles import submit, synchronize
+from manygpu.horovod.handles import synchronize
+from manygpu.horovod.matching import release
 from manygpu.horovod.process_sets import global_process_set, resolve
 from manygpu.horovod.reduce_ops import ReduceOp, reducescatter_async, resolve_op
 
@@ -46,27 +47,20 @@ def _one_handle(start: Callable[[int], int], count: int, what: str, scope: Any) 
     every rank has made it), so ``poll`` asks the parts, and ``synchronize`` waits for
     each part, freeing every part's name even when one fails (a timeout).
     """
-    s = session()
     handles = [start(i) for i in range(count)]
-    parts: list[Pending] = [s.pending[h] for h in handles]
+    first = pending.get(handles[0])
+    seq = first.seq if first is not None else 0
 
     def finish() -> list[torch.Tensor]:
         try:
             return [synchronize(h) for h in handles]
         finally:
             for h in handles:  # the parts not reached when one raised
-                _release(s, s.pending.pop(h, None))
+                part = pending.take(h)
+                if part is not None:  # it will never be synchronized: its name is free
+                    release(part.name)
 
-    handle = submit([], finish, f"{what}({count} tensors)", parts[0].seq, scope)
-    s.pending[handle].parts = handles
-    return handle
-
-
-def _release(s: Any, part: Pending | None) -> None:
-    """Forget a part that will never be synchronized: its name may be used again."""
-    if part is not None and part.name is not None:
-        s.names.discard(part.name)
-        s.deferred.pop(part.name, None)
+    return pending.submit([], finish, f"{what}({count} tensors)", seq, scope, parts=handles)
 
 
 def grouped_allgather_async(

@@ -19,6 +19,12 @@ translation between set ranks and global ranks. As in Horovod, ``root_rank``
 stays a global rank, and a rank outside the set that calls an operation on
 it gets an error (Horovod: "Rank 1 is not a member of the provided process
 set").
+
+This is the first step of a call's path (see the package's docstring): it owns
+the registered sets (:class:`SetTable`, in the session) and the ids of
+:data:`global_process_set`; a :class:`~manygpu.horovod.basics.Scope` is the plain
+value every later step is handed. Adding or removing a set is itself a call,
+agreed on through :mod:`manygpu.horovod.checks`, the next step.
 """
 
 from __future__ import annotations
@@ -26,13 +32,14 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import Any
 
 import torch.distributed as dist
 
 from manygpu.comm.common import active
 from manygpu.errors import UsageError
-from manygpu.horovod.basics import Session, session
+from manygpu.horovod.basics import Scope, owned, session, whole_job
+from manygpu.horovod.checks import agree
+from manygpu.horovod.reports import forget_set
 from manygpu.runtime import env as envmod
 
 
@@ -108,51 +115,16 @@ global_process_set.ranks = []
 global_process_set.process_set_id = 0
 
 
-@dataclass(frozen=True)
-class Scope:
-    """Where one collective runs: a registered set as this rank sees it."""
-
-    set_id: int
-    ranks: tuple[int, ...]
-    """The set's global ranks, in order: set rank ``i`` is global rank ``ranks[i]``."""
-    group: Any
-    """The sub-group; ``None`` for the whole job (torch's default group)."""
-    me: int
-    """This process's global rank."""
-
-    @property
-    def size(self) -> int:
-        return len(self.ranks)
-
-    @property
-    def rank(self) -> int:
-        """This process's rank within the set; -1 outside it."""
-        return self.ranks.index(self.me) if self.me in self.ranks else -1
-
-    @property
-    def whole(self) -> bool:
-        """Whether this is the whole job (the checks and stall notes of the job apply)."""
-        return self.set_id == 0
-
-    def set_rank(self, global_rank: int) -> int:
-        """A global rank's place in the set (the caller checked it belongs)."""
-        return self.ranks.index(global_rank)
-
-    def label(self) -> str:
-        return "" if self.whole else f" in process set {self.set_id} (ranks {list(self.ranks)})"
-
-
 @dataclass
 class SetTable:
-    """The session's registered sets (dropped with it at ``hvd.shutdown``)."""
+    """The session's registered sets (dropped with it at ``hvd.shutdown``); only this
+    module changes it."""
 
-    dynamic: bool
+    dynamic: bool = False
     """Whether ``add_process_set``/``remove_process_set`` are allowed after ``init``."""
     scopes: dict[int, Scope] = field(default_factory=dict)
     free_ids: deque[int] = field(default_factory=deque)
     next_id: int = 1
-    calls: dict[int, int] = field(default_factory=dict)
-    """Collectives started per set: the call numbers a stall report compares."""
 
     def new_id(self) -> int:
         if self.free_ids:
@@ -162,16 +134,7 @@ class SetTable:
 
 
 def _table() -> SetTable:
-    s = session()
-    if s.process_sets is None:
-        s.process_sets = SetTable(dynamic=False)
-    table: SetTable = s.process_sets
-    return table
-
-
-def _whole() -> Scope:
-    topo = session().topology
-    return Scope(set_id=0, ranks=tuple(range(topo.size)), group=None, me=topo.rank)
+    return owned(SetTable)
 
 
 def resolve(process_set: object, what: str, *, member: bool = True) -> Scope:
@@ -183,7 +146,7 @@ def resolve(process_set: object, what: str, *, member: bool = True) -> Scope:
         member: refuse (as Horovod) a rank that is not in the set.
     """
     if process_set is None or process_set is global_process_set:
-        return _whole()
+        return whole_job()
     if not isinstance(process_set, ProcessSet):
         raise UsageError(
             f"{what}: process_set must be a hvd.ProcessSet (hvd.add_process_set(ranks) or "
@@ -203,17 +166,9 @@ def resolve(process_set: object, what: str, *, member: bool = True) -> Scope:
     return scope
 
 
-def next_call(scope: Scope) -> int:
-    """This rank's number for a new collective on ``scope`` (the job's counter for the whole)."""
-    if scope.whole:
-        return session().next_call()
-    calls = _table().calls
-    calls[scope.set_id] = calls.get(scope.set_id, 0) + 1
-    return calls[scope.set_id]
-
-
-def setup(s: Session, process_sets: object) -> None:
-    """At ``hvd.init``: register the static sets in order, or allow dynamic ones."""
+def setup(process_sets: object) -> None:
+    """At ``hvd.init`` (:mod:`manygpu.horovod.lifecycle`), once the session exists:
+    register the static sets in order, or allow dynamic ones."""
     dynamic = envmod.horovod_dynamic_process_sets(envmod.current())
     if isinstance(process_sets, str):
         if process_sets.lower() != "dynamic":
@@ -222,8 +177,8 @@ def setup(s: Session, process_sets: object) -> None:
                 "or 'dynamic'"
             )
         dynamic, process_sets = True, []
-    s.process_sets = SetTable(dynamic=dynamic)
-    global_process_set.ranks = list(range(s.topology.size))
+    _table().dynamic = dynamic
+    global_process_set.ranks = list(range(session().topology.size))
     if process_sets is None:
         process_sets = []
     if not isinstance(process_sets, list | tuple):
@@ -240,8 +195,6 @@ def setup(s: Session, process_sets: object) -> None:
 
 
 def _register(ps: ProcessSet, what: str) -> None:
-    from manygpu.horovod.checks import agree  # checks resolves scopes through this module
-
     table = _table()
     ranks = list(ps.ranks or [])
     size = session().topology.size
@@ -256,7 +209,9 @@ def _register(ps: ProcessSet, what: str) -> None:
         raise UsageError(f"{what}: a process set with ranks {ranks} exists already")
     group = dist.new_group(ranks) if active() else None
     set_id = table.new_id()
-    table.scopes[set_id] = Scope(set_id=set_id, ranks=tuple(ranks), group=group, me=_whole().me)
+    table.scopes[set_id] = Scope(
+        set_id=set_id, ranks=tuple(ranks), group=group, me=session().topology.rank
+    )
     ps.process_set_id = set_id
 
 
@@ -282,8 +237,6 @@ def remove_process_set(process_set: ProcessSet) -> bool:
 
     The global set is never removed (``False``), as in Horovod.
     """
-    from manygpu.horovod.checks import agree
-
     table = _table()
     if not table.dynamic:
         raise UsageError(
@@ -303,7 +256,7 @@ def remove_process_set(process_set: ProcessSet) -> bool:
     if scope is None:
         return False
     table.free_ids.append(set_id)
-    table.calls.pop(set_id, None)
+    forget_set(set_id)
     if scope.group is not None and scope.rank >= 0:
         dist.destroy_process_group(scope.group)
     return True

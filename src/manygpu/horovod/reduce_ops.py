@@ -22,11 +22,15 @@ import torch.distributed as dist
 
 from manygpu.comm.common import active, reduce_scatter_single
 from manygpu.errors import UsageError
-from manygpu.horovod.checks import agree, describe
-from manygpu.horovod.handles import Started, claim, launch, synchronize
+from manygpu.horovod.basics import Scope
+from manygpu.horovod.checks import agree
+from manygpu.horovod.handles import synchronize
 from manygpu.horovod.joining import zeros_spec
+from manygpu.horovod.matching import claim, launch
 from manygpu.horovod.missing import not_supported
-from manygpu.horovod.process_sets import Scope, global_process_set, resolve
+from manygpu.horovod.pending import Started
+from manygpu.horovod.process_sets import global_process_set, resolve
+from manygpu.horovod.reports import describe
 from manygpu.horovod.wire import from_wire, to_wire
 
 

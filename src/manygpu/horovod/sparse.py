@@ -22,11 +22,12 @@ import torch
 import torch.distributed as dist
 
 from manygpu.errors import UsageError
+from manygpu.horovod import pending
 from manygpu.horovod.basics import session
-from manygpu.horovod.checks import describe
 from manygpu.horovod.data_ops import allgather_async
-from manygpu.horovod.handles import submit, synchronize
+from manygpu.horovod.handles import synchronize
 from manygpu.horovod.reduce_ops import ReduceOp, resolve_op
+from manygpu.horovod.reports import describe
 
 
 class SparseHandle(int):
@@ -111,10 +112,11 @@ def start(
             gathered_values = gathered_values * scale
         return _assemble(gathered_indices, gathered_values, template, k)
 
-    inner = [s.pending[values_h], s.pending[indices_h]]
-    works: list[dist.Work | None] = [w for p in inner for w in p.works]  # hvd.poll: both
+    inner = [pending.get(values_h), pending.get(indices_h)]
+    works: list[dist.Work | None] = [w for p in inner if p for w in p.works]  # hvd.poll: both
     desc = describe("sparse_allreduce", template, name)
-    return SparseHandle(submit(works, finish, desc, inner[0].seq))
+    seq = inner[0].seq if inner[0] is not None else 0
+    return SparseHandle(pending.submit(works, finish, desc, seq))
 
 
 def sparse_allreduce_async(
