@@ -6,7 +6,9 @@ timeout, the launcher raises the alarm (in the job's store, for the other
 hosts), asks each of its workers what it is doing, looks from outside at those
 that cannot answer (stopped, exited, silent in native code: ``/proc`` and
 faulthandler's ``SIGUSR2`` dump), and sends one message per host. The host
-that serves the rendezvous store gathers those, prints the verdict
+that serves the rendezvous store gathers those, asks again any rank whose
+open collective the others have already finished (:func:`verdict.behind`: its
+answer was read before its recorder counted that end), prints the verdict
 (:mod:`manygpu.launch.verdict`) and the evidence directory, and every
 launcher then stops its workers. The alarm goes off a little before the
 backend's own timeout, so every rank is still there to be asked.
@@ -279,7 +281,10 @@ class HangWatch:
         self.end_job()
 
     def _await_verdict(self) -> None:
-        deadline = time.monotonic() + GATHER_S + 10
+        # The gathering host's wait, then its questions again, each at most: the pause,
+        # its own ranks' answers, then ours.
+        rechecks = RECHECKS * (RECHECK_WAIT_S + 2 * ANSWER_S + 1.0)
+        deadline = time.monotonic() + GATHER_S + 10 + rechecks
         self.verdict = ("the verdict is printed by the host that serves the store", -1)
         try:
             answered: set[int] = set()
