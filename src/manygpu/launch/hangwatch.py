@@ -6,7 +6,9 @@ timeout, the launcher raises the alarm (in the job's store, for the other
 hosts), asks each of its workers what it is doing, looks from outside at those
 that cannot answer (stopped, exited, silent in native code: ``/proc`` and
 faulthandler's ``SIGUSR2`` dump), and sends one message per host. The host
-that serves the rendezvous store gathers those, prints the verdict
+that serves the rendezvous store gathers those, asks again any rank whose
+open collective the others have already finished (:func:`verdict.behind`: its
+answer was read before its recorder counted that end), prints the verdict
 (:mod:`manygpu.launch.verdict`) and the evidence directory, and every
 launcher then stops its workers. The alarm goes off a little before the
 backend's own timeout, so every rank is still there to be asked.
@@ -36,6 +38,15 @@ GATHER_S = 6.0
 """How long the gathering host waits for the other hosts' messages."""
 POLL_S = 0.5
 STOP_WAIT_S = 5.0
+RECHECK_WAIT_S = 1.0
+"""How long a rank whose answer looks stale (:func:`verdict.behind`) is left before it is
+asked again: two polls of its watcher (``evidence.POLL_S``), so the new answer comes from
+its Flight Recorder's counters read anew."""
+RECHECKS = 2
+"""How many times such a rank is asked again before it is judged on what it last said."""
+RECHECK_MARGIN_S = 1.0
+"""Left, after a last question, for the verdict to be written and sent before the earliest
+waiting rank's own timeout ends it (and its evidence)."""
 """How long :meth:`HangWatch.stop` waits for the watch's thread to leave a store call."""
 
 
@@ -171,14 +182,77 @@ class HangWatch:
     def _judge(self, ask: str) -> None:
         views = self.local_views(ask)
         if self.store is None:
-            self._conclude(views)
+            self._conclude(self._recheck(views))
             return
         self.store.set(self._key(f"host/{self.host}"), json.dumps([asdict(v) for v in views]))
         self.store.add(self._key("hosts"), 1)
         if self.gathers:
-            self._conclude(self._gather())
+            self._conclude(self._recheck(self._gather()))
         else:
             self._await_verdict()
+
+    def _recheck(self, views: list[RankView]) -> list[RankView]:
+        """``views`` with the ranks whose answer looks stale asked again, a bounded number of
+        times and only while the waiting ranks' own timeout leaves room for it."""
+        for round_ in range(1, RECHECKS + 1):
+            stale = verdict.behind(views)
+            if not stale or self._time_left() < RECHECK_WAIT_S + ANSWER_S + RECHECK_MARGIN_S:
+                break
+            time.sleep(RECHECK_WAIT_S)
+            fresh = self._ask_again(stale, round_, {v.rank: v.host for v in views})
+            views = [fresh.get(v.rank, v) for v in views]
+        return views
+
+    def _time_left(self) -> float:
+        """Seconds until the first of this host's waiting ranks reaches its collective's
+        timeout (then its backend ends the wait, and the job); a long time when none waits."""
+        ends = [
+            float(doc["waiting"]["since"]) + float(doc.get("timeout_s") or self.default_timeout_s)
+            for doc in _read_all(self.out, "progress-rank")
+            if doc.get("waiting")
+        ]
+        return min(ends) - time.time() if ends else float(RECHECKS * 3600)
+
+    def _ask_again(
+        self, ranks: list[int], round_: int, hosts: dict[int, str]
+    ) -> dict[int, RankView]:
+        """New views of ``ranks``, those that answered: this host's directly, the other
+        hosts' through the store (``reask/<round>``, answered in ``reanswer/<round>/<host>``)."""
+        ask = uuid.uuid4().hex
+        mine = set(self._hello())
+        remote = [r for r in ranks if r not in mine]
+        if remote and self.store is not None:
+            self.store.set(self._key(f"reask/{round_}"), json.dumps({"ask": ask, "ranks": remote}))
+        fresh = {v.rank: v for v in self._answers(ask, [r for r in ranks if r in mine])}
+        waiting_for = {hosts[r] for r in remote if r in hosts} - {self.host}
+        deadline = time.monotonic() + ANSWER_S + 1.0
+        while waiting_for and self.store is not None and time.monotonic() < deadline:
+            for host in list(waiting_for):
+                key = self._key(f"reanswer/{round_}/{host}")
+                if self.store.check([key]):
+                    fresh.update(
+                        (raw["rank"], _view(raw)) for raw in json.loads(self.store.get(key))
+                    )
+                    waiting_for.discard(host)
+            time.sleep(0.1)
+        return fresh
+
+    def _answer_again(self, answered: set[int]) -> bool:
+        """Answer a ``reask/<round>`` of the gathering host not ``answered`` yet, if one is
+        there, for this host's ranks (a round that asked only the gatherer's own ranks
+        never appears, so every round is looked for)."""
+        for round_ in range(1, RECHECKS + 1):
+            key = self._key(f"reask/{round_}")
+            if round_ in answered or not self.store.check([key]):
+                continue
+            doc = json.loads(self.store.get(key))
+            mine = [r for r in doc["ranks"] if r in self._hello()]
+            views = self._answers(str(doc["ask"]), mine)
+            answer = json.dumps([asdict(v) for v in views])
+            self.store.set(self._key(f"reanswer/{round_}/{self.host}"), answer)
+            answered.add(round_)
+            return True
+        return False
 
     def _gather(self) -> list[RankView]:
         """Every host's views, until they cover the world or the wait is over."""
@@ -207,15 +281,20 @@ class HangWatch:
         self.end_job()
 
     def _await_verdict(self) -> None:
-        deadline = time.monotonic() + GATHER_S + 10
+        # The gathering host's wait, then its questions again, each at most: the pause,
+        # its own ranks' answers, then ours.
+        rechecks = RECHECKS * (RECHECK_WAIT_S + 2 * ANSWER_S + 1.0)
+        deadline = time.monotonic() + GATHER_S + 10 + rechecks
         self.verdict = ("the verdict is printed by the host that serves the store", -1)
         try:
+            answered: set[int] = set()
             while time.monotonic() < deadline:
                 if self.store.check([self._key("verdict")]):
                     doc = json.loads(self.store.get(self._key("verdict")))
                     self.verdict = (doc["line"], int(doc["rank"]))
                     break
-                time.sleep(0.2)
+                if not self._answer_again(answered):
+                    time.sleep(0.2)
         finally:  # the store's host may end (and its store go) before we read it
             self.end_job()
 
@@ -226,20 +305,38 @@ class HangWatch:
 
     def local_views(self, ask: str) -> list[RankView]:
         """What each of this host's ranks is doing: its answer, else what shows from outside."""
-        hello = {int(d["rank"]): int(d["pid"]) for d in _read_all(self.out, "hello-rank")}
-        (self.out / "request").write_text(ask)
-        deadline = time.monotonic() + ANSWER_S
-        answers: dict[int, dict[str, Any]] = {}
-        while time.monotonic() < deadline and len(answers) < len(hello):
-            for doc in _read_all(self.out, "rank"):
-                if doc.get("request") == ask:
-                    answers[int(doc["rank"])] = doc
-            time.sleep(0.1)
+        hello = self._hello()
+        answers = self._ask(ask, set(hello))
         views = []
         for rank, pid in sorted(hello.items()):
             answer = answers.get(rank)
             views.append(self._answered(answer, pid) if answer else self._outside(rank, pid))
         return views
+
+    def _answers(self, ask: str, ranks: list[int]) -> list[RankView]:
+        """The views of those of ``ranks`` (this host's) that answer ``ask`` in time."""
+        hello = self._hello()
+        if not set(ranks) & set(hello):  # nothing to ask here: no request
+            return []
+        answers = self._ask(ask, set(ranks) & set(hello))
+        return [self._answered(doc, hello[rank]) for rank, doc in sorted(answers.items())]
+
+    def _hello(self) -> dict[int, int]:
+        """This host's ranks (of the current attempt) and their pids."""
+        return {int(d["rank"]): int(d["pid"]) for d in _read_all(self.out, "hello-rank")}
+
+    def _ask(self, ask: str, ranks: set[int]) -> dict[int, dict[str, Any]]:
+        """Ask this host's workers (the request file every watcher reads) and collect the
+        answers of ``ranks`` until all came or :data:`ANSWER_S` is over."""
+        (self.out / "request").write_text(ask)
+        deadline = time.monotonic() + ANSWER_S
+        answers: dict[int, dict[str, Any]] = {}
+        while time.monotonic() < deadline and len(answers) < len(ranks):
+            for doc in _read_all(self.out, "rank"):
+                if doc.get("request") == ask and int(doc["rank"]) in ranks:
+                    answers[int(doc["rank"])] = doc
+            time.sleep(0.1)
+        return answers
 
     def _answered(self, doc: dict[str, Any], pid: int) -> RankView:
         rank = int(doc["rank"])

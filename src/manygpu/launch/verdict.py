@@ -101,6 +101,26 @@ def compose(views: list[RankView], world: int) -> tuple[str, int]:
     return _mismatch(in_main, name)
 
 
+def behind(views: list[RankView]) -> list[int]:
+    """Ranks whose open collective another rank of its group has already finished.
+
+    A rank waits in #N of a group while another waits in #M > N of the same group:
+    that other rank finished #N, which every rank of the group takes part in, so
+    the first rank's answer was most likely read before its Flight Recorder
+    counted #N's end (under load, a rank's threads can lag its peers' by seconds).
+    Blamed on that answer, a healthy rank would be named ("rank 0 waits in
+    all_reduce #9 while ranks 1-3 wait in all_reduce #10") instead of the one
+    that called something else: the launcher asks such ranks again first.
+    """
+    newest: dict[str, int] = {}
+    for v in views:
+        if v.waiting is not None:
+            newest[v.waiting.pg] = max(newest.get(v.waiting.pg, -1), v.waiting.seq)
+    return sorted(
+        v.rank for v in views if v.waiting is not None and v.waiting.seq < newest[v.waiting.pg]
+    )
+
+
 def _absent(
     others: list[RankView], missing: list[int], name: str, wait_text: str
 ) -> tuple[str, int]:
