@@ -95,9 +95,10 @@ class Parallel:
                     self.precision, self.precision_choice)  # fmt: skip
         parts = assemble(self._current, facts, environ)
         self._accumulator, self._reports, self._prep = parts.accumulator, parts.reports, parts.prep
-        self.console, self.events, self.collectives = parts.console, parts.events, parts.collectives
-        """The job's optimizer steps and what runs at each (:mod:`manygpu.core.steps`)."""
+        self.console, self.collectives = parts.console, parts.collectives
         self.job_log, self.profiler = parts.job_log, parts.profiler
+        self.events = parts.events
+        """The job's optimizer steps and what runs at each (:mod:`manygpu.core.steps`)."""
         self.job_state = parts.job_state
         """What a ``Checkpointer`` saves and restores of the job (:mod:`.job_state`)."""
         if (said := announcement(self.precision_choice, self._device_name)) is not None:
