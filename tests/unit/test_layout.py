@@ -14,7 +14,9 @@ from pathlib import Path
 import pytest
 
 from manygpu.strategies import available, card, get_strategy
+from manygpu.strategies.axes import axis_names
 from manygpu.strategies.base import Strategy
+from manygpu.strategies.registry import PACKAGES
 
 SRC = Path(__file__).resolve().parents[2] / "src" / "manygpu"
 FILES = sorted(SRC.rglob("*.py"))
@@ -155,6 +157,38 @@ def test_no_strategy_names_outside_strategies() -> None:
             if found:
                 wrong.append(f"{_module(path)}:{node.lineno} ({', '.join(found)})")
     assert wrong == [], "strategy names outside strategies/: " + "; ".join(wrong)
+
+
+def _axes_named(node: ast.AST, names: set[str]) -> list[str]:
+    """Axis names ``node`` branches on, indexes by, keys by or lists (a literal of
+    axis names only: the strategy packages' list shares ``dp`` and ``fsdp``)."""
+    if isinstance(node, ast.Compare):
+        return [n for c in [node.left, *node.comparators] for n in _names_in(c, names)]
+    if isinstance(node, ast.Subscript):
+        return _names_in(node.slice, names) if isinstance(node.slice, ast.Constant) else []
+    if isinstance(node, ast.Dict):
+        return [n for k in node.keys if k is not None for n in _names_in(k, names)]
+    if isinstance(node, ast.Tuple | ast.List | ast.Set):
+        found = _names_in(node, names)
+        return found if len(found) >= 2 and len(found) == len(node.elts) else []
+    return []
+
+
+def test_mesh_axes_are_named_only_in_their_table() -> None:
+    """The mesh's axes are data (strategies/axes.py): a new one is a table entry and a
+    strategy package whose card names it. Elsewhere code asks the table (the data
+    axes, the replica axis, the order) instead of naming an axis."""
+    names = set(axis_names())
+    own = [SRC / "strategies" / p for p in PACKAGES]
+    wrong = []
+    for path in FILES:
+        if path == SRC / "strategies" / "axes.py" or any(p in path.parents for p in own):
+            continue
+        for node in ast.walk(_tree(path)):
+            found = _axes_named(node, names)
+            if found:
+                wrong.append(f"{_module(path)}:{node.lineno} ({', '.join(found)})")
+    assert wrong == [], "mesh axes named outside strategies/axes.py: " + "; ".join(wrong)
 
 
 def test_every_registered_strategy_is_complete() -> None:
