@@ -201,8 +201,14 @@ def test_every_registered_strategy_is_complete() -> None:
         assert entry.checkpoint.name in ("full", "dcp")
         assert isinstance(entry.changes_loop, bool) and isinstance(entry.one_process, bool)
         assert cls.multi_process is not entry.one_process
+        # The axes it composes are the table's, in the mesh's order.
+        composed = entry.axes()
+        assert composed == tuple(n for n in axis_names() if n in composed), entry.name
+        assert entry.mesh_default in ("", *composed) and entry.hybrid_for in ("", *composed)
     simplicity = [card(n).simplicity for n in available()]
     assert len(set(simplicity)) == len(simplicity), "two strategies tie on simplicity"
+    leads = [card(n).hybrid_for for n in available() if card(n).hybrid_for]
+    assert len(set(leads)) == len(leads), "two strategies lead one axis for 'hybrid'"
 
 
 def test_files_and_functions_stay_small() -> None:
