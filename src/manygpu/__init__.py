@@ -23,7 +23,7 @@ if TYPE_CHECKING:
         DataParallel,
         DDPOptions,
         FSDPOptions,
-        MeshSpec,
+        MeshShape,
         ModelParallel,
         Parallelize,
         Pipeline,
@@ -58,13 +58,13 @@ _WHERE = {
     "ModelParallel": "manygpu.strategies.model",
     "DataParallel": "manygpu.strategies.dp",
     "Single": "manygpu.strategies.single",
+    "MeshShape": "manygpu.strategies.mesh",
     # Deprecated names of the same objects (the options before strategies carried them).
     "DDPOptions": "manygpu.strategies",
     "FSDPOptions": "manygpu.strategies",
     "PipelineOptions": "manygpu.strategies",
     "PSOptions": "manygpu.strategies",
     "TensorOptions": "manygpu.strategies",
-    "MeshSpec": "manygpu.strategies.mesh",
 }
 _getattr, _dir = _lazy.exports(__name__, _WHERE)
 
@@ -93,7 +93,7 @@ __all__ = [
     "FSDPOptions",
     "LaunchError",
     "ManyGPUError",
-    "MeshSpec",
+    "MeshShape",
     "ModelParallel",
     "PSOptions",
     "Parallel",

@@ -14,7 +14,9 @@ from pathlib import Path
 import pytest
 
 from manygpu.strategies import available, card, get_strategy
+from manygpu.strategies.axes import axis_names
 from manygpu.strategies.base import Strategy
+from manygpu.strategies.registry import PACKAGES
 
 SRC = Path(__file__).resolve().parents[2] / "src" / "manygpu"
 FILES = sorted(SRC.rglob("*.py"))
@@ -163,6 +165,38 @@ def test_no_strategy_names_outside_strategies() -> None:
     assert wrong == [], "strategy names outside strategies/: " + "; ".join(wrong)
 
 
+def _axes_named(node: ast.AST, names: set[str]) -> list[str]:
+    """Axis names ``node`` branches on, indexes by, keys by or lists (a literal of
+    axis names only: the strategy packages' list shares ``dp`` and ``fsdp``)."""
+    if isinstance(node, ast.Compare):
+        return [n for c in [node.left, *node.comparators] for n in _names_in(c, names)]
+    if isinstance(node, ast.Subscript):
+        return _names_in(node.slice, names) if isinstance(node.slice, ast.Constant) else []
+    if isinstance(node, ast.Dict):
+        return [n for k in node.keys if k is not None for n in _names_in(k, names)]
+    if isinstance(node, ast.Tuple | ast.List | ast.Set):
+        found = _names_in(node, names)
+        return found if len(found) >= 2 and len(found) == len(node.elts) else []
+    return []
+
+
+def test_mesh_axes_are_named_only_in_their_table() -> None:
+    """The mesh's axes are data (strategies/axes.py): a new one is a table entry and a
+    strategy package whose card names it. Elsewhere code asks the table (the data
+    axes, the replica axis, the order) instead of naming an axis."""
+    names = set(axis_names())
+    own = [SRC / "strategies" / p for p in PACKAGES]
+    wrong = []
+    for path in FILES:
+        if path == SRC / "strategies" / "axes.py" or any(p in path.parents for p in own):
+            continue
+        for node in ast.walk(_tree(path)):
+            found = _axes_named(node, names)
+            if found:
+                wrong.append(f"{_module(path)}:{node.lineno} ({', '.join(found)})")
+    assert wrong == [], "mesh axes named outside strategies/axes.py: " + "; ".join(wrong)
+
+
 def test_every_registered_strategy_is_complete() -> None:
     """Adding a strategy means a card with every field, and a class behind it."""
     for name in available():
@@ -173,8 +207,14 @@ def test_every_registered_strategy_is_complete() -> None:
         assert entry.checkpoint.name in ("full", "dcp")
         assert isinstance(entry.changes_loop, bool) and isinstance(entry.one_process, bool)
         assert cls.multi_process is not entry.one_process
+        # The axes it composes are the table's, in the mesh's order.
+        composed = entry.axes()
+        assert composed == tuple(n for n in axis_names() if n in composed), entry.name
+        assert entry.mesh_default in ("", *composed) and entry.hybrid_for in ("", *composed)
     simplicity = [card(n).simplicity for n in available()]
     assert len(set(simplicity)) == len(simplicity), "two strategies tie on simplicity"
+    leads = [card(n).hybrid_for for n in available() if card(n).hybrid_for]
+    assert len(set(leads)) == len(leads), "two strategies lead one axis for 'hybrid'"
 
 
 def test_files_and_functions_stay_small() -> None:

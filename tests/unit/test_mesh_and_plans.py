@@ -9,23 +9,23 @@ from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
 from manygpu import Parallel, UsageError
 from manygpu.core.config import ParallelConfig
-from manygpu.strategies import MeshSpec, Pipeline
+from manygpu.strategies import MeshShape, Pipeline
 from manygpu.strategies.splitting import balanced_cuts, starts_from_split_points
 from manygpu.strategies.tensor.strategy import check_divisible, default_plan, resolve_plan
 
 
 def test_minus_one_is_inferred() -> None:
-    assert MeshSpec(dp=2, tp=-1).resolve(8).sizes() == {"pp": 1, "dp": 2, "fsdp": 1, "tp": 4}
+    assert MeshShape(dp=2, tp=-1).resolve(8).sizes() == {"pp": 1, "dp": 2, "fsdp": 1, "tp": 4}
 
 
 def test_wrong_product_names_every_factor() -> None:
     with pytest.raises(UsageError, match=r"mesh dp\(2\) \* tp\(4\) = 8 != WORLD_SIZE\(6\)"):
-        MeshSpec(dp=2, tp=4).resolve(6)
+        MeshShape(dp=2, tp=4).resolve(6)
 
 
 def test_uninferable_size_names_the_others() -> None:
     with pytest.raises(UsageError, match=r"cannot infer mesh size fsdp=-1: pp\(2\) \* tp\(2\)"):
-        MeshSpec(pp=2, fsdp=-1, tp=2).resolve(6)
+        MeshShape(pp=2, fsdp=-1, tp=2).resolve(6)
 
 
 @pytest.mark.parametrize(
@@ -43,7 +43,7 @@ def test_bad_mesh_specs(mesh: dict[str, object], match: str) -> None:
 
 
 def test_coords_are_row_major_and_data_rank_ignores_pp_and_tp() -> None:
-    spec = MeshSpec(pp=2, dp=2, tp=2).resolve(8)
+    spec = MeshShape(pp=2, dp=2, tp=2).resolve(8)
     assert spec.coords(5) == {"pp": 1, "dp": 0, "fsdp": 0, "tp": 1}
     assert [spec.data_rank(r) for r in range(8)] == [0, 0, 1, 1, 0, 0, 1, 1]
     assert spec.data_size == 2

@@ -75,7 +75,7 @@ def test_every_candidates_line_is_a_valid_config_of_what_was_counted(precision: 
             assert spec.param_dtype == want
         mesh = config.mesh
         if mesh is not None:  # the layout text and the mesh are the same sizes
-            sizes = {k: v for k, v in vars(mesh).items() if v > 1 or k == "dp"}
+            sizes = {k: v for k, v in mesh.sizes().items() if v > 1 or k == "dp"}
             assert r.layout() == " x ".join(f"{k} {v}" for k, v in sizes.items())
         assert (
             config.precision == {"bf16": "bf16", "fp32": "fp32-strict", "tf32": "fp32"}[precision]

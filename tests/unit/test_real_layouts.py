@@ -129,7 +129,7 @@ def test_clip_grad_norm_in_one_process_equals_torch() -> None:
 def test_star_import_exports_the_option_classes() -> None:
     scope: dict[str, object] = {}
     exec("from manygpu import *", scope)
-    for name in ("FSDPOptions", "DDPOptions", "PipelineOptions", "TensorOptions", "MeshSpec"):
+    for name in ("FSDPOptions", "DDPOptions", "PipelineOptions", "TensorOptions", "MeshShape"):
         assert name in scope
 
 

@@ -13,7 +13,7 @@ from manygpu.strategies import (
     CompileOptions,
     JobOptions,
     Legacy,
-    MeshSpec,
+    MeshShape,
     StrategySpec,
     serving_strategy,
     spec_class,
@@ -77,8 +77,9 @@ class ParallelConfig:
     """Deprecated: ``strategy=Tensor(...)``."""
     ps: Any = None
     """Deprecated: ``strategy=PS(...)``."""
-    mesh: MeshSpec | Mapping[str, int] | None = None
-    """Sizes per named dimension (``pp``, ``dp``, ``fsdp``, ``tp``), e.g.
+    mesh: MeshShape | Mapping[str, int] | None = None
+    """Sizes per named axis (``pp``, ``dp``, ``fsdp``, ``tp``: the table in
+    :mod:`manygpu.strategies.axes`), e.g.
     ``{"dp": 2, "tp": -1}``; ``-1`` is inferred from the world size."""
     channels_last: bool | None = None
     """Store 4-D weights and image batches channels_last (NHWC), which convolution
@@ -114,7 +115,7 @@ class ParallelConfig:
 
     def __post_init__(self) -> None:
         if self.mesh is not None:
-            object.__setattr__(self, "mesh", MeshSpec.parse(self.mesh))
+            object.__setattr__(self, "mesh", MeshShape.parse(self.mesh))
         self._check_strategy()
         if self.precision not in PRECISIONS:
             raise UsageError(
@@ -193,7 +194,7 @@ class ParallelConfig:
     def job_options(self, precision: str) -> JobOptions:
         """What every strategy is told of the job, with ``precision`` as resolved."""
         return JobOptions(
-            mesh=self.mesh if isinstance(self.mesh, MeshSpec) else None,
+            mesh=self.mesh if isinstance(self.mesh, MeshShape) else None,
             precision=precision,
             grad_accum_steps=self.grad_accum_steps,
             compile=self.compile_options,
@@ -220,7 +221,7 @@ class ParallelConfig:
         """
         if isinstance(self.strategy, StrategySpec):
             return self.strategy.name
-        mesh = self.mesh if isinstance(self.mesh, MeshSpec) else None
+        mesh = self.mesh if isinstance(self.mesh, MeshShape) else None
         return resolve_name(self.strategy, mesh, world_size, served)
 
 

@@ -12,11 +12,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from manygpu.plan.memory import FP32_BYTES, element_bytes, params_in_compute_dtype
-from manygpu.strategies.mesh import MESH_DIMS
+from manygpu.strategies.axes import axis_names, replica_axis
 from manygpu.strategies.registry import StrategyCard, card, spec_class
 
-DATA_DIM = "dp"
-"""The mesh dimension of plain data-parallel replicas."""
 PARALLEL_PRECISION = {"fp32": "fp32-strict", "tf32": "fp32", "bf16": "bf16", "fp16": "fp16"}
 """The planner's precisions as ``Parallel(precision=...)`` spells them: its ``"fp32"``
 already runs matmuls in TF32 on a GPU, so the planner's true fp32 is ``"fp32-strict"``."""
@@ -82,24 +80,25 @@ class Recipe:
         return " x ".join(f"{dim} {size}" for dim, size in self.mesh().items())
 
     def mesh(self) -> dict[str, int]:
-        """Mesh sizes in the mesh's order: the data-parallel replicas, and the ways
-        where the card asks for them as a mesh dimension."""
-        sizes = {DATA_DIM: self.data_parallel}
-        if self.card.ways_option in MESH_DIMS:
-            sizes[self.card.ways_option] = self.ways
-        return {dim: sizes[dim] for dim in MESH_DIMS if dim in sizes}
+        """Mesh sizes in the mesh's order: the data-parallel replicas (on the replica
+        axis), and the ways where the card asks for them on a mesh axis."""
+        sizes = {replica_axis(): self.data_parallel}
+        ways_axis = self.card.plan_axis()
+        if ways_axis is not None:
+            sizes[ways_axis] = self.ways
+        return {name: sizes[name] for name in axis_names() if name in sizes}
 
     def parallel_line(self) -> str:
         """The ``Parallel(...)`` call that runs what the planner counted."""
         c = self.card
         options = list(c.required_options)
-        if c.ways_option and c.ways_option not in MESH_DIMS:
+        if c.ways_option and c.plan_axis() is None:
             options.append(f"{c.ways_option}={self.ways}")
         if self.low_precision_params:
             options.append(f'{c.memory.compute_dtype_option}="{self.precision}"')
         name = spec_class(self.strategy).__name__
         args = [f"strategy={name}({', '.join(options)})" if options else f'strategy="{c.name}"']
-        if c.ways_option in MESH_DIMS:
+        if c.plan_axis() is not None:
             sizes = ", ".join(f'"{dim}": {size}' for dim, size in self.mesh().items())
             args.append(f"mesh={{{sizes}}}")
         args.append(f'precision="{PARALLEL_PRECISION[self.precision]}"')

@@ -21,6 +21,7 @@ from manygpu.plan.desc import ModelDesc
 from manygpu.plan.devices import resolve_precision
 from manygpu.plan.hardware import Cluster
 from manygpu.plan.recipe import Recipe
+from manygpu.strategies.axes import axis
 from manygpu.strategies.registry import StrategyCard, card, cards
 
 NEAR_TIE = 0.02
@@ -169,13 +170,15 @@ def _fits_none(
 
 
 def _ways(entry: StrategyCard, world: int, gpus_per_node: int) -> list[int]:
-    """The model-split sizes the planner tries for one strategy (see ``plan_ways``)."""
+    """The model-split sizes the planner tries for one strategy (see ``plan_ways``):
+    on a mesh axis, the world's divisors, within a node where the axis stays in one."""
     splits = [w for w in (2, 4, 8, 16, 32, 64) if w <= world and world % w == 0]
+    ways_axis = entry.plan_axis()
+    in_node = ways_axis is not None and axis(ways_axis).in_node
     return {
         "one": [1],
         "local_devices": list(range(2, gpus_per_node + 1)),
-        "node_divisors": [w for w in splits if w <= gpus_per_node],
-        "divisors": splits,
+        "axis": [w for w in splits if w <= gpus_per_node or not in_node],
         "servers": [k for k in (1, 2, 4, 8, 16, 32) if k <= world // 2],
         "never": [],
     }[entry.plan_ways]

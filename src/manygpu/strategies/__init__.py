@@ -10,7 +10,7 @@ from manygpu.strategies.base import JobOptions, Strategy
 from manygpu.strategies.ddp import DDP, Zero1
 from manygpu.strategies.dp import DataParallel
 from manygpu.strategies.fsdp import FSDP, Zero2
-from manygpu.strategies.mesh import MeshSpec, strategy_for_mesh
+from manygpu.strategies.mesh import MeshShape
 from manygpu.strategies.model import ModelParallel
 from manygpu.strategies.options import CompileOptions
 from manygpu.strategies.parallelize import Parallelize
@@ -25,6 +25,7 @@ from manygpu.strategies.registry import (
     register,
     serving_strategy,
     spec_class,
+    strategy_for_mesh,
 )
 from manygpu.strategies.single import Single
 from manygpu.strategies.spec import Legacy, StrategySpec
@@ -48,7 +49,7 @@ __all__ = [
     "FSDPOptions",
     "JobOptions",
     "Legacy",
-    "MeshSpec",
+    "MeshShape",
     "ModelParallel",
     "PSOptions",
     "Parallelize",

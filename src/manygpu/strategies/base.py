@@ -19,14 +19,15 @@ from torch import nn
 from manygpu.errors import UsageError
 from manygpu.runtime.cluster import ClusterInfo
 from manygpu.runtime.process_group import DistContext
-from manygpu.strategies.mesh import MeshSpec
+from manygpu.strategies.axes import replica_axis
+from manygpu.strategies.mesh import MeshShape, check_axes
 from manygpu.strategies.options import CompileOptions, compile_in_place
+from manygpu.strategies.registry import StrategyCard, cards
 from manygpu.strategies.spec import StrategySpec
 from manygpu.transforms.fp8 import check_fp8_strategy
 
 if TYPE_CHECKING:
     from manygpu.checkpoint_io.formats import Format
-    from manygpu.strategies.registry import StrategyCard
 
 
 OptionsT = TypeVar("OptionsT", bound=StrategySpec)
@@ -36,8 +37,8 @@ OptionsT = TypeVar("OptionsT", bound=StrategySpec)
 class JobOptions:
     """What the job asks of every strategy (its own knobs are on its object)."""
 
-    mesh: MeshSpec | None = None
-    """Sizes per named dimension for strategies that compose (``None``: their default)."""
+    mesh: MeshShape | None = None
+    """Sizes per named axis for strategies that compose (``None``: their default)."""
     precision: str = "fp32"
     """The job's precision, for strategies that must refuse one."""
     grad_accum_steps: int = 1
@@ -46,6 +47,17 @@ class JobOptions:
     """``torch.compile`` settings when the job compiles its model (``None``: it does not)."""
     channels_last: bool | None = None
     """The job's channels_last setting (``None``: automatic), for strategies that refuse it."""
+
+
+def composers() -> str:
+    """The strategies that take a mesh, from their cards: ``fsdp, tensor, ...; ddp and
+    model take dp`` (those composing replicas alone last)."""
+    replicas = (replica_axis(),)
+    composing = [c for c in cards() if c.axes()]
+    wide = [c.name for c in composing if c.axes() != replicas]
+    narrow = [c.name for c in composing if c.axes() == replicas]
+    tail = f"{', '.join(narrow[:-1])} and {narrow[-1]}" if len(narrow) > 1 else "".join(narrow)
+    return f"{', '.join(wide)}; {tail} take {replicas[0]}" if narrow else ", ".join(wide)
 
 
 def given_repr(obj: Any) -> str:
@@ -134,11 +146,16 @@ class Strategy(ABC, Generic[OptionsT]):
                 f"strategy {cls.name!r} runs one process that drives its devices, but this "
                 f"job has {cluster.world_size} processes; {cls.instead}"
             )
-        if job.mesh is not None:
+        if job.mesh is None:
+            return
+        if not cls.card.axes():
             raise UsageError(
                 f"strategy {cls.name!r} takes no mesh; give a mesh to a strategy that composes "
-                "its dimensions (fsdp, tensor, pipeline, parallelize; ddp and model take dp)"
+                f"its dimensions ({composers()})"
             )
+        # A mesh of the axes its card names (a replicating strategy's: replicas only).
+        check_axes(cls.name, job.mesh, cls.card.axes())
+        job.mesh.resolve(cluster.world_size)
 
     @classmethod
     def validate_features(cls, options: OptionsT, job: JobOptions) -> None:

@@ -19,16 +19,17 @@ from typing import TYPE_CHECKING, Any, Literal, TypeVar
 
 from manygpu.checkpoint_io.formats import Format
 from manygpu.errors import UsageError
+from manygpu.strategies.axes import axis_names, deciding_axis, is_axis
 from manygpu.strategies.costs import CommModel, MemoryModel
-from manygpu.strategies.mesh import MeshSpec, strategy_for_mesh
 
 if TYPE_CHECKING:
     from manygpu.strategies.base import Strategy
+    from manygpu.strategies.mesh import MeshShape
     from manygpu.strategies.spec import StrategySpec
 
     T = TypeVar("T", bound=type[StrategySpec])
 
-Ways = Literal["one", "local_devices", "node_divisors", "divisors", "servers", "never"]
+Ways = Literal["one", "local_devices", "axis", "servers", "never"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -48,13 +49,23 @@ class StrategyCard:
     """One process drives every device it uses (a candidate for a one-process job)."""
     plan_ways: Ways
     """Model-split sizes the planner tries: none (``one``), 2..GPUs of a node
-    (``local_devices``), divisors of the world within a node (``node_divisors``)
-    or across nodes (``divisors``), server counts (``servers``: 1, 2, 4... up to
-    half the world); ``never``: not a planner candidate."""
+    (``local_devices``), divisors of the world on the mesh axis ``ways_option``
+    names (``axis``: within a node when the axis stays inside one), server counts
+    (``servers``: 1, 2, 4... up to half the world); ``never``: not a planner candidate."""
     ways_option: str = ""
-    """How a user asks for the planner's ways: a mesh dimension (``"tp"``, ``"pp"``;
-    the rest of the world on ``dp``) or an option of the strategy's object
+    """How a user asks for the planner's ways: a mesh axis (``"tp"``, ``"pp"``;
+    the rest of the world on the replica axis) or an option of the strategy's object
     (``"servers"``, ``"stages"``); empty when it has no ways."""
+    mesh_axes: tuple[str, ...] | Literal["all"] = ()
+    """The mesh axes it composes, outermost first (a mesh sizing any other is
+    refused); ``"all"``: every axis of the table (the user's plan uses them);
+    empty: it takes no mesh."""
+    mesh_default: str = ""
+    """The axis that takes every rank when the job gives no mesh (``"fsdp"``);
+    empty: it runs without a mesh unless one is given."""
+    hybrid_for: str = ""
+    """The axis it composes for ``strategy="hybrid"``: a mesh whose deciding axis
+    this is (see :func:`~.axes.deciding_axis`) picks it. One strategy per axis."""
     required_options: tuple[str, ...] = ()
     """Options its object cannot train without, shown in the planner's
     ``Parallel(...)`` line for the user to fill in (``"loss_fn=..."``)."""
@@ -63,6 +74,14 @@ class StrategyCard:
     --ps K`` picks it when the script names no strategy."""
     name: str = ""
     """Set by :func:`register` from the strategy's object."""
+
+    def axes(self) -> tuple[str, ...]:
+        """The mesh axes it composes, outermost first (``"all"``: the table's, now)."""
+        return axis_names() if self.mesh_axes == "all" else self.mesh_axes
+
+    def plan_axis(self) -> str | None:
+        """The mesh axis its planner ways go on (``ways_option``), or ``None``."""
+        return self.ways_option if is_axis(self.ways_option) else None
 
 
 PACKAGES: tuple[str, ...] = (
@@ -160,7 +179,20 @@ def check_name(name: str | None, has_mesh: bool) -> None:
         spec_class(name)  # raises with the list of names
 
 
-def resolve_name(name: str | None, mesh: MeshSpec | None, world_size: int, served: bool) -> str:
+def strategy_for_mesh(shape: MeshShape) -> str:
+    """The strategy that composes the axes a mesh asks for (``strategy="hybrid"``): the
+    one whose card is ``hybrid_for`` the mesh's deciding axis."""
+    decides = deciding_axis(shape.sizes())
+    leads = [c.name for c in cards() if c.hybrid_for == decides]
+    if len(leads) != 1:
+        raise UsageError(
+            f"strategy='hybrid' needs one strategy whose card composes mesh dimension "
+            f"{decides!r} (hybrid_for), found {leads or 'none'}; name the strategy"
+        )
+    return leads[0]
+
+
+def resolve_name(name: str | None, mesh: MeshShape | None, world_size: int, served: bool) -> str:
     """The registered strategy a name (or no name) stands for in a job of ``world_size``.
 
     ``"hybrid"`` (or no name with a mesh): the strategy composing the mesh; no name

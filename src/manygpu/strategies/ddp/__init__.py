@@ -31,6 +31,7 @@ class DDP(StrategySpec):
     card: ClassVar[StrategyCard] = StrategyCard(
         simplicity=1, changes_loop=False, checkpoint=FULL, memory=MemoryModel(),
         comm=CommModel(grads="all_reduce"), one_process=False, plan_ways="one",
+        mesh_axes=("dp",), hybrid_for="dp",
     )  # fmt: skip
 
     bucket_cap_mb: float = 25.0
@@ -77,7 +78,7 @@ class Zero1(DDP):
     card: ClassVar[StrategyCard] = StrategyCard(
         simplicity=2, changes_loop=False, checkpoint=FULL, memory=MemoryModel(optimizer="world"),
         comm=CommModel(grads="all_reduce", gather_after_step=True), one_process=False,
-        plan_ways="one",
+        plan_ways="one", mesh_axes=("dp",),
     )  # fmt: skip
 
     @classmethod

@@ -11,11 +11,9 @@ from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel
 
 from manygpu.errors import UsageError
-from manygpu.runtime.cluster import ClusterInfo
 from manygpu.strategies.abilities import CommProbe
-from manygpu.strategies.base import JobOptions, Strategy
+from manygpu.strategies.base import Strategy
 from manygpu.strategies.ddp import DDP
-from manygpu.strategies.mesh import check_dims
 from manygpu.strategies.options import CompileOptions, compile_in_place
 from manygpu.transforms.fp8 import TrainsFp8
 
@@ -39,13 +37,6 @@ class DDPStrategy(Strategy[DDP], TrainsFp8):
 
     needs_process_group = True
     shards_data = True
-
-    @classmethod
-    def validate_world(cls, cluster: ClusterInfo, options: DDP, job: JobOptions) -> None:
-        # A mesh of data-parallel replicas only (what strategy="hybrid" maps here).
-        if job.mesh is not None:
-            check_dims(cls.name, job.mesh, ("dp",))
-            job.mesh.resolve(cluster.world_size)
 
     def setup_module(self, module: nn.Module) -> nn.Module:
         opts = self.options

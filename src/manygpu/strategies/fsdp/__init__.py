@@ -37,7 +37,7 @@ class FSDP(StrategySpec):
         memory=MemoryModel(weights="world", grads="world", optimizer="world", gathered="unit",
                            compute_dtype_option="param_dtype"),
         comm=CommModel(grads="reduce_scatter", weight_gathers=2), one_process=False,
-        plan_ways="one",
+        plan_ways="one", mesh_axes=("dp", "fsdp"), mesh_default="fsdp", hybrid_for="fsdp",
     )  # fmt: skip
     reshard_after_forward: ClassVar[bool] = True
     """Free each unit's gathered parameters after its forward (ZeRO-3), to gather
@@ -93,7 +93,7 @@ class Zero2(FSDP):
         memory=MemoryModel(weights="world", grads="world", optimizer="world", gathered="whole",
                            compute_dtype_option="param_dtype"),
         comm=CommModel(grads="reduce_scatter", weight_gathers=1), one_process=False,
-        plan_ways="one",
+        plan_ways="one", mesh_axes=("dp", "fsdp"), mesh_default="fsdp",
     )  # fmt: skip
     reshard_after_forward: ClassVar[bool] = False
 

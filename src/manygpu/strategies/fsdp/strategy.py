@@ -17,7 +17,6 @@ Parameters become DTensors sharded on dim 0; an optimizer built before
 from __future__ import annotations
 
 from dataclasses import replace
-from typing import ClassVar
 
 from torch import nn
 from torch.distributed.fsdp import FSDPModule
@@ -37,15 +36,13 @@ class FSDPStrategy(MeshStrategy[FSDP], Fsdp2Fp8):
 
     needs_process_group = True
     shards_data = True
-    mesh_dims = ("dp", "fsdp")
-    default_mesh: ClassVar[dict[str, int]] = {"fsdp": -1}
 
     def setup_module(self, module: nn.Module) -> nn.Module:
         opts = self.options
         if not opts.cpu_offload:
             module = module.to(self.ctx.device)
         names = self.mesh_names
-        mesh = job_mesh(self.ctx, self.spec, names)
+        mesh = job_mesh(self.ctx, self.shape, names)
         kwargs = fsdp_kwargs(
             opts, self.ctx.device, reshard_after_forward=opts.reshard_after_forward
         )

@@ -25,7 +25,7 @@ class ModelParallel(StrategySpec):
         simplicity=5, changes_loop=True, checkpoint=FULL,
         memory=MemoryModel(weights="ways", grads="ways", optimizer="ways", activations="ways"),
         comm=CommModel(replica="one_process", grads="none"), one_process=True,
-        plan_ways="local_devices", ways_option="stages",
+        plan_ways="local_devices", ways_option="stages", mesh_axes=("dp",),
     )  # fmt: skip
 
     stages: int | None = None

@@ -22,10 +22,8 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from manygpu.errors import UsageError
-from manygpu.runtime.cluster import ClusterInfo
 from manygpu.runtime.device import move_to_device
-from manygpu.strategies.base import JobOptions, Strategy
-from manygpu.strategies.mesh import check_dims
+from manygpu.strategies.base import Strategy
 from manygpu.strategies.model import ModelParallel
 from manygpu.strategies.splitting import balanced_cuts, param_sizes
 
@@ -61,15 +59,6 @@ class ModelParallelStrategy(Strategy[ModelParallel]):
     """First layer of each stage (after ``setup_module``)."""
     stage_devices: list[torch.device]
     """The device of each stage."""
-
-    @classmethod
-    def validate_world(cls, cluster: ClusterInfo, options: ModelParallel, job: JobOptions) -> None:
-        mesh = job.mesh
-        if mesh is None:
-            super().validate_world(cluster, options, job)
-            return
-        check_dims(cls.name, mesh, ("dp",))
-        mesh.resolve(cluster.world_size)
 
     @property
     def _replicated(self) -> bool:

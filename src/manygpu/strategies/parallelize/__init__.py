@@ -35,6 +35,7 @@ class Parallelize(StrategySpec):
     card: ClassVar[StrategyCard] = StrategyCard(
         simplicity=10, changes_loop=True, checkpoint=DCP, memory=MemoryModel(),
         comm=CommModel(grads="all_reduce"), one_process=False, plan_ways="never",
+        mesh_axes="all", mesh_default="fsdp",
     )  # fmt: skip
 
     fn: Callable[[Any, Any], Any]

@@ -2,14 +2,12 @@
 
 from __future__ import annotations
 
-from typing import ClassVar
-
 from torch import nn
 
 from manygpu.errors import UsageError
 from manygpu.runtime.process_group import DistContext
 from manygpu.strategies.base import JobOptions
-from manygpu.strategies.mesh import MESH_DIMS, job_mesh
+from manygpu.strategies.mesh import job_mesh
 from manygpu.strategies.parallelize import Parallelize
 from manygpu.strategies.sharded import MeshStrategy
 
@@ -20,18 +18,16 @@ class ParallelizeStrategy(MeshStrategy[Parallelize]):
     spec_class = Parallelize
     needs_process_group = True
     shards_data = True
-    mesh_dims = MESH_DIMS
-    default_mesh: ClassVar[dict[str, int]] = {"fsdp": -1}
 
     def __init__(self, ctx: DistContext, options: Parallelize, job: JobOptions) -> None:
         super().__init__(ctx, options, job)
-        sizes = self.spec.sizes()
-        # Every dimension the user sized, in the mesh's order (fsdp when none is).
-        self.mesh_names = tuple(n for n in MESH_DIMS if sizes[n] != 1) or ("fsdp",)
+        # Every axis the user sized, in the mesh's order (the card's default when none
+        # is): the user's plan gets the mesh they asked for, not FSDP2's reading of it.
+        self.mesh_names = self.shape.sized() or (self.card.mesh_default,)
 
     def setup_module(self, module: nn.Module) -> nn.Module:
         module = module.to(self.ctx.device)
-        mesh = job_mesh(self.ctx, self.spec, self.mesh_names)
+        mesh = job_mesh(self.ctx, self.shape, self.mesh_names)
         returned = self.options.fn(module, mesh)
         if returned is not None and not isinstance(returned, nn.Module):
             raise UsageError(

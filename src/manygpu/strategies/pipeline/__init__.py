@@ -33,8 +33,9 @@ class Pipeline(StrategySpec):
     card: ClassVar[StrategyCard] = StrategyCard(
         simplicity=7, changes_loop=True, checkpoint=DCP,
         memory=MemoryModel(weights="ways", grads="ways", optimizer="ways", activations="in_flight"),
-        comm=CommModel(replica="ways", split="stages"), one_process=False, plan_ways="divisors",
-        ways_option="pp", required_options=("loss_fn=...",),
+        comm=CommModel(replica="ways", split="stages"), one_process=False, plan_ways="axis",
+        ways_option="pp", required_options=("loss_fn=...",), mesh_axes=("pp", "dp", "fsdp"),
+        mesh_default="pp", hybrid_for="pp",
     )  # fmt: skip
 
     loss_fn: Callable[[Any, Any], Any] | None = None

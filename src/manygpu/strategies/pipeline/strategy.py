@@ -21,7 +21,7 @@ from __future__ import annotations
 import weakref
 from collections import OrderedDict
 from collections.abc import Callable
-from typing import Any, ClassVar
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -56,8 +56,6 @@ class PipelineStrategy(MeshStrategy[Pipeline]):
 
     needs_process_group = True
     shards_data = True
-    mesh_dims = ("pp", "dp", "fsdp")
-    default_mesh: ClassVar[dict[str, int]] = {"pp": -1}
     _pp_group: Any = None  # set by setup_module
     refused_precisions = frozenset({"fp16"})
     precision_refusal = (
@@ -107,15 +105,15 @@ class PipelineStrategy(MeshStrategy[Pipeline]):
         opts = self.options
         device = self.ctx.device
         names = self.mesh_names
-        mesh = job_mesh(self.ctx, self.spec, names)
-        index, stages = self.spec.coords(self.ctx.rank)["pp"], self.spec.pp
+        mesh = job_mesh(self.ctx, self.shape, names)
+        index, stages = self.shape.coords(self.ctx.rank)["pp"], self.shape.pp
         bounds = [*self._stage_starts(module, stages), len(module)]
         part = nn.Sequential(
             OrderedDict((str(i), module[i]) for i in range(bounds[index], bounds[index + 1]))
         ).to(device)
-        if len(names) > 1:
+        if self.data_names:
             kwargs = fsdp_kwargs(self.options.fsdp, self.ctx.device, reshard_after_forward=False)
-            shard_data_dims(part, mesh[names[1:]], kwargs, children=False)
+            shard_data_dims(part, mesh[self.data_names], kwargs, children=False)
         pp_group = mesh["pp"].get_group()
         self._pp_group = pp_group
         last_rank = dist.get_global_rank(pp_group, stages - 1)
@@ -149,7 +147,7 @@ class PipelineStrategy(MeshStrategy[Pipeline]):
 
     def timing_peers(self) -> int:
         # Stages do different work: a rank's step compares with its stage's replicas.
-        return int(self.spec.coords(self.ctx.rank)["pp"])
+        return int(self.shape.coords(self.ctx.rank)["pp"])
 
     def grad_norm_group(self) -> object | None:
         # Each stage holds different layers: the model's norm sums over stages.

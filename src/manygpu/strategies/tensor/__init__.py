@@ -31,7 +31,8 @@ class Tensor(StrategySpec):
         memory=MemoryModel(weights="ways", grads="ways", optimizer="ways",
                            activations="tp_sharded"),
         comm=CommModel(replica="ways", split="layer_shards"), one_process=False,
-        plan_ways="node_divisors", ways_option="tp",
+        plan_ways="axis", ways_option="tp", mesh_axes=("dp", "fsdp", "tp"), mesh_default="tp",
+        hybrid_for="tp",
     )  # fmt: skip
 
     plan: Mapping[str, Any] | None = None

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import fnmatch
 from collections.abc import Mapping
-from typing import Any, ClassVar
+from typing import Any
 
 from torch import nn
 from torch.distributed.tensor.parallel import (
@@ -54,20 +54,18 @@ class TensorParallelStrategy(MeshStrategy[Tensor]):
 
     needs_process_group = True
     shards_data = True
-    mesh_dims = ("dp", "fsdp", "tp")
-    default_mesh: ClassVar[dict[str, int]] = {"tp": -1}
 
     def setup_module(self, module: nn.Module) -> nn.Module:
         module = module.to(self.ctx.device)
         names = self.mesh_names
-        mesh = job_mesh(self.ctx, self.spec, names)
+        mesh = job_mesh(self.ctx, self.shape, names)
         given = self.options.plan
         plan = resolve_plan(module, given) if given is not None else default_plan(module)
-        check_divisible(module, plan, self.spec.tp)
+        check_divisible(module, plan, self.shape.tp)
         parallelize_module(module, mesh["tp"], plan)
-        if len(names) > 1:
+        if self.data_names:
             kwargs = fsdp_kwargs(self.options.fsdp, self.ctx.device, reshard_after_forward=True)
-            shard_data_dims(module, mesh[names[:-1]], kwargs, children=False)
+            shard_data_dims(module, mesh[self.data_names], kwargs, children=False)
         return module
 
 
