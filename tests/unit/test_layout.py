@@ -192,7 +192,7 @@ def test_files_and_functions_stay_small() -> None:
 @pytest.mark.parametrize(
     "code",
     [
-        "from manygpu import *; Parallel, ParallelConfig, FSDP, FSDPOptions, available_strategies",
+        "from manygpu import *; Parallel, ParallelConfig, FSDP, Zero2, available_strategies",
         # Importing the package or building the CLI loads none of torch's heavy subsystems.
         "import sys, manygpu, manygpu.core, manygpu.launch, manygpu.checkpoint; "
         "heavy = [m for m in sys.modules if m.startswith('torch')]; assert not heavy, heavy",

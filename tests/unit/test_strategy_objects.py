@@ -1,17 +1,16 @@
 """A strategy is an object that carries its options, and a new one is one package.
 
 ``Parallel(strategy=DDP(bucket_cap_mb=5))`` reaches torch's DDP; the string is
-the defaults' shorthand; the old per-strategy keywords still work for one
-release, with a warning. The ratchets: the base interface does not grow, and a
-strategy defined outside manygpu (a test's temporary package) plugs in through
-one registry call, touching no manygpu file.
+the defaults' shorthand; the old per-strategy keywords are refused in one line
+naming the object that replaced each. The ratchets: the base interface does not
+grow, and a strategy defined outside manygpu (a test's temporary package) plugs
+in through one registry call, touching no manygpu file.
 """
 
 from __future__ import annotations
 
 import inspect
 import sys
-import warnings
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -23,7 +22,6 @@ from manygpu import (
     DDP,
     FSDP,
     PS,
-    DDPOptions,
     Parallel,
     ParallelConfig,
     Parallelize,
@@ -55,43 +53,41 @@ def test_a_name_is_the_object_with_its_defaults() -> None:
         assert _bucket_cap(par) == 25 * MB
 
 
-def test_the_old_keywords_still_work_and_warn_once_per_config() -> None:
-    with pytest.warns(FutureWarning, match=r"Parallel\(ddp=\.\.\.\) is deprecated") as seen:
-        par = Parallel(strategy="ddp", device="cpu", ddp=DDPOptions(bucket_cap_mb=5))
-    assert len(seen) == 1 and seen[0].filename == __file__  # the user's line, not ours
-    with par:
-        assert par.strategy.options == DDP(bucket_cap_mb=5)
-        assert _bucket_cap(par) == 5 * MB
+def test_the_object_given_is_used_and_another_name_is_its_defaults() -> None:
+    """``"auto"`` may switch to another strategy: that one runs with its defaults."""
+    given = Tensor(plan={"fc": "colwise"}, fsdp=FSDP(param_dtype="bf16"))
+    config = ParallelConfig(strategy=given)
+    assert config.strategy_object("tensor") is given
+    assert config.strategy_object("zero1") == Zero1()
+    assert config.strategy_object("zero2") == Zero2()
+    assert config.strategy_object("pipeline") == Pipeline()
+    assert config.strategy_object("ps") == PS()
 
 
-def test_the_old_keywords_map_to_every_strategy_that_read_them() -> None:
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", FutureWarning)
-        config = ParallelConfig(
-            ddp=DDPOptions(bucket_cap_mb=7), fsdp=FSDP(param_dtype="bf16"), model_stages=3,
-            pipeline=Pipeline(microbatches=8), tensor=Tensor(plan={"fc": "colwise"}),
-            ps=PS(mode="async"),
-        )  # fmt: skip
-    assert config.strategy_object("zero1") == Zero1(bucket_cap_mb=7)
-    assert config.strategy_object("zero2") == Zero2(param_dtype="bf16")
-    assert config.strategy_object("model").stages == 3  # type: ignore[attr-defined]
-    assert config.strategy_object("pipeline") == Pipeline(
-        microbatches=8, fsdp=FSDP(param_dtype="bf16")
-    )
-    assert config.strategy_object("tensor") == Tensor(
-        plan={"fc": "colwise"}, fsdp=FSDP(param_dtype="bf16")
-    )
-    assert config.strategy_object("ps") == PS(mode="async")
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", FutureWarning)
-        own = ParallelConfig(pipeline=Pipeline(fsdp=FSDP(param_dtype="bf16")))
-    assert own.strategy_object("pipeline").fsdp == FSDP(param_dtype="bf16")  # type: ignore[attr-defined]
+REMOVED = {
+    "ddp": r"strategy=DDP\(\.\.\.\)",
+    "fsdp": r"strategy=FSDP\(\.\.\.\)",
+    "model_stages": r"strategy=ModelParallel\(stages=\.\.\.\)",
+    "pipeline": r"strategy=Pipeline\(\.\.\.\)",
+    "tensor": r"strategy=Tensor\(\.\.\.\)",
+    "ps": r"strategy=PS\(\.\.\.\)",
+}
+
+
+@pytest.mark.parametrize("keyword", sorted(REMOVED))
+def test_a_removed_keyword_is_one_line_naming_its_object(keyword: str) -> None:
+    """The per-strategy keywords never shipped in a release; a script still using one
+    is told, in one line, which object replaces it (from either door)."""
+    for make in (Parallel, ParallelConfig):
+        with pytest.raises(UsageError, match=rf"^Parallel\({keyword}=\.\.\.\) was removed: use "
+                           + REMOVED[keyword] + "$") as info:  # fmt: skip
+            make(strategy="ddp", device="cpu", **{keyword: 1})
+        assert "\n" not in str(info.value)
 
 
 @pytest.mark.parametrize(
     "fields, needle",
     [
-        ({"strategy": DDP(), "ddp": DDPOptions()}, r"ddp= and a strategy object both give"),
         ({"strategy": DDP}, r"strategy=DDP is the class: give an object, strategy=DDP\(\)"),
         ({"strategy": 3}, "strategy takes a name"),
         (
@@ -99,13 +95,10 @@ def test_the_old_keywords_map_to_every_strategy_that_read_them() -> None:
             r"unknown strategy 'fdsp'; did you mean 'fsdp'\? choose one of: auto",
         ),
         ({"strategy": "parallelize"}, r"needs your plan: give strategy=Parallelize\(fn\)"),
-        ({"strategy": "ddp", "ddp": FSDP()}, r"ddp= takes DDP\(...\), not FSDP"),
-        ({"strategy": "ps", "ps": {"mode": "async"}}, r"ps= takes PS\(...\), not \{"),
     ],
 )
 def test_a_wrong_strategy_is_one_line(fields: dict[str, object], needle: str) -> None:
-    with warnings.catch_warnings(), pytest.raises(UsageError, match=needle) as info:
-        warnings.simplefilter("ignore", FutureWarning)
+    with pytest.raises(UsageError, match=needle) as info:
         ParallelConfig(**fields)  # type: ignore[arg-type]
     assert "\n" not in str(info.value)
 

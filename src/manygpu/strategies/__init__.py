@@ -27,38 +27,24 @@ from manygpu.strategies.registry import (
     spec_class,
 )
 from manygpu.strategies.single import Single
-from manygpu.strategies.spec import Legacy, StrategySpec
+from manygpu.strategies.spec import StrategySpec
 from manygpu.strategies.tensor import Tensor
-
-# The options objects before strategies carried their own: deprecated names of the
-# same classes (``Parallel(fsdp=FSDPOptions(...))`` warns; ``strategy=FSDP(...)``).
-DDPOptions = DDP
-FSDPOptions = FSDP
-PipelineOptions = Pipeline
-TensorOptions = Tensor
-PSOptions = PS
 
 __all__ = [
     "DDP",
     "FSDP",
     "PS",
     "CompileOptions",
-    "DDPOptions",
     "DataParallel",
-    "FSDPOptions",
     "JobOptions",
-    "Legacy",
     "MeshSpec",
     "ModelParallel",
-    "PSOptions",
     "Parallelize",
     "Pipeline",
-    "PipelineOptions",
     "Single",
     "Strategy",
     "StrategySpec",
     "Tensor",
-    "TensorOptions",
     "Zero1",
     "Zero2",
     "add_package",

@@ -9,7 +9,7 @@ HSDP: sharded within a node, replicated across nodes.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, ClassVar, Literal, TypeVar
+from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
 from torch.nn import Module
 
@@ -17,13 +17,12 @@ from manygpu.checkpoint_io.formats import DCP
 from manygpu.errors import UsageError
 from manygpu.strategies.costs import CommModel, MemoryModel
 from manygpu.strategies.registry import StrategyCard, register
-from manygpu.strategies.spec import Legacy, StrategySpec, copy_fields
+from manygpu.strategies.spec import StrategySpec
 
 if TYPE_CHECKING:
     from manygpu.strategies.base import Strategy
 
 ShardDtype = Literal["fp32", "bf16", "fp16"] | None
-C = TypeVar("C", bound=StrategySpec)
 
 
 @register
@@ -77,10 +76,6 @@ class FSDP(StrategySpec):
 
         return FSDPStrategy
 
-    @classmethod
-    def from_legacy(cls, legacy: Legacy) -> FSDP:
-        return copy_fields(cls, legacy.fsdp, "fsdp") if legacy.fsdp is not None else cls()
-
 
 @register
 @dataclass(frozen=True, kw_only=True)
@@ -102,15 +97,3 @@ class Zero2(FSDP):
         from manygpu.strategies.fsdp.strategy import Zero2Strategy
 
         return Zero2Strategy
-
-
-def composed_from_legacy(cls: type[C], keyword: str, legacy: Legacy) -> C:
-    """A strategy that composes FSDP2 over its data dimensions (``Tensor``, ``Pipeline``)
-    from the deprecated keywords: its own ``keyword=`` object, with ``fsdp=``'s knobs
-    when that was given (else the object's own)."""
-    given = getattr(legacy, keyword)
-    own = getattr(given, "fsdp", FSDP())
-    fsdp = FSDP.from_legacy(legacy) if legacy.fsdp is not None else own
-    if given is None:
-        return cls(fsdp=fsdp)  # type: ignore[call-arg]
-    return copy_fields(cls, given, keyword, fsdp=fsdp)
