@@ -213,3 +213,37 @@ def test_test_modules_have_unique_names() -> None:
         seen.setdefault(path.name, []).append(str(path.relative_to(tests)))
     clashes = {name: paths for name, paths in seen.items() if len(paths) > 1}
     assert not clashes, f"rename one of each (e.g. add _ranks to the multi-rank one): {clashes}"
+
+
+def _type_checking_names(path: Path) -> set[str]:
+    """The names a package's ``if TYPE_CHECKING:`` block imports (its view for type checkers)."""
+    names: set[str] = set()
+    for node in _tree(path).body:
+        if isinstance(node, ast.If) and ast.unparse(node.test) == "TYPE_CHECKING":
+            for stmt in node.body:
+                if isinstance(stmt, ast.ImportFrom):
+                    names |= {a.asname or a.name for a in stmt.names}
+    return names
+
+
+@pytest.mark.parametrize("package", ["manygpu", "manygpu.strategies"])
+def test_exports_derive_from_the_strategy_registry(package: str) -> None:
+    """One list of strategies: the registry's ``OBJECTS``. The packages' lazy exports are
+    built from it, and their ``TYPE_CHECKING`` imports (static, for type checkers) may
+    name exactly what is exported, no more and no less."""
+    import importlib
+
+    from manygpu.strategies.registry import OBJECTS
+
+    module = importlib.import_module(package)
+    exported = set(module.__all__) - {"__version__"}
+    assert set(OBJECTS) <= exported
+    path = SRC / Path(*package.split(".")[1:]) / "__init__.py"
+    static = _type_checking_names(path)
+    assert static == exported, (
+        f"{path.relative_to(SRC.parent)}: TYPE_CHECKING imports differ from the exports: "
+        f"missing {sorted(exported - static)}, extra {sorted(static - exported)}; a strategy "
+        "object is added by its line in strategies/registry.py's OBJECTS"
+    )
+    for name in OBJECTS:
+        assert getattr(module, name).__name__ == name

@@ -3,7 +3,7 @@
 A strategy is a package under ``strategies/`` whose ``__init__`` defines its
 object (a :class:`~.spec.StrategySpec`: its options, and its card as data on
 the class) and registers it with :func:`register`; adding one is its folder
-plus its line in :data:`PACKAGES`. The planner's candidates, ``"auto"``'s
+plus its line in :data:`OBJECTS`. The planner's candidates, ``"auto"``'s
 choices, the default strategy and the checkpoint format all derive from the
 cards, so no code outside ``strategies/`` branches on a name. The class that
 does the work is imported only when it is looked up: FSDP, DTensor and
@@ -17,12 +17,12 @@ import importlib
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any, Literal, TypeVar
 
-from manygpu.checkpoint_io.formats import Format
 from manygpu.errors import UsageError
 from manygpu.strategies.costs import CommModel, MemoryModel
 from manygpu.strategies.mesh import MeshSpec, strategy_for_mesh
 
 if TYPE_CHECKING:
+    from manygpu.checkpoint_io.formats import Format
     from manygpu.strategies.base import Strategy
     from manygpu.strategies.spec import StrategySpec
 
@@ -65,18 +65,25 @@ class StrategyCard:
     """Set by :func:`register` from the strategy's object."""
 
 
-PACKAGES: tuple[str, ...] = (
-    "single",
-    "ddp",
-    "fsdp",
-    "model",
-    "tensor",
-    "pipeline",
-    "dp",
-    "ps",
-    "parallelize",
-)
-"""Every strategy package under ``manygpu.strategies``, imported on first lookup."""
+OBJECTS: dict[str, str] = {
+    "Single": "single",
+    "DDP": "ddp",
+    "Zero1": "ddp",
+    "FSDP": "fsdp",
+    "Zero2": "fsdp",
+    "ModelParallel": "model",
+    "Tensor": "tensor",
+    "Pipeline": "pipeline",
+    "DataParallel": "dp",
+    "PS": "ps",
+    "Parallelize": "parallelize",
+}
+"""Every strategy object a user imports, by the package under ``manygpu.strategies``
+that defines and registers it: the one list of strategies. ``manygpu`` and
+``manygpu.strategies`` export these names from it (lazily), and the packages are
+imported from it on the first lookup."""
+PACKAGES: tuple[str, ...] = tuple(dict.fromkeys(OBJECTS.values()))
+"""Every strategy package under ``manygpu.strategies``, in :data:`OBJECTS`' order."""
 _EXTRA: list[str] = []
 """Packages elsewhere added by :func:`add_package` (a user's or a test's own strategy)."""
 _SPECS: dict[str, type[StrategySpec]] = {}
