@@ -9,6 +9,7 @@ in through one registry call, touching no manygpu file.
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 import sys
 from collections.abc import Iterator
@@ -29,7 +30,16 @@ from manygpu import (
     Tensor,
 )
 from manygpu.errors import UsageError
-from manygpu.strategies import Strategy, Zero1, Zero2, available, registry, spec_class
+from manygpu.strategies import (
+    Strategy,
+    StrategySpec,
+    Zero1,
+    Zero2,
+    available,
+    get_strategy,
+    registry,
+    spec_class,
+)
 from manygpu.strategies.sharded import MeshStrategy
 
 MB = 1024 * 1024
@@ -132,6 +142,50 @@ def test_the_base_interface_does_not_grow() -> None:
     assert len(hooks) <= HOOKS_TODAY, (
         f"Strategy has {len(hooks)} hooks ({', '.join(hooks)}), more than {HOOKS_TODAY}: "
         "give the new ability its own small protocol that Parallel asks for by capability"
+    )
+
+
+FLAGS_TODAY = 15
+"""Class-level flags (``ClassVar`` attributes: ``needs_process_group``, ``mesh_dims``...)
+of the base interface (``Strategy``, ``MeshStrategy``, ``StrategySpec``); the number
+may only fall. A flag is a hook in disguise: each one is a question Parallel asks."""
+OWN_FLAGS_TODAY = {"fp8_all_gather", "reshard_after_forward"}
+"""Class-level flags a strategy, its object or an ability it mixes in adds beyond the
+base's; the set may only shrink. A choice a user makes is an option (a field of the
+object), a preset of options is a registry entry, what only some strategies do is an
+ability in :mod:`manygpu.strategies.abilities`."""
+
+
+def _flags(cls: type) -> set[str]:
+    """The class-level data ``cls`` itself defines: ``ClassVar`` annotations and plain
+    values, not methods, dataclass fields' defaults or Python's own (``_abc_impl``)."""
+    notes = inspect.get_annotations(cls)
+    own = {n for n, a in notes.items() if str(a).startswith("ClassVar")}
+    methods = (inspect.isfunction, lambda v: isinstance(v, classmethod | staticmethod | property))
+    own |= {n for n, v in vars(cls).items() if not any(f(v) for f in methods)}
+    if dataclasses.is_dataclass(cls):
+        own -= {f.name for f in dataclasses.fields(cls)}
+    return {n for n in own if not n.startswith("_")}
+
+
+def test_the_class_level_flags_do_not_grow() -> None:
+    bases = (Strategy, MeshStrategy, StrategySpec)
+    base = set().union(*(_flags(c) for c in bases))
+    assert len(base) <= FLAGS_TODAY, (
+        f"the base interface has {len(base)} class-level flags ({', '.join(sorted(base))}), "
+        f"more than {FLAGS_TODAY}: ask for the new ability by capability instead"
+    )
+    own: dict[str, set[str]] = {}
+    for name in available():
+        for cls in (*get_strategy(name).__mro__, *spec_class(name).__mro__):
+            if cls not in (*bases, object):
+                for flag in _flags(cls) - base:
+                    own.setdefault(flag, set()).add(cls.__qualname__)
+    new = {f: sorted(c) for f, c in own.items() if f not in OWN_FLAGS_TODAY}
+    assert not new, (
+        f"new class-level flags {new}: make a user's choice an option of the strategy's "
+        "object, a preset of options a registry entry, and what only some strategies do "
+        "an ability (manygpu.strategies.abilities)"
     )
 
 
