@@ -36,6 +36,7 @@ from manygpu.strategies import (
     Zero1,
     Zero2,
     available,
+    card,
     get_strategy,
     registry,
     spec_class,
@@ -149,7 +150,7 @@ FLAGS_TODAY = 15
 """Class-level flags (``ClassVar`` attributes: ``needs_process_group``, ``mesh_dims``...)
 of the base interface (``Strategy``, ``MeshStrategy``, ``StrategySpec``); the number
 may only fall. A flag is a hook in disguise: each one is a question Parallel asks."""
-OWN_FLAGS_TODAY = {"fp8_all_gather", "reshard_after_forward"}
+OWN_FLAGS_TODAY = {"fp8_all_gather"}
 """Class-level flags a strategy, its object or an ability it mixes in adds beyond the
 base's; the set may only shrink. A choice a user makes is an option (a field of the
 object), a preset of options is a registry entry, what only some strategies do is an
@@ -265,6 +266,26 @@ def test_a_new_strategy_is_its_own_package_and_one_registry_call(toy_package: st
         model.weight.grad = None
         par.backward(par.prepare(model)(x).sum())
     assert torch.equal(model.weight.grad, torch.full((1, 3), 0.5))
+
+
+def test_a_preset_is_one_registry_line(toy_package: str) -> None:
+    """``Zero2`` is ``FSDP`` with an option fixed, registered under its own name and card;
+    a new preset is one :func:`~manygpu.strategies.registry.preset` call, no class."""
+    from manygpu.strategies.base import given_repr
+
+    assert Zero2(param_dtype="bf16") == Zero2(param_dtype="bf16") != FSDP(param_dtype="bf16")
+    assert Zero2().reshard_after_forward is False and FSDP().reshard_after_forward is True
+    assert given_repr(Zero2(param_dtype="bf16")) == "Zero2(param_dtype='bf16')"
+    assert get_strategy("zero2").__mro__[1] is get_strategy("fsdp")
+    assert get_strategy("zero2").name == "zero2" and card("zero2").simplicity == 3
+    with pytest.raises(TypeError, match="reshard_after_forward"):
+        Zero2(reshard_after_forward=True)  # type: ignore[call-arg]
+    big = registry.preset(
+        "BigBuckets", DDP, name="toy-big-buckets", card=card("ddp"), bucket_cap_mb=100.0
+    )
+    with Parallel(strategy="toy-big-buckets", device="cpu") as par:
+        assert par.strategy.options == big() and _bucket_cap(par) == 100 * MB
+        assert repr(par.strategy) == "BigBucketsStrategy(BigBuckets())"
 
 
 def test_a_replicating_job_has_a_one_dimensional_data_mesh() -> None:

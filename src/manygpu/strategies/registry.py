@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import difflib
 import importlib
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, fields, make_dataclass, replace
 from typing import TYPE_CHECKING, Any, Literal, TypeVar
 
 from manygpu.errors import UsageError
@@ -98,6 +98,40 @@ def register(cls: T) -> T:
     cls.card = replace(cls.card, name=name)
     _SPECS[name] = cls
     return cls
+
+
+def preset(title: str, base: T, *, name: str, card: StrategyCard, **options: Any) -> T:
+    """A registry entry that is ``base``'s object with ``options`` fixed (Fabric's registry
+    line: a name, a class and its options), under its own ``name`` and ``card``:
+    ``Zero2 = preset("Zero2", FSDP, name="zero2", card=..., reshard_after_forward=False)``.
+
+    The object it makes keeps that name, so ``Zero2(param_dtype="bf16")`` reads,
+    compares and is saved in checkpoints as before; the fixed options are not its
+    arguments. The class doing the work is ``base``'s, told this entry's name and card.
+    """
+    kinds = {f.name: f.type for f in fields(base)}
+    fixed = [(k, kinds[k], field(default=v, init=False, repr=False)) for k, v in options.items()]
+
+    made_work: list[type[Strategy[Any]]] = []  # one class, made on the first lookup
+
+    def implementation(cls: type[StrategySpec]) -> type[Strategy[Any]]:
+        if not made_work:
+            made_work.append(_preset_work(base.implementation(), cls))
+        return made_work[0]
+
+    made = make_dataclass(
+        title, fixed, bases=(base,), frozen=True, kw_only=True,
+        namespace={"name": name, "card": card, "implementation": classmethod(implementation),
+                   "__module__": base.__module__,
+                   "__doc__": f"``{base.__name__}`` with {options} (registered as {name!r})."},
+    )  # fmt: skip
+    return register(made)  # type: ignore[return-value]
+
+
+def _preset_work(work: type[Strategy[Any]], spec: type[StrategySpec]) -> type[Strategy[Any]]:
+    """``work`` under a preset's name and card (``Zero2Strategy``: ``FSDPStrategy`` as zero2)."""
+    ns = {"spec_class": spec, "__module__": work.__module__, "__doc__": spec.__doc__}
+    return type(f"{spec.__name__}Strategy", (work,), ns)
 
 
 def add_package(module: str) -> None:

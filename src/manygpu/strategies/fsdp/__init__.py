@@ -16,7 +16,7 @@ from torch.nn import Module
 from manygpu.checkpoint_io.formats import DCP
 from manygpu.errors import UsageError
 from manygpu.strategies.costs import CommModel, MemoryModel
-from manygpu.strategies.registry import StrategyCard, register
+from manygpu.strategies.registry import StrategyCard, preset, register
 from manygpu.strategies.spec import StrategySpec
 
 if TYPE_CHECKING:
@@ -38,14 +38,14 @@ class FSDP(StrategySpec):
         comm=CommModel(grads="reduce_scatter", weight_gathers=2), one_process=False,
         plan_ways="one",
     )  # fmt: skip
-    reshard_after_forward: ClassVar[bool] = True
-    """Free each unit's gathered parameters after its forward (ZeRO-3), to gather
-    them again for its backward; ``Zero2`` keeps them (less traffic, more memory)."""
-
     param_dtype: ShardDtype = None
     """Compute dtype of the gathered parameters (mixed precision); ``None`` keeps them."""
     reduce_dtype: ShardDtype = None
     """Dtype of the gradient reduce-scatter; ``None`` = the parameters' dtype."""
+    reshard_after_forward: bool = True
+    """Free each unit's gathered parameters after its forward (ZeRO-3), to gather them
+    again for its backward; ``False`` keeps them (less traffic, more memory): that is
+    ``Zero2``, a preset of this option registered as ``"zero2"``."""
     cpu_offload: bool = False
     """Keep sharded parameters, gradients and optimizer state in CPU memory."""
     shard_children: bool = True
@@ -77,23 +77,15 @@ class FSDP(StrategySpec):
         return FSDPStrategy
 
 
-@register
-@dataclass(frozen=True, kw_only=True)
-class Zero2(FSDP):
-    """ZeRO-2 through FSDP2: parameters stay gathered between forward and backward."""
-
-    name: ClassVar[str] = "zero2"
-    card: ClassVar[StrategyCard] = StrategyCard(
+Zero2 = preset(
+    "Zero2", FSDP, name="zero2", reshard_after_forward=False,
+    card=StrategyCard(
         simplicity=3, changes_loop=False, checkpoint=DCP,
         memory=MemoryModel(weights="world", grads="world", optimizer="world", gathered="whole",
                            compute_dtype_option="param_dtype"),
         comm=CommModel(grads="reduce_scatter", weight_gathers=1), one_process=False,
         plan_ways="one",
-    )  # fmt: skip
-    reshard_after_forward: ClassVar[bool] = False
-
-    @classmethod
-    def implementation(cls) -> type[Strategy[Any]]:
-        from manygpu.strategies.fsdp.strategy import Zero2Strategy
-
-        return Zero2Strategy
+    ),
+)  # fmt: skip
+"""ZeRO-2 through FSDP2: ``FSDP`` whose parameters stay gathered between forward and
+backward (``reshard_after_forward=False``), with its own name and cost card."""
