@@ -12,13 +12,21 @@ import importlib
 from collections.abc import Callable, Mapping
 from typing import Any
 
+from manygpu.errors import UsageError
+
 
 def exports(
-    package: str, where: Mapping[str, str]
+    package: str, where: Mapping[str, str], removed: Mapping[str, str] | None = None
 ) -> tuple[Callable[[str], Any], Callable[[], list[str]]]:
-    """``__getattr__`` and ``__dir__`` for ``package``: ``name -> module`` it lives in."""
+    """``__getattr__`` and ``__dir__`` for ``package``: ``name -> module`` it lives in.
+
+    ``removed``: names the package no longer has, each with what to use instead; a
+    script importing one gets that one line (a :class:`UsageError`, which ``from ...
+    import`` does not turn into a bare "cannot import name") instead of a traceback."""
 
     def getattr_(name: str) -> Any:
+        if removed and name in removed:
+            raise UsageError(f"{package}.{name} was removed: {removed[name]}")
         try:
             module = where[name]
         except KeyError:

@@ -238,7 +238,7 @@ def test_files_and_functions_stay_small() -> None:
 @pytest.mark.parametrize(
     "code",
     [
-        "from manygpu import *; Parallel, ParallelConfig, FSDP, FSDPOptions, available_strategies",
+        "from manygpu import *; Parallel, ParallelConfig, FSDP, Zero2, available_strategies",
         # Importing the package or building the CLI loads none of torch's heavy subsystems.
         "import sys, manygpu, manygpu.core, manygpu.launch, manygpu.checkpoint; "
         "heavy = [m for m in sys.modules if m.startswith('torch')]; assert not heavy, heavy",
@@ -323,3 +323,37 @@ def test_strategies_hold_strategies_and_model_transforms_live_in_transforms() ->
     misplaced = sorted(p.name for p in (SRC / "strategies").glob("*.py") if p.stem in transforms)
     assert misplaced == [], f"move {misplaced} to manygpu/transforms/"
     assert {"blocks", "checkpointing", "running_stats", "channels_last", "fp8"} <= transforms
+
+
+def _type_checking_names(path: Path) -> set[str]:
+    """The names a package's ``if TYPE_CHECKING:`` block imports (its view for type checkers)."""
+    names: set[str] = set()
+    for node in _tree(path).body:
+        if isinstance(node, ast.If) and ast.unparse(node.test) == "TYPE_CHECKING":
+            for stmt in node.body:
+                if isinstance(stmt, ast.ImportFrom):
+                    names |= {a.asname or a.name for a in stmt.names}
+    return names
+
+
+@pytest.mark.parametrize("package", ["manygpu", "manygpu.strategies"])
+def test_exports_derive_from_the_strategy_registry(package: str) -> None:
+    """One list of strategies: the registry's ``OBJECTS``. The packages' lazy exports are
+    built from it, and their ``TYPE_CHECKING`` imports (static, for type checkers) may
+    name exactly what is exported, no more and no less."""
+    import importlib
+
+    from manygpu.strategies.registry import OBJECTS
+
+    module = importlib.import_module(package)
+    exported = set(module.__all__) - {"__version__"}
+    assert set(OBJECTS) <= exported
+    path = SRC / Path(*package.split(".")[1:]) / "__init__.py"
+    static = _type_checking_names(path)
+    assert static == exported, (
+        f"{path.relative_to(SRC.parent)}: TYPE_CHECKING imports differ from the exports: "
+        f"missing {sorted(exported - static)}, extra {sorted(static - exported)}; a strategy "
+        "object is added by its line in strategies/registry.py's OBJECTS"
+    )
+    for name in OBJECTS:
+        assert getattr(module, name).__name__ == name

@@ -126,11 +126,12 @@ def test_clip_grad_norm_in_one_process_equals_torch() -> None:
         par.close()
 
 
-def test_star_import_exports_the_option_classes() -> None:
+def test_star_import_exports_the_strategy_objects() -> None:
     scope: dict[str, object] = {}
     exec("from manygpu import *", scope)
-    for name in ("FSDPOptions", "DDPOptions", "PipelineOptions", "TensorOptions", "MeshShape"):
+    for name in ("FSDP", "DDP", "Pipeline", "Tensor", "Zero2", "MeshShape"):
         assert name in scope
+    assert "FSDPOptions" not in scope  # the old names are gone
 
 
 @pytest.mark.parametrize(

@@ -1,17 +1,17 @@
 """A strategy is an object that carries its options, and a new one is one package.
 
 ``Parallel(strategy=DDP(bucket_cap_mb=5))`` reaches torch's DDP; the string is
-the defaults' shorthand; the old per-strategy keywords still work for one
-release, with a warning. The ratchets: the base interface does not grow, and a
-strategy defined outside manygpu (a test's temporary package) plugs in through
-one registry call, touching no manygpu file.
+the defaults' shorthand; the old per-strategy keywords are refused in one line
+naming the object that replaced each. The ratchets: the base interface does not
+grow, and a strategy defined outside manygpu (a test's temporary package) plugs
+in through one registry call, touching no manygpu file.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 import sys
-import warnings
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -23,7 +23,6 @@ from manygpu import (
     DDP,
     FSDP,
     PS,
-    DDPOptions,
     Parallel,
     ParallelConfig,
     Parallelize,
@@ -31,7 +30,17 @@ from manygpu import (
     Tensor,
 )
 from manygpu.errors import UsageError
-from manygpu.strategies import Strategy, Zero1, Zero2, available, registry, spec_class
+from manygpu.strategies import (
+    Strategy,
+    StrategySpec,
+    Zero1,
+    Zero2,
+    available,
+    card,
+    get_strategy,
+    registry,
+    spec_class,
+)
 from manygpu.strategies.sharded import MeshStrategy
 
 MB = 1024 * 1024
@@ -55,43 +64,41 @@ def test_a_name_is_the_object_with_its_defaults() -> None:
         assert _bucket_cap(par) == 25 * MB
 
 
-def test_the_old_keywords_still_work_and_warn_once_per_config() -> None:
-    with pytest.warns(FutureWarning, match=r"Parallel\(ddp=\.\.\.\) is deprecated") as seen:
-        par = Parallel(strategy="ddp", device="cpu", ddp=DDPOptions(bucket_cap_mb=5))
-    assert len(seen) == 1 and seen[0].filename == __file__  # the user's line, not ours
-    with par:
-        assert par.strategy.options == DDP(bucket_cap_mb=5)
-        assert _bucket_cap(par) == 5 * MB
+def test_the_object_given_is_used_and_another_name_is_its_defaults() -> None:
+    """``"auto"`` may switch to another strategy: that one runs with its defaults."""
+    given = Tensor(plan={"fc": "colwise"}, fsdp=FSDP(param_dtype="bf16"))
+    config = ParallelConfig(strategy=given)
+    assert config.strategy_object("tensor") is given
+    assert config.strategy_object("zero1") == Zero1()
+    assert config.strategy_object("zero2") == Zero2()
+    assert config.strategy_object("pipeline") == Pipeline()
+    assert config.strategy_object("ps") == PS()
 
 
-def test_the_old_keywords_map_to_every_strategy_that_read_them() -> None:
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", FutureWarning)
-        config = ParallelConfig(
-            ddp=DDPOptions(bucket_cap_mb=7), fsdp=FSDP(param_dtype="bf16"), model_stages=3,
-            pipeline=Pipeline(microbatches=8), tensor=Tensor(plan={"fc": "colwise"}),
-            ps=PS(mode="async"),
-        )  # fmt: skip
-    assert config.strategy_object("zero1") == Zero1(bucket_cap_mb=7)
-    assert config.strategy_object("zero2") == Zero2(param_dtype="bf16")
-    assert config.strategy_object("model").stages == 3  # type: ignore[attr-defined]
-    assert config.strategy_object("pipeline") == Pipeline(
-        microbatches=8, fsdp=FSDP(param_dtype="bf16")
-    )
-    assert config.strategy_object("tensor") == Tensor(
-        plan={"fc": "colwise"}, fsdp=FSDP(param_dtype="bf16")
-    )
-    assert config.strategy_object("ps") == PS(mode="async")
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", FutureWarning)
-        own = ParallelConfig(pipeline=Pipeline(fsdp=FSDP(param_dtype="bf16")))
-    assert own.strategy_object("pipeline").fsdp == FSDP(param_dtype="bf16")  # type: ignore[attr-defined]
+REMOVED = {
+    "ddp": r"strategy=DDP\(\.\.\.\)",
+    "fsdp": r"strategy=FSDP\(\.\.\.\)",
+    "model_stages": r"strategy=ModelParallel\(stages=\.\.\.\)",
+    "pipeline": r"strategy=Pipeline\(\.\.\.\)",
+    "tensor": r"strategy=Tensor\(\.\.\.\)",
+    "ps": r"strategy=PS\(\.\.\.\)",
+}
+
+
+@pytest.mark.parametrize("keyword", sorted(REMOVED))
+def test_a_removed_keyword_is_one_line_naming_its_object(keyword: str) -> None:
+    """The per-strategy keywords never shipped in a release; a script still using one
+    is told, in one line, which object replaces it (from either door)."""
+    for make in (Parallel, ParallelConfig):
+        with pytest.raises(UsageError, match=rf"^Parallel\({keyword}=\.\.\.\) was removed: use "
+                           + REMOVED[keyword] + "$") as info:  # fmt: skip
+            make(strategy="ddp", device="cpu", **{keyword: 1})
+        assert "\n" not in str(info.value)
 
 
 @pytest.mark.parametrize(
     "fields, needle",
     [
-        ({"strategy": DDP(), "ddp": DDPOptions()}, r"ddp= and a strategy object both give"),
         ({"strategy": DDP}, r"strategy=DDP is the class: give an object, strategy=DDP\(\)"),
         ({"strategy": 3}, "strategy takes a name"),
         (
@@ -99,13 +106,10 @@ def test_the_old_keywords_map_to_every_strategy_that_read_them() -> None:
             r"unknown strategy 'fdsp'; did you mean 'fsdp'\? choose one of: auto",
         ),
         ({"strategy": "parallelize"}, r"needs your plan: give strategy=Parallelize\(fn\)"),
-        ({"strategy": "ddp", "ddp": FSDP()}, r"ddp= takes DDP\(...\), not FSDP"),
-        ({"strategy": "ps", "ps": {"mode": "async"}}, r"ps= takes PS\(...\), not \{"),
     ],
 )
 def test_a_wrong_strategy_is_one_line(fields: dict[str, object], needle: str) -> None:
-    with warnings.catch_warnings(), pytest.raises(UsageError, match=needle) as info:
-        warnings.simplefilter("ignore", FutureWarning)
+    with pytest.raises(UsageError, match=needle) as info:
         ParallelConfig(**fields)  # type: ignore[arg-type]
     assert "\n" not in str(info.value)
 
@@ -139,6 +143,50 @@ def test_the_base_interface_does_not_grow() -> None:
     assert len(hooks) <= HOOKS_TODAY, (
         f"Strategy has {len(hooks)} hooks ({', '.join(hooks)}), more than {HOOKS_TODAY}: "
         "give the new ability its own small protocol that Parallel asks for by capability"
+    )
+
+
+FLAGS_TODAY = 15
+"""Class-level flags (``ClassVar`` attributes: ``needs_process_group``, ``mesh_dims``...)
+of the base interface (``Strategy``, ``MeshStrategy``, ``StrategySpec``); the number
+may only fall. A flag is a hook in disguise: each one is a question Parallel asks."""
+OWN_FLAGS_TODAY = {"fp8_all_gather"}
+"""Class-level flags a strategy, its object or an ability it mixes in adds beyond the
+base's; the set may only shrink. A choice a user makes is an option (a field of the
+object), a preset of options is a registry entry, what only some strategies do is an
+ability in :mod:`manygpu.strategies.abilities`."""
+
+
+def _flags(cls: type) -> set[str]:
+    """The class-level data ``cls`` itself defines: ``ClassVar`` annotations and plain
+    values, not methods, dataclass fields' defaults or Python's own (``_abc_impl``)."""
+    notes = inspect.get_annotations(cls)
+    own = {n for n, a in notes.items() if str(a).startswith("ClassVar")}
+    methods = (inspect.isfunction, lambda v: isinstance(v, classmethod | staticmethod | property))
+    own |= {n for n, v in vars(cls).items() if not any(f(v) for f in methods)}
+    if dataclasses.is_dataclass(cls):
+        own -= {f.name for f in dataclasses.fields(cls)}
+    return {n for n in own if not n.startswith("_")}
+
+
+def test_the_class_level_flags_do_not_grow() -> None:
+    bases = (Strategy, MeshStrategy, StrategySpec)
+    base = set().union(*(_flags(c) for c in bases))
+    assert len(base) <= FLAGS_TODAY, (
+        f"the base interface has {len(base)} class-level flags ({', '.join(sorted(base))}), "
+        f"more than {FLAGS_TODAY}: ask for the new ability by capability instead"
+    )
+    own: dict[str, set[str]] = {}
+    for name in available():
+        for cls in (*get_strategy(name).__mro__, *spec_class(name).__mro__):
+            if cls not in (*bases, object):
+                for flag in _flags(cls) - base:
+                    own.setdefault(flag, set()).add(cls.__qualname__)
+    new = {f: sorted(c) for f, c in own.items() if f not in OWN_FLAGS_TODAY}
+    assert not new, (
+        f"new class-level flags {new}: make a user's choice an option of the strategy's "
+        "object, a preset of options a registry entry, and what only some strategies do "
+        "an ability (manygpu.strategies.abilities)"
     )
 
 
@@ -218,6 +266,26 @@ def test_a_new_strategy_is_its_own_package_and_one_registry_call(toy_package: st
         model.weight.grad = None
         par.backward(par.prepare(model)(x).sum())
     assert torch.equal(model.weight.grad, torch.full((1, 3), 0.5))
+
+
+def test_a_preset_is_one_registry_line(toy_package: str) -> None:
+    """``Zero2`` is ``FSDP`` with an option fixed, registered under its own name and card;
+    a new preset is one :func:`~manygpu.strategies.registry.preset` call, no class."""
+    from manygpu.strategies.base import given_repr
+
+    assert Zero2(param_dtype="bf16") == Zero2(param_dtype="bf16") != FSDP(param_dtype="bf16")
+    assert Zero2().reshard_after_forward is False and FSDP().reshard_after_forward is True
+    assert given_repr(Zero2(param_dtype="bf16")) == "Zero2(param_dtype='bf16')"
+    assert get_strategy("zero2").__mro__[1] is get_strategy("fsdp")
+    assert get_strategy("zero2").name == "zero2" and card("zero2").simplicity == 3
+    with pytest.raises(TypeError, match="reshard_after_forward"):
+        Zero2(reshard_after_forward=True)  # type: ignore[call-arg]
+    big = registry.preset(
+        "BigBuckets", DDP, name="toy-big-buckets", card=card("ddp"), bucket_cap_mb=100.0
+    )
+    with Parallel(strategy="toy-big-buckets", device="cpu") as par:
+        assert par.strategy.options == big() and _bucket_cap(par) == 100 * MB
+        assert repr(par.strategy) == "BigBucketsStrategy(BigBuckets())"
 
 
 def test_a_replicating_job_has_a_one_dimensional_data_mesh() -> None:

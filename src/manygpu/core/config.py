@@ -12,7 +12,6 @@ from manygpu.runtime.device import parse_device
 from manygpu.strategies import (
     CompileOptions,
     JobOptions,
-    Legacy,
     MeshShape,
     StrategySpec,
     serving_strategy,
@@ -22,13 +21,19 @@ from manygpu.strategies.registry import AUTO, RULES, check_name, resolve_name
 from manygpu.tracking.registry import check_names
 from manygpu.transforms.checkpointing import ActivationCheckpointing
 from manygpu.transforms.checkpointing import parse as parse_checkpointing
-from manygpu.warn import warn_user
 
 if TYPE_CHECKING:
     from manygpu.strategies.base import Strategy
 
 Precision = Literal["auto", "fp32", "fp32-strict", "bf16", "fp16", "fp8"]
 PRECISIONS: tuple[str, ...] = ("auto", "fp32", "fp32-strict", "bf16", "fp16", "fp8")
+REMOVED_KEYWORDS: dict[str, str] = {
+    # Each old keyword was its object's name in lower case (ddp=, fsdp=, ...).
+    **{name.lower(): f"{name}(...)" for name in ("DDP", "FSDP", "Pipeline", "Tensor", "PS")},
+    "model_stages": "ModelParallel(stages=...)",
+}
+"""The per-strategy keywords ``Parallel`` took before a strategy object carried its
+options (they never shipped in a release), and the object that replaces each."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -65,18 +70,6 @@ class ParallelConfig:
     """Force a backend (``"gloo"``, ``"nccl"``); default from the device."""
     device: str | None = None
     """Force a device (``"cpu"``); default ``cuda:LOCAL_RANK`` or CPU."""
-    ddp: Any = None
-    """Deprecated: ``strategy=DDP(...)`` (or ``Zero1(...)``)."""
-    fsdp: Any = None
-    """Deprecated: ``strategy=FSDP(...)`` (or ``Zero2(...)``, ``Tensor(fsdp=...)``)."""
-    model_stages: int | None = None
-    """Deprecated: ``strategy=ModelParallel(stages=...)``."""
-    pipeline: Any = None
-    """Deprecated: ``strategy=Pipeline(...)``."""
-    tensor: Any = None
-    """Deprecated: ``strategy=Tensor(...)``."""
-    ps: Any = None
-    """Deprecated: ``strategy=PS(...)``."""
     mesh: MeshShape | Mapping[str, int] | None = None
     """Sizes per named axis (``pp``, ``dp``, ``fsdp``, ``tp``: the table in
     :mod:`manygpu.strategies.axes`), e.g.
@@ -147,15 +140,18 @@ class ParallelConfig:
         ):
             raise UsageError(f"timeout_s must be a finite number of seconds > 0, got {t!r}")
 
+    def __new__(cls, *args: Any, **fields: Any) -> ParallelConfig:
+        """Refuse, in one line, a keyword that was removed (before the dataclass's own
+        ``__init__`` would say only "unexpected keyword argument"): ``Parallel(**fields)``
+        builds its config here, so this covers both doors."""
+        removed = [k for k in REMOVED_KEYWORDS if k in fields]
+        if removed:
+            k = removed[0]
+            raise UsageError(f"Parallel({k}=...) was removed: use strategy={REMOVED_KEYWORDS[k]}")
+        return super().__new__(cls)
+
     def _check_strategy(self) -> None:
-        given = self.legacy.given()
         if isinstance(self.strategy, StrategySpec):
-            if given:
-                kind = type(self.strategy).__name__
-                raise UsageError(
-                    f"{', '.join(f'{k}=' for k in given)} and a strategy object both give "
-                    f"options: put them on the object, e.g. strategy={kind}(...)"
-                )
             return
         if isinstance(self.strategy, type) and issubclass(self.strategy, StrategySpec):
             raise UsageError(
@@ -170,26 +166,12 @@ class ParallelConfig:
         check_name(self.strategy, self.mesh is not None)
         if self.strategy is not None and self.strategy not in RULES:
             self.strategy_object(self.strategy)  # a name whose object needs arguments
-        if given:
-            warn_user(
-                f"Parallel({', '.join(f'{k}=...' for k in given)}) is deprecated and goes in "
-                "the next release: give the strategy object with its options, e.g. "
-                "strategy=FSDP(param_dtype='bf16'), DDP(bucket_cap_mb=50), PS(servers=2)",
-                FutureWarning,
-            )
-
-    @property
-    def legacy(self) -> Legacy:
-        """The deprecated per-strategy keywords, as given."""
-        return Legacy(ddp=self.ddp, fsdp=self.fsdp, model_stages=self.model_stages,
-                      pipeline=self.pipeline, tensor=self.tensor, ps=self.ps)  # fmt: skip
 
     def strategy_object(self, name: str) -> StrategySpec:
-        """The object of strategy ``name``: the one given, else its defaults (and the
-        deprecated keywords' knobs)."""
+        """The object of strategy ``name``: the one given, else its defaults."""
         if isinstance(self.strategy, StrategySpec) and self.strategy.name == name:
             return self.strategy
-        return spec_class(name).from_legacy(self.legacy)
+        return spec_class(name).from_name()
 
     def job_options(self, precision: str) -> JobOptions:
         """What every strategy is told of the job, with ``precision`` as resolved."""

@@ -3,7 +3,7 @@
 A strategy is a package under ``strategies/`` whose ``__init__`` defines its
 object (a :class:`~.spec.StrategySpec`: its options, and its card as data on
 the class) and registers it with :func:`register`; adding one is its folder
-plus its line in :data:`PACKAGES`. The planner's candidates, ``"auto"``'s
+plus its line in :data:`OBJECTS`. The planner's candidates, ``"auto"``'s
 choices, the default strategy and the checkpoint format all derive from the
 cards, so no code outside ``strategies/`` branches on a name. The class that
 does the work is imported only when it is looked up: FSDP, DTensor and
@@ -14,15 +14,15 @@ from __future__ import annotations
 
 import difflib
 import importlib
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, fields, make_dataclass, replace
 from typing import TYPE_CHECKING, Any, Literal, TypeVar
 
-from manygpu.checkpoint_io.formats import Format
 from manygpu.errors import UsageError
 from manygpu.strategies.axes import axis_names, deciding_axis, is_axis
 from manygpu.strategies.costs import CommModel, MemoryModel
 
 if TYPE_CHECKING:
+    from manygpu.checkpoint_io.formats import Format
     from manygpu.strategies.base import Strategy
     from manygpu.strategies.mesh import MeshShape
     from manygpu.strategies.spec import StrategySpec
@@ -84,18 +84,25 @@ class StrategyCard:
         return self.ways_option if is_axis(self.ways_option) else None
 
 
-PACKAGES: tuple[str, ...] = (
-    "single",
-    "ddp",
-    "fsdp",
-    "model",
-    "tensor",
-    "pipeline",
-    "dp",
-    "ps",
-    "parallelize",
-)
-"""Every strategy package under ``manygpu.strategies``, imported on first lookup."""
+OBJECTS: dict[str, str] = {
+    "Single": "single",
+    "DDP": "ddp",
+    "Zero1": "ddp",
+    "FSDP": "fsdp",
+    "Zero2": "fsdp",
+    "ModelParallel": "model",
+    "Tensor": "tensor",
+    "Pipeline": "pipeline",
+    "DataParallel": "dp",
+    "PS": "ps",
+    "Parallelize": "parallelize",
+}
+"""Every strategy object a user imports, by the package under ``manygpu.strategies``
+that defines and registers it: the one list of strategies. ``manygpu`` and
+``manygpu.strategies`` export these names from it (lazily), and the packages are
+imported from it on the first lookup."""
+PACKAGES: tuple[str, ...] = tuple(dict.fromkeys(OBJECTS.values()))
+"""Every strategy package under ``manygpu.strategies``, in :data:`OBJECTS`' order."""
 _EXTRA: list[str] = []
 """Packages elsewhere added by :func:`add_package` (a user's or a test's own strategy)."""
 _SPECS: dict[str, type[StrategySpec]] = {}
@@ -110,6 +117,40 @@ def register(cls: T) -> T:
     cls.card = replace(cls.card, name=name)
     _SPECS[name] = cls
     return cls
+
+
+def preset(title: str, base: T, *, name: str, card: StrategyCard, **options: Any) -> T:
+    """A registry entry that is ``base``'s object with ``options`` fixed (Fabric's registry
+    line: a name, a class and its options), under its own ``name`` and ``card``:
+    ``Zero2 = preset("Zero2", FSDP, name="zero2", card=..., reshard_after_forward=False)``.
+
+    The object it makes keeps that name, so ``Zero2(param_dtype="bf16")`` reads,
+    compares and is saved in checkpoints as before; the fixed options are not its
+    arguments. The class doing the work is ``base``'s, told this entry's name and card.
+    """
+    kinds = {f.name: f.type for f in fields(base)}
+    fixed = [(k, kinds[k], field(default=v, init=False, repr=False)) for k, v in options.items()]
+
+    made_work: list[type[Strategy[Any]]] = []  # one class, made on the first lookup
+
+    def implementation(cls: type[StrategySpec]) -> type[Strategy[Any]]:
+        if not made_work:
+            made_work.append(_preset_work(base.implementation(), cls))
+        return made_work[0]
+
+    made = make_dataclass(
+        title, fixed, bases=(base,), frozen=True, kw_only=True,
+        namespace={"name": name, "card": card, "implementation": classmethod(implementation),
+                   "__module__": base.__module__,
+                   "__doc__": f"``{base.__name__}`` with {options} (registered as {name!r})."},
+    )  # fmt: skip
+    return register(made)  # type: ignore[return-value]
+
+
+def _preset_work(work: type[Strategy[Any]], spec: type[StrategySpec]) -> type[Strategy[Any]]:
+    """``work`` under a preset's name and card (``Zero2Strategy``: ``FSDPStrategy`` as zero2)."""
+    ns = {"spec_class": spec, "__module__": work.__module__, "__doc__": spec.__doc__}
+    return type(f"{spec.__name__}Strategy", (work,), ns)
 
 
 def add_package(module: str) -> None:

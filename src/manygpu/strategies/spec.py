@@ -10,35 +10,13 @@ the torch machinery behind it (FSDP2, DTensor, pipelining), is imported only by
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
-from typing import TYPE_CHECKING, Any, ClassVar, TypeVar
-
-from manygpu.errors import UsageError
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, ClassVar
 
 if TYPE_CHECKING:
     from manygpu.runtime.env import Environ
     from manygpu.strategies.base import Strategy
     from manygpu.strategies.registry import StrategyCard
-
-S = TypeVar("S", bound="StrategySpec")
-
-
-@dataclass(frozen=True, kw_only=True)
-class Legacy:
-    """The per-strategy keywords ``Parallel`` took before strategies carried their options
-    (``ddp=DDPOptions(...)``, ``fsdp=``, ``model_stages=``, ``pipeline=``, ``tensor=``,
-    ``ps=``): deprecated, kept for one release. Each strategy reads the ones it used."""
-
-    ddp: Any = None
-    fsdp: Any = None
-    model_stages: int | None = None
-    pipeline: Any = None
-    tensor: Any = None
-    ps: Any = None
-
-    def given(self) -> list[str]:
-        """The keywords given, by name."""
-        return [f.name for f in fields(self) if getattr(self, f.name) is not None]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -60,20 +38,7 @@ class StrategySpec:
         return self
 
     @classmethod
-    def from_legacy(cls, legacy: Legacy) -> StrategySpec:
-        """This strategy's object from the deprecated keywords (default: its defaults)."""
+    def from_name(cls) -> StrategySpec:
+        """The object a bare name stands for (``strategy="fsdp"`` is ``FSDP()``): the
+        defaults; a strategy that cannot run without arguments refuses here, in one line."""
         return cls()
-
-
-def copy_fields(cls: type[S], source: object, keyword: str, **extra: Any) -> S:
-    """``cls`` built from the same-named fields of ``source``, what the deprecated
-    ``keyword=`` gave; anything but an object of ``cls``'s own kind is refused."""
-    kind = next(c for c in cls.__mro__ if c.__base__ is StrategySpec)
-    if not isinstance(source, kind):
-        raise UsageError(
-            f"{keyword}= takes {kind.__name__}(...), not {source!r}; better: "
-            f"strategy={cls.__name__}(...)"
-        )
-    names = {f.name for f in fields(cls)} - set(extra)
-    given = {f.name: getattr(source, f.name) for f in fields(source) if f.name in names}  # type: ignore[arg-type]
-    return cls(**given, **extra)

@@ -14,7 +14,7 @@ from manygpu.checkpoint_io.formats import FULL
 from manygpu.errors import UsageError
 from manygpu.strategies.costs import CommModel, MemoryModel
 from manygpu.strategies.registry import StrategyCard, register
-from manygpu.strategies.spec import Legacy, StrategySpec, copy_fields
+from manygpu.strategies.spec import StrategySpec
 
 if TYPE_CHECKING:
     from manygpu.strategies.base import Strategy
@@ -63,10 +63,6 @@ class DDP(StrategySpec):
         from manygpu.strategies.ddp.strategy import DDPStrategy
 
         return DDPStrategy
-
-    @classmethod
-    def from_legacy(cls, legacy: Legacy) -> DDP:
-        return copy_fields(cls, legacy.ddp, "ddp") if legacy.ddp is not None else cls()
 
 
 @register

@@ -9,21 +9,20 @@ HSDP: sharded within a node, replicated across nodes.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, ClassVar, Literal, TypeVar
+from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
 from torch.nn import Module
 
 from manygpu.checkpoint_io.formats import DCP
 from manygpu.errors import UsageError
 from manygpu.strategies.costs import CommModel, MemoryModel
-from manygpu.strategies.registry import StrategyCard, register
-from manygpu.strategies.spec import Legacy, StrategySpec, copy_fields
+from manygpu.strategies.registry import StrategyCard, preset, register
+from manygpu.strategies.spec import StrategySpec
 
 if TYPE_CHECKING:
     from manygpu.strategies.base import Strategy
 
 ShardDtype = Literal["fp32", "bf16", "fp16"] | None
-C = TypeVar("C", bound=StrategySpec)
 
 
 @register
@@ -39,14 +38,14 @@ class FSDP(StrategySpec):
         comm=CommModel(grads="reduce_scatter", weight_gathers=2), one_process=False,
         plan_ways="one", mesh_axes=("dp", "fsdp"), mesh_default="fsdp", hybrid_for="fsdp",
     )  # fmt: skip
-    reshard_after_forward: ClassVar[bool] = True
-    """Free each unit's gathered parameters after its forward (ZeRO-3), to gather
-    them again for its backward; ``Zero2`` keeps them (less traffic, more memory)."""
-
     param_dtype: ShardDtype = None
     """Compute dtype of the gathered parameters (mixed precision); ``None`` keeps them."""
     reduce_dtype: ShardDtype = None
     """Dtype of the gradient reduce-scatter; ``None`` = the parameters' dtype."""
+    reshard_after_forward: bool = True
+    """Free each unit's gathered parameters after its forward (ZeRO-3), to gather them
+    again for its backward; ``False`` keeps them (less traffic, more memory): that is
+    ``Zero2``, a preset of this option registered as ``"zero2"``."""
     cpu_offload: bool = False
     """Keep sharded parameters, gradients and optimizer state in CPU memory."""
     shard_children: bool = True
@@ -77,40 +76,16 @@ class FSDP(StrategySpec):
 
         return FSDPStrategy
 
-    @classmethod
-    def from_legacy(cls, legacy: Legacy) -> FSDP:
-        return copy_fields(cls, legacy.fsdp, "fsdp") if legacy.fsdp is not None else cls()
 
-
-@register
-@dataclass(frozen=True, kw_only=True)
-class Zero2(FSDP):
-    """ZeRO-2 through FSDP2: parameters stay gathered between forward and backward."""
-
-    name: ClassVar[str] = "zero2"
-    card: ClassVar[StrategyCard] = StrategyCard(
+Zero2 = preset(
+    "Zero2", FSDP, name="zero2", reshard_after_forward=False,
+    card=StrategyCard(
         simplicity=3, changes_loop=False, checkpoint=DCP,
         memory=MemoryModel(weights="world", grads="world", optimizer="world", gathered="whole",
                            compute_dtype_option="param_dtype"),
         comm=CommModel(grads="reduce_scatter", weight_gathers=1), one_process=False,
         plan_ways="one", mesh_axes=("dp", "fsdp"), mesh_default="fsdp",
-    )  # fmt: skip
-    reshard_after_forward: ClassVar[bool] = False
-
-    @classmethod
-    def implementation(cls) -> type[Strategy[Any]]:
-        from manygpu.strategies.fsdp.strategy import Zero2Strategy
-
-        return Zero2Strategy
-
-
-def composed_from_legacy(cls: type[C], keyword: str, legacy: Legacy) -> C:
-    """A strategy that composes FSDP2 over its data dimensions (``Tensor``, ``Pipeline``)
-    from the deprecated keywords: its own ``keyword=`` object, with ``fsdp=``'s knobs
-    when that was given (else the object's own)."""
-    given = getattr(legacy, keyword)
-    own = getattr(given, "fsdp", FSDP())
-    fsdp = FSDP.from_legacy(legacy) if legacy.fsdp is not None else own
-    if given is None:
-        return cls(fsdp=fsdp)  # type: ignore[call-arg]
-    return copy_fields(cls, given, keyword, fsdp=fsdp)
+    ),
+)  # fmt: skip
+"""ZeRO-2 through FSDP2: ``FSDP`` whose parameters stay gathered between forward and
+backward (``reshard_after_forward=False``), with its own name and cost card."""

@@ -21,7 +21,7 @@ from dataclasses import replace
 from torch import nn
 from torch.distributed.fsdp import FSDPModule
 
-from manygpu.strategies.fsdp import FSDP, Zero2
+from manygpu.strategies.fsdp import FSDP
 from manygpu.strategies.fsdp.fp8 import Fsdp2Fp8
 from manygpu.strategies.fsdp.sharding import fsdp_kwargs, shard_data_dims
 from manygpu.strategies.mesh import job_mesh
@@ -67,10 +67,3 @@ class FSDPStrategy(MeshStrategy[FSDP], Fsdp2Fp8):
             if unit is not module and isinstance(unit, FSDPModule):
                 compile_in_place(unit, options)
         compile_in_place(module, replace(options, fullgraph=False))
-
-
-class Zero2Strategy(FSDPStrategy):
-    """ZeRO-2 through FSDP2: the same class, named by its object (whose
-    ``reshard_after_forward`` is ``False``)."""
-
-    spec_class = Zero2

@@ -9,7 +9,7 @@ from manygpu.checkpoint_io.formats import FULL
 from manygpu.errors import UsageError
 from manygpu.strategies.costs import CommModel, MemoryModel
 from manygpu.strategies.registry import StrategyCard, register
-from manygpu.strategies.spec import Legacy, StrategySpec
+from manygpu.strategies.spec import StrategySpec
 
 if TYPE_CHECKING:
     from manygpu.strategies.base import Strategy
@@ -41,7 +41,3 @@ class ModelParallel(StrategySpec):
         from manygpu.strategies.model.strategy import ModelParallelStrategy
 
         return ModelParallelStrategy
-
-    @classmethod
-    def from_legacy(cls, legacy: Legacy) -> ModelParallel:
-        return cls(stages=legacy.model_stages)

@@ -19,7 +19,7 @@ from manygpu.checkpoint_io.formats import DCP
 from manygpu.errors import UsageError
 from manygpu.strategies.costs import CommModel, MemoryModel
 from manygpu.strategies.registry import StrategyCard, register
-from manygpu.strategies.spec import Legacy, StrategySpec
+from manygpu.strategies.spec import StrategySpec
 
 if TYPE_CHECKING:
     from manygpu.strategies.base import Strategy
@@ -51,7 +51,7 @@ class Parallelize(StrategySpec):
             )
 
     @classmethod
-    def from_legacy(cls, legacy: Legacy) -> Parallelize:
+    def from_name(cls) -> Parallelize:
         raise UsageError(
             "strategy='parallelize' needs your plan: give strategy=Parallelize(fn), "
             "where fn(model, mesh) applies it"

@@ -13,9 +13,9 @@ from typing import TYPE_CHECKING, Any, ClassVar, Literal
 from manygpu.checkpoint_io.formats import DCP
 from manygpu.errors import UsageError
 from manygpu.strategies.costs import CommModel, MemoryModel
-from manygpu.strategies.fsdp import FSDP, composed_from_legacy
+from manygpu.strategies.fsdp import FSDP
 from manygpu.strategies.registry import StrategyCard, register
-from manygpu.strategies.spec import Legacy, StrategySpec
+from manygpu.strategies.spec import StrategySpec
 
 if TYPE_CHECKING:
     from manygpu.strategies.base import Strategy
@@ -72,7 +72,3 @@ class Pipeline(StrategySpec):
         from manygpu.strategies.pipeline.strategy import PipelineStrategy
 
         return PipelineStrategy
-
-    @classmethod
-    def from_legacy(cls, legacy: Legacy) -> Pipeline:
-        return composed_from_legacy(cls, "pipeline", legacy)

@@ -15,7 +15,7 @@ from manygpu.errors import UsageError
 from manygpu.runtime import env as envmod
 from manygpu.strategies.costs import CommModel, MemoryModel
 from manygpu.strategies.registry import StrategyCard, register
-from manygpu.strategies.spec import Legacy, StrategySpec, copy_fields
+from manygpu.strategies.spec import StrategySpec
 
 if TYPE_CHECKING:
     from manygpu.runtime.env import Environ
@@ -88,7 +88,3 @@ class PS(StrategySpec):
         from manygpu.strategies.ps.strategy import ParameterServerStrategy
 
         return ParameterServerStrategy
-
-    @classmethod
-    def from_legacy(cls, legacy: Legacy) -> PS:
-        return copy_fields(cls, legacy.ps, "ps") if legacy.ps is not None else cls()

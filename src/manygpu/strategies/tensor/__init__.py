@@ -12,9 +12,9 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 from manygpu.checkpoint_io.formats import DCP
 from manygpu.strategies.costs import CommModel, MemoryModel
-from manygpu.strategies.fsdp import FSDP, composed_from_legacy
+from manygpu.strategies.fsdp import FSDP
 from manygpu.strategies.registry import StrategyCard, register
-from manygpu.strategies.spec import Legacy, StrategySpec
+from manygpu.strategies.spec import StrategySpec
 
 if TYPE_CHECKING:
     from manygpu.strategies.base import Strategy
@@ -47,7 +47,3 @@ class Tensor(StrategySpec):
         from manygpu.strategies.tensor.strategy import TensorParallelStrategy
 
         return TensorParallelStrategy
-
-    @classmethod
-    def from_legacy(cls, legacy: Legacy) -> Tensor:
-        return composed_from_legacy(cls, "tensor", legacy)
