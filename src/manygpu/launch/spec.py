@@ -173,7 +173,7 @@ class JobOptions:
         help="file (mode 600) holding the secret every node of a multi-node job shares "
         "(or MANYGPU_JOB_SECRET; -H/--hostfile draws one)",
     )
-    """Where this node reads the job's secret (:mod:`manygpu.launch.jobsecret`)."""
+    """Where this node reads the job's secret (:mod:`manygpu.runtime.secret`)."""
     driven: bool = switch("--driven", help=HIDDEN)
     """Started by a launch over several hosts (:mod:`manygpu.launch.hosts.run`): stop the
     workers when stdin closes (the driver or its ssh connection went away) and report

@@ -182,7 +182,7 @@ def visible_devices(env: Environ) -> list[str] | None:
 
 
 JOB_SECRET = "MANYGPU_JOB_SECRET"
-"""The job's secret for a multi-node job (:mod:`manygpu.launch.jobsecret`)."""
+"""The job's secret for a multi-node job (:mod:`manygpu.runtime.secret`)."""
 
 
 def drop_job_secret() -> None:
