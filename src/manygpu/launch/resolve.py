@@ -19,7 +19,7 @@ from manygpu.launch import engines
 from manygpu.launch.engines import OuterJob
 from manygpu.launch.entry import script_problem
 from manygpu.launch.netcheck import split_endpoint
-from manygpu.launch.spec import AGREED_ID, JobOptions, LaunchRequest, LaunchSpec, parse_nnodes
+from manygpu.launch.spec import AGREED_ID, LaunchRequest, LaunchSpec, ProgramOptions, parse_nnodes
 from manygpu.runtime import env as envmod
 from manygpu.runtime.cluster import DEFAULT_PORT, mpi_port, mpi_ranks, slurm_master
 from manygpu.runtime.device import cpu_count, threads_per_process
@@ -239,8 +239,8 @@ def resolve(req: LaunchRequest, env: Environ, cuda_count: int) -> LaunchSpec:
 
 
 def _as_given(req: LaunchRequest) -> dict[str, Any]:
-    """The options the launcher uses as typed (:class:`JobOptions`), by field name."""
-    return {f.name: getattr(req, f.name) for f in fields(JobOptions)}
+    """The options the launcher uses as typed (:class:`ProgramOptions`), by field name."""
+    return {f.name: getattr(req, f.name) for f in fields(ProgramOptions)}
 
 
 def _check_entry(req: LaunchRequest) -> None:

@@ -4,7 +4,7 @@ Each option names its command-line flags on its field (:mod:`manygpu.flags`);
 the CLI builds its arguments, and the request back from them, by field name.
 :class:`LaunchRequest` holds the options as typed; resolving it
 (:mod:`manygpu.launch.resolve`) gives a :class:`LaunchSpec`. The options the
-launcher uses as given (:class:`JobOptions`, :class:`TorchrunOptions`) are
+launcher uses as given (:class:`ProgramOptions`, :class:`TorchrunOptions`) are
 shared by the request and the spec, so a new one of those is one field.
 Plain data: importing this module must stay cheap (it builds ``manygpu --help``).
 """
@@ -123,8 +123,8 @@ class TorchrunOptions:
 
 
 @dataclass(frozen=True, kw_only=True)
-class JobOptions:
-    """What the launcher uses as given: the program, restarts, timeouts, logs.
+class ProgramOptions:
+    """How the launcher runs the program, used as given: the program, restarts, timeouts, logs.
 
     Shared by :class:`LaunchRequest` and :class:`LaunchSpec` (resolving copies
     them over by name); checked by the spec.
@@ -229,7 +229,7 @@ class Placement:
 
 
 @dataclass(frozen=True, kw_only=True)
-class LaunchRequest(JobOptions, Placement):
+class LaunchRequest(ProgramOptions, Placement):
     """The launch options as typed; ``None`` means "not given"."""
 
     standalone: bool = switch("--standalone", help="one node, private rendezvous (the default)")
@@ -239,7 +239,7 @@ class LaunchRequest(JobOptions, Placement):
 
 
 @dataclass(frozen=True, kw_only=True)
-class LaunchSpec(JobOptions):
+class LaunchSpec(ProgramOptions):
     """A job: which program, how many processes, where they meet."""
 
     nproc_per_node: int = 1
