@@ -214,7 +214,7 @@ def resolve(req: LaunchRequest, env: Environ, cuda_count: int) -> LaunchSpec:
     if req.nnodes is None and outer is not None:
         min_nodes, max_nodes = outer.min_nodes, outer.max_nodes
     else:
-        min_nodes, max_nodes = parse_nnodes(req.nnodes)
+        min_nodes, max_nodes = parse_nnodes(req.nnodes) if req.nnodes is not None else (1, 1)
     backend, endpoint, node_rank = _rendezvous(
         req, outer, multi=max_nodes > 1, elastic=min_nodes != max_nodes
     )

@@ -50,16 +50,22 @@ def parse_ranks(text: str | None) -> tuple[int, ...] | None:
     return tuple(int(p) for p in parts)
 
 
-def parse_nnodes(text: str | None) -> tuple[int, int]:
-    """``"2"`` -> (2, 2); ``"1:4"`` -> (1, 4)."""
-    if text is None:
-        return 1, 1
-    lo, _, hi = text.partition(":")
-    try:
-        bounds = (int(lo), int(hi or lo))
-    except ValueError:
-        raise UsageError(f"--nnodes {text!r} is not N or MIN:MAX") from None
-    return bounds
+def parse_nnodes(text: str, where: str | None = None) -> tuple[int, int]:
+    """``"2"`` -> (2, 2); ``"1:4"`` -> (1, 4): the one reader of a node count or range.
+
+    Every ``--nnodes`` (launch, the hostfile's driver, ``k8s render``) and every
+    engine's node count (``PET_NNODES``, ``NNODES``) is read here, so each accepts
+    the same forms and refuses the same way. ``where`` names the source in the
+    error (default ``--nnodes TEXT``; an engine's is ``PET_NNODES='TEXT'``).
+    """
+    where = where or f"--nnodes {text}"
+    parts = text.strip().split(":")
+    if len(parts) > 2 or not all(p.isascii() and p.isdigit() and int(p) >= 1 for p in parts):
+        raise UsageError(f"{where}: give a node count N or a range MIN:MAX (each >= 1)")
+    lo, hi = int(parts[0]), int(parts[-1])
+    if lo > hi:
+        raise UsageError(f"{where}: MIN is above MAX")
+    return lo, hi
 
 
 AGREED_ID = "manygpu-agreed"
