@@ -33,6 +33,7 @@ from manygpu.errors import CollectiveTimeoutError, peer_lost
 from manygpu.horovod.basics import Pending, session
 from manygpu.horovod.exceptions import internal
 from manygpu.horovod.matching import Point, meet
+from manygpu.runtime.ranks import ranks_text
 
 if TYPE_CHECKING:
     from manygpu.horovod.process_sets import Scope
@@ -57,11 +58,6 @@ def describe(what: str, tensor: torch.Tensor | None, name: str | None, **args: o
         parts.append(f"{str(tensor.dtype).removeprefix('torch.')}[{shape}]")
     parts += [f"{k}={v}" for k, v in args.items()]
     return f"{what}({', '.join(parts)})"
-
-
-def ranks_text(ranks: Sequence[int]) -> str:
-    """``rank 1`` or ``ranks [0, 2]``."""
-    return f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {list(ranks)}"
 
 
 def agree(

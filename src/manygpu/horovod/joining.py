@@ -45,11 +45,12 @@ from manygpu.comm.common import active, all_gather_single, scratch_device, wait
 from manygpu.comm.objects import PayloadError, all_gather_json
 from manygpu.errors import CollectiveTimeoutError, UsageError
 from manygpu.horovod.basics import Session, session
-from manygpu.horovod.checks import HorovodMismatchError, named_stall, ranks_text, render_mismatch
+from manygpu.horovod.checks import HorovodMismatchError, named_stall, render_mismatch
 from manygpu.horovod.exceptions import HorovodInternalError
 from manygpu.horovod.matching import Point, common_names, goes_on, stall_text, start_deferred
 from manygpu.horovod.process_sets import next_call
 from manygpu.horovod.wire import wire_dtype
+from manygpu.runtime.ranks import ranks_text
 
 if TYPE_CHECKING:
     from manygpu.horovod.grad_sync import GradientSync
