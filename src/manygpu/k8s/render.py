@@ -39,9 +39,9 @@ from typing import Any
 
 from manygpu.errors import UsageError
 from manygpu.launch.spec import parse_nnodes
+from manygpu.runtime.env import JOB_SECRET
 
 KINDS = ("trainjob", "pytorchjob")
-SECRET_ENV = "MANYGPU_JOB_SECRET"
 SECRET_KEY = "secret"
 """The key in the Secret: ``kubectl create secret generic NAME --from-literal=secret=...``."""
 SHM_VOLUME = "dshm"
@@ -165,7 +165,7 @@ def _secret_env(opts: RenderOptions, multi: bool) -> dict[str, Any]:
     ref: dict[str, Any] = {"name": opts.secret_name or f"{opts.name}-job-secret", "key": SECRET_KEY}
     if not multi:
         ref["optional"] = True
-    return {"name": SECRET_ENV, "valueFrom": {"secretKeyRef": ref}}
+    return {"name": JOB_SECRET, "valueFrom": {"secretKeyRef": ref}}
 
 
 def _shm(opts: RenderOptions) -> tuple[dict[str, Any], dict[str, Any]]:
