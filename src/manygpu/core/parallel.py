@@ -185,7 +185,7 @@ class Parallel(JobCollectives, Profiling, RunLog):
         """True on a parameter server (strategy ``"ps"``): its ``prepare`` serves the
         workers and then ends the process with exit code 0, so code after it runs on
         workers only."""
-        return abilities.serves(self.strategy)
+        return abilities.is_server(self.strategy)
 
     @property
     def device(self) -> torch.device:
