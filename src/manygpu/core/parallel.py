@@ -111,10 +111,10 @@ class Parallel(JobCollectives, Profiling, RunLog):
         self.config = config
         self.cluster = cluster if cluster is not None else detect_cluster(environ)
         self.strategy_name = self.config.resolved_strategy(
-            self.cluster.world_size, served=envmod.ps_servers(environ) is not None
+            self.cluster.world_size, served=envmod.launched_servers(environ) is not None
         )
         options = self.config.strategy_object(self.strategy_name)
-        strategy_cls = served_class(options, envmod.ps_servers(environ))
+        strategy_cls = served_class(options, envmod.launched_servers(environ))
         options = options.launched(environ)
         device = self._device(strategy_cls, options, environ)
         capability, self._device_name = cuda_facts(device)

@@ -127,10 +127,10 @@ def worker_env(spec: LaunchSpec) -> dict[str, str]:
     env = dict(spec.extra_env)
     if spec.timeout_s is not None:
         env["MANYGPU_TIMEOUT"] = str(spec.timeout_s)
-    if spec.ps_servers is not None:
-        env[envmod.PS_SERVERS] = str(spec.ps_servers)
+    if spec.servers is not None:
+        env[envmod.PS_SERVERS] = str(spec.servers)
         # Workers that die may be dropped: their servers decide, not the agent.
-        env[envmod.EXPENDABLE_FROM] = str(spec.ps_servers)
+        env[envmod.EXPENDABLE_FROM] = str(spec.servers)
     return env
 
 

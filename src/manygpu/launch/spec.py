@@ -166,7 +166,7 @@ class ProgramOptions:
     )
     """Seconds between SIGTERM and SIGKILL when stopping workers: the time a
     preempted job has to save (keep it below Slurm's KillWait / --signal lead)."""
-    ps_servers: int | None = option(
+    servers: int | None = option(
         "--ps",
         parse=positive_int,
         metavar="K",
@@ -295,9 +295,9 @@ class LaunchSpec(ProgramOptions):
         if self.max_restarts < 0:
             raise UsageError(f"--max-restarts must be >= 0, got {self.max_restarts}")
         ranks = self.nproc_per_node * self.min_nodes
-        if self.ps_servers is not None and not 1 <= self.ps_servers < ranks:
+        if self.servers is not None and not 1 <= self.servers < ranks:
             raise UsageError(
-                f"--ps {self.ps_servers}: give 1 to {ranks - 1} servers, so that at least one "
+                f"--ps {self.servers}: give 1 to {ranks - 1} servers, so that at least one "
                 f"of the job's {ranks} processes is a worker"
             )
         if self.timeout_s is not None and self.timeout_s <= 0:
