@@ -31,7 +31,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from manygpu.plan.uneven_hosts import Host, samples_per_s
+from manygpu.plan.uneven_hosts import HostRates, samples_per_s
 
 ROOT = Path(__file__).resolve().parents[1]
 WORKER = ROOT / "bench" / "ps_tta_worker.py"
@@ -56,11 +56,11 @@ def predict(row: dict[str, Any], base: dict[str, Any], args: argparse.Namespace)
     """The planner's samples/s for ``row``'s configuration on hosts like this run's."""
     slow_ms = row["slow_ms"] if row["slow_rank"] >= 0 else 0.0
     servers = 1 if row["strategy"] == "ps" else 0
-    hosts = [Host(compute_s=base["step_compute_s"], bw_gbs=args.link_gbit / 8)
+    hosts = [HostRates(compute_s=base["step_compute_s"], bw_gbs=args.link_gbit / 8)
              for _ in range(args.procs)]  # fmt: skip
     slow_host = servers + row["slow_rank"]
     if slow_ms and 0 <= slow_host < len(hosts):
-        hosts[slow_host] = Host(compute_s=base["step_compute_s"] + slow_ms / 1e3,
+        hosts[slow_host] = HostRates(compute_s=base["step_compute_s"] + slow_ms / 1e3,
                                 bw_gbs=args.link_gbit / 8)  # fmt: skip
     return samples_per_s(row["strategy"], hosts, batch=row["batch"],
                          grad_bytes=row["param_bytes"], weight_bytes=row["param_bytes"],

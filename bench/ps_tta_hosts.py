@@ -47,7 +47,7 @@ from rich.table import Table
 
 from manygpu.bench import report
 from manygpu.emulate import EmulatedCluster, LinkShape, netns_available
-from manygpu.plan.uneven_hosts import Host, samples_per_s
+from manygpu.plan.uneven_hosts import HostRates, samples_per_s
 
 ROOT = Path(__file__).resolve().parents[1]
 WORKER = ROOT / "bench" / "ps_tta_worker.py"
@@ -72,7 +72,7 @@ def host_argv(
     i: int, strategy: str, mode: str, slow: bool, out: Path, port: int, addr0: str,
     args: argparse.Namespace,
 ) -> list[str]:  # fmt: skip
-    """Host ``i``'s ``manygpu launch`` line for one case."""
+    """HostRates ``i``'s ``manygpu launch`` line for one case."""
     argv = [sys.executable, "-m", "manygpu", "launch", "--nnodes", str(args.hosts),
             "--node-rank", str(i), "--nproc-per-node", "1", "--master-addr", addr0,
             "--master-port", str(port), "--timeout", "120"]  # fmt: skip
@@ -112,9 +112,9 @@ def run_case(
 def predict(case: dict[str, Any], compute_s: float, args: argparse.Namespace) -> float:
     """The planner's samples/s for ``case`` on hosts like the emulated ones."""
     link = rate_gbs(args.rate)
-    hosts = [Host(compute_s=compute_s, bw_gbs=link) for _ in range(args.hosts)]
+    hosts = [HostRates(compute_s=compute_s, bw_gbs=link) for _ in range(args.hosts)]
     if case["slow"]:
-        hosts[-1] = Host(compute_s=compute_s + args.slow_ms / 1e3, bw_gbs=link)
+        hosts[-1] = HostRates(compute_s=compute_s + args.slow_ms / 1e3, bw_gbs=link)
     servers = 1 if case["strategy"] == "ps" else 0
     return samples_per_s(case["strategy"], hosts, batch=args.batch,
                          grad_bytes=case["param_bytes"], weight_bytes=case["param_bytes"],

@@ -348,8 +348,8 @@ def test_a_node_whose_processes_die_is_named(slurm: SlurmHosts, tmp_path: Path) 
     ours = [line for line in said if line.startswith("manygpu:")]
     node1 = slurm.cluster.addresses[1]
     lead = (
-        f"manygpu: the first failure was on the host(s) at {node1} (node1), not here: ranks 0,1 of "
-        "this node lost their connections to it"
+        f"manygpu: the first failure was on the host(s) at {node1} (node1), not here: "
+        "ranks 0, 1 of this node lost their connections to it"
     )
     assert ours and ours[0].startswith(lead), "\n".join(said[-60:])
     assert all("(a consequence) rank" in line for line in ours[1:]), ours

@@ -77,7 +77,7 @@ def _mismatch(use_env: bool) -> str:
 
 def test_debug_mode_names_the_rank_that_differs() -> None:
     for message in run_ranks(_mismatch, 3, False):
-        assert "ranks [0, 2] call all_reduce(float32[4], arg=0)" in message
+        assert "ranks 0, 2 call all_reduce(float32[4], arg=0)" in message
         assert "rank 1 calls all_reduce(float32[8], arg=0)" in message
 
 

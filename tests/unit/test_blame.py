@@ -71,12 +71,12 @@ def test_the_lost_peers_line_names_remote_hosts_never_this_one() -> None:
     here = {"10.213.0.1"}.__contains__
     line = blame.lost_peers_line([1, 0], [GLOO_LOST], here, hosts)
     assert line.startswith("the first failure was on the host(s) at 10.213.0.2 (node1), not here")
-    assert "ranks 0,1 of this node" in line
+    assert "ranks 0, 1 of this node" in line
     local = GLOO_LOST.replace("10.213.0.2", "10.213.0.1")  # rank 1 here closed after failing
     both = blame.lost_peers_line([0, 1], [local, GLOO_LOST], here, hosts)
     assert both.startswith("the first failure was on the host(s) at 10.213.0.2 (node1), not")
     own = blame.lost_peers_line([0], [local], here, "")
-    assert own.startswith("the first failure was not here: ranks 0 of this node lost")
+    assert own.startswith("the first failure was not here: rank 0 of this node lost")
     unnamed = blame.lost_peers_line([0], ["Timed out"], here, hosts)
     assert unnamed.startswith("the first failure was not here")
 
@@ -90,7 +90,7 @@ USAGE = "failed with exit code 1: UsageError: unknown strategy 'fdsp'; did you m
 
 def test_the_same_configuration_error_on_every_rank_is_one_line_without_its_class() -> None:
     lines = blame.report_lines([(f"rank 1 {USAGE}", _o(1, 5)), (f"rank 0 {USAGE}", _o(0, 7))])
-    assert lines == ["ranks 0,1: unknown strategy 'fdsp'; did you mean 'fsdp'?"]
+    assert lines == ["ranks 0, 1: unknown strategy 'fdsp'; did you mean 'fsdp'?"]
 
 
 def test_only_ranks_that_failed_because_of_another_are_consequences() -> None:
@@ -105,8 +105,8 @@ def test_only_ranks_that_failed_because_of_another_are_consequences() -> None:
         ]
     )
     assert lines == [
-        f"ranks 0,1 {boom}",
-        "  then (a consequence) ranks 3,4 were killed by SIGTERM",
+        f"ranks 0, 1 {boom}",
+        "  then (a consequence) ranks 3, 4 were killed by SIGTERM",
         "  also rank 2 failed with exit code 1: KeyError: 'x'",
     ]
 
@@ -120,7 +120,7 @@ def test_a_configuration_error_merges_over_hosts_other_errors_keep_their_host() 
         ]
     )
     assert lines == [
-        "ranks 0,1: unknown strategy 'fdsp'; did you mean 'fsdp'?",  # one line, every host
+        "ranks 0, 1: unknown strategy 'fdsp'; did you mean 'fsdp'?",  # one line, every host
         "  then (a consequence) 10.0.0.3: stopped (exit code 143)",
     ]
     boom = "failed with exit code 1: ValueError: boom"
@@ -134,9 +134,3 @@ def test_without_a_lead_every_group_is_a_consequence() -> None:
     lost = "failed with exit code 1: RuntimeError: Connection closed by peer"
     entries = [(f"rank {r} {lost}", _o(r, 5 + r, consequence=True)) for r in range(4)]
     assert blame.report_lines(entries, lead=False) == [f"  then (a consequence) ranks 0-3 {lost}"]
-
-
-def test_rank_lists_read_as_ranks() -> None:
-    assert blame.rank_list([3]) == "rank 3"
-    assert blame.rank_list([1, 0]) == "ranks 0,1"
-    assert blame.rank_list([0, 1, 2, 3, 5, 7, 8]) == "ranks 0-3,5,7,8"

@@ -93,8 +93,8 @@ def test_layout_differences_are_named() -> None:
     b = [("w", (2, 4), "torch.float32"), ("b", (2,), "torch.float16")]
     c = [("w", (2, 3), "torch.float32")]
     assert layout_diff([a, b, a]) == (
-        "'w' is float32[2x3] on ranks [0, 2], float32[2x4] on rank 1; "
-        "'b' is float32[2] on ranks [0, 2], float16[2] on rank 1"
+        "'w' is float32[2x3] on ranks 0, 2, float32[2x4] on rank 1; "
+        "'b' is float32[2] on ranks 0, 2, float16[2] on rank 1"
     )
     assert layout_diff([a, c]) == "'b' exists only on rank 0"
     assert layout_diff([a, a[::-1]]) == "the same tensors in a different order on rank 0 vs rank 1"
@@ -107,7 +107,7 @@ def test_mismatch_lines_group_ranks_by_call() -> None:
         ("allreduce(float32[4])", None),
     ]
     text = render_mismatch(rows, "fallback")
-    assert "ranks [0, 2] call allreduce(float32[4]); rank 1 calls allreduce(float32[8])" in text
+    assert "ranks 0, 2 call allreduce(float32[4]); rank 1 calls allreduce(float32[8])" in text
     # Same call everywhere: the ranks differ in call numbers; comm.debug's message says so.
     assert (
         render_mismatch([("x", None), ("x", None)], "call numbers differ") == "call numbers differ"
@@ -118,7 +118,7 @@ def test_stall_names_missing_and_elsewhere_ranks() -> None:
     records = {0: (5, "allreduce('a')"), 2: (5, "allreduce('a')"), 3: (4, "broadcast('p')")}
     assert describe_stall(records, 4, 5) == (
         "missing ranks: [1] never started this collective; "
-        "rank 3 is stuck in its own call #4 broadcast('p'); ranks [0, 2] waited in it"
+        "rank 3 is stuck in its own call #4 broadcast('p'); ranks 0, 2 waited in it"
     )
 
 

@@ -17,10 +17,10 @@ import pytest
 from torch.distributed import TCPStore
 
 from manygpu.errors import UsageError
-from manygpu.launch import jobsecret
-from manygpu.launch.jobsecret import JobSecret
 from manygpu.runtime import env as envmod
+from manygpu.runtime import secret as secretmod
 from manygpu.runtime import store_gate
+from manygpu.runtime.secret import JobSecret
 
 SECRET = JobSecret.from_text("s" * 32, "test")
 OTHER = JobSecret.from_text("o" * 32, "test")
@@ -117,24 +117,24 @@ def test_run_ids_are_derived_alike_and_differ_per_secret() -> None:
 
 
 def test_where_the_secret_comes_from(tmp_path: Path) -> None:
-    assert jobsecret.load(None, {}) is None
-    assert jobsecret.load(None, {envmod.JOB_SECRET: "e" * 20}) == JobSecret(b"e" * 20)
+    assert secretmod.load(None, {}) is None
+    assert secretmod.load(None, {envmod.JOB_SECRET: "e" * 20}) == JobSecret(b"e" * 20)
     with pytest.raises(UsageError, match="at least 16"):
-        jobsecret.load(None, {envmod.JOB_SECRET: "short"})
+        secretmod.load(None, {envmod.JOB_SECRET: "short"})
     path = tmp_path / "secret"
     path.write_text("f" * 40 + "\n")
     path.chmod(0o644)
     with pytest.raises(UsageError, match=f"chmod 600 {path}"):
-        jobsecret.load(str(path), {})
+        secretmod.load(str(path), {})
     path.chmod(0o600)
-    assert jobsecret.load(str(path), {envmod.JOB_SECRET: "e" * 20}) == JobSecret(b"f" * 40)
+    assert secretmod.load(str(path), {envmod.JOB_SECRET: "e" * 20}) == JobSecret(b"f" * 40)
 
 
 def test_only_jobs_that_meet_beyond_loopback_need_one() -> None:
     for host in ("127.0.0.1", "localhost", "::1", "[::1]", "127.0.0.2"):
-        assert not jobsecret.required(host), host
+        assert not secretmod.required(host), host
     for host in ("10.0.0.1", "node0", "fd00::1", "0.0.0.0"):
-        assert jobsecret.required(host), host
+        assert secretmod.required(host), host
 
 
 def test_forwarded_variables_are_names_and_never_the_secret() -> None:

@@ -7,6 +7,7 @@ names the file, the line and what to do instead.
 from __future__ import annotations
 
 import ast
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -357,3 +358,51 @@ def test_exports_derive_from_the_strategy_registry(package: str) -> None:
     )
     for name in OBJECTS:
         assert getattr(module, name).__name__ == name
+
+
+# One home per concept: each named function (or class) is defined in its module only;
+# a second definition anywhere else is a second format, a second set of error texts.
+ONE_HOME: list[tuple[str, str, re.Pattern[str]]] = [
+    ("the --nnodes N|MIN:MAX reader", "manygpu.launch.spec", re.compile(r"nnodes", re.I)),
+    (
+        "the rank-list formatter",
+        "manygpu.runtime.ranks",
+        re.compile(r"ranks?_?(text|list|ranges?|span)|^_?ranges$", re.I),
+    ),
+    ("the job's secret", "manygpu.runtime.secret", re.compile(r"^_?\w*Secret$")),
+]
+
+
+@pytest.mark.parametrize(("what", "home", "name"), ONE_HOME, ids=[w for w, _, _ in ONE_HOME])
+def test_one_home_per_concept(what: str, home: str, name: re.Pattern[str]) -> None:
+    defs = ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef
+    wrong = [
+        f"{_module(path)}:{node.lineno} defines {node.name}"
+        for path in FILES
+        if _module(path) != home
+        for node in ast.walk(_tree(path))
+        if isinstance(node, defs) and name.search(node.name)
+    ]
+    assert wrong == [], f"{what} lives in {home}; import it from there: " + "; ".join(wrong)
+
+
+def test_one_secret_module() -> None:
+    """The job's secret (loading, keys, when a job needs one) is one module."""
+    named = [_module(p) for p in FILES if "secret" in p.stem]
+    assert named == ["manygpu.runtime.secret"], f"fold these into runtime/secret.py: {named}"
+
+
+SHARED_CLASS_NAMES: set[str] = set()
+"""Two classes by one name today (rename one, then drop it here; never add)."""
+
+
+def test_no_two_classes_share_a_name() -> None:
+    """One name, one thing: two unrelated ``JobOptions`` read alike in a traceback."""
+    seen: dict[str, list[str]] = {}
+    for path in FILES:
+        for node in _tree(path).body:
+            if isinstance(node, ast.ClassDef):
+                seen.setdefault(node.name, []).append(_module(path))
+    shared = {name: mods for name, mods in seen.items() if len(mods) > 1}
+    assert set(shared) <= SHARED_CLASS_NAMES, f"rename one of each: {shared}"
+    assert set(shared) == SHARED_CLASS_NAMES, "a shared name is gone: drop it from the list"

@@ -172,7 +172,7 @@ def test_launched_with_ps_but_another_strategy_is_refused(monkeypatch: pytest.Mo
         Parallel(strategy="single")
     monkeypatch.setenv(envmod.PS_SERVERS, "0")
     with pytest.raises(UsageError, match="MANYGPU_PS_SERVERS"):
-        envmod.ps_servers(envmod.current())
+        envmod.launched_servers(envmod.current())
 
 
 def test_fp16_is_refused_and_auto_precision_avoids_it() -> None:
@@ -187,12 +187,12 @@ def test_ps_flag_reaches_the_workers_and_is_checked(tmp_path: Any) -> None:
 
     script = tmp_path / "train.py"
     script.write_text("")
-    spec = resolve(LaunchRequest(entry=str(script), nproc_per_node=3, ps_servers=1), {}, 0)
+    spec = resolve(LaunchRequest(entry=str(script), nproc_per_node=3, servers=1), {}, 0)
     assert worker_env(spec)[envmod.PS_SERVERS] == "1"
     assert worker_env(spec)[envmod.EXPENDABLE_FROM] == "1"  # its workers may be lost
     for bad in (0, 3):
         with pytest.raises(UsageError, match=f"--ps {bad}: give 1 to 2 servers"):
-            resolve(LaunchRequest(entry=str(script), nproc_per_node=3, ps_servers=bad), {}, 0)
+            resolve(LaunchRequest(entry=str(script), nproc_per_node=3, servers=bad), {}, 0)
 
 
 def test_the_keeper_applies_to_workers_only() -> None:

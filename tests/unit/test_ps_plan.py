@@ -11,14 +11,14 @@ from manygpu.plan.desc import ModelDesc
 from manygpu.plan.hardware import Cluster
 from manygpu.plan.memory import estimate as memory_estimate
 from manygpu.plan.recommend import recommend
-from manygpu.plan.uneven_hosts import Host, ps_sync_step_s, ring_step_s, samples_per_s
+from manygpu.plan.uneven_hosts import HostRates, ps_sync_step_s, ring_step_s, samples_per_s
 
 GBIT = 1 / 8  # GB/s of 1 Gbit/s
 MODEL = 25e6 * 4  # 25M fp32 parameters: the bytes of gradients and of weights
 
 
-def _hosts(n: int, compute_s: float = 0.1, bw: float = GBIT) -> list[Host]:
-    return [Host(compute_s=compute_s, bw_gbs=bw) for _ in range(n)]
+def _hosts(n: int, compute_s: float = 0.1, bw: float = GBIT) -> list[HostRates]:
+    return [HostRates(compute_s=compute_s, bw_gbs=bw) for _ in range(n)]
 
 
 def test_push_pull_formula() -> None:
@@ -87,7 +87,7 @@ def test_a_straggler_favours_async_parameter_servers() -> None:
     # Compute-bound (a small model): one host's steps are 4x slower.
     small = 1e6 * 4
     hosts = _hosts(4, compute_s=0.1)
-    hosts[3] = Host(compute_s=0.4, bw_gbs=GBIT)
+    hosts[3] = HostRates(compute_s=0.4, bw_gbs=GBIT)
 
     def rate(strategy: str, **kw: object) -> float:
         return samples_per_s(strategy, hosts, batch=32, grad_bytes=small, weight_bytes=small,

@@ -26,8 +26,8 @@ from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (
 )
 
 from manygpu.launch import rdzv_state
-from manygpu.launch.jobsecret import JobSecret
 from manygpu.launch.rendezvous import JsonStateBackend, serve_store
+from manygpu.runtime.secret import JobSecret
 
 
 @pytest.fixture

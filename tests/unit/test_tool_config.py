@@ -15,7 +15,13 @@ from manygpu.demo.config import DemoConfig
 from manygpu.doctor.config import LiveConfig
 from manygpu.errors import UsageError
 from manygpu.flags import flag_of, flagged
-from manygpu.launch.spec import JobOptions, LaunchRequest, LaunchSpec, Placement, TorchrunOptions
+from manygpu.launch.spec import (
+    LaunchRequest,
+    LaunchSpec,
+    Placement,
+    ProgramOptions,
+    TorchrunOptions,
+)
 from manygpu.runtime import handoff
 from manygpu.runtime.env import TOOL_CONFIG
 
@@ -64,7 +70,7 @@ def test_configs_check_themselves(make: object, needle: str) -> None:
 
 
 def test_every_launch_option_is_a_flag_of_every_launching_command() -> None:
-    shared = [f.name for cls in (Placement, JobOptions) for f, _ in flagged(cls)]
+    shared = [f.name for cls in (Placement, ProgramOptions) for f, _ in flagged(cls)]
     parser = build_parser()
     for argv in (["launch", "x.py"], ["bench", "comm"], ["bench", "train"], ["doctor"]):
         ns = parser.parse_args(argv)
@@ -89,7 +95,7 @@ def test_the_request_is_built_from_the_flags_by_name() -> None:
 
 
 def test_the_options_used_as_given_are_shared_by_request_and_spec() -> None:
-    shared = {f.name for f in fields(JobOptions)}
+    shared = {f.name for f in fields(ProgramOptions)}
     assert shared <= {f.name for f in fields(LaunchRequest)}
     assert shared <= {f.name for f in fields(LaunchSpec)}
     assert all(flag_of(f) is None for f in fields(LaunchSpec) if f.name not in shared)

@@ -268,7 +268,7 @@ def _timed_steps(
 
 
 @dataclass(frozen=True)
-class StepSplit:
+class TimedStep:
     """One step's time in parts that add up to it."""
 
     compute_s: float
@@ -276,7 +276,7 @@ class StepSplit:
     data_s: float
 
 
-def split_step(step_s: float, data_s: float, nosync_compute_s: float | None) -> StepSplit:
+def split_step(step_s: float, data_s: float, nosync_compute_s: float | None) -> TimedStep:
     """Split a normal step into compute, exposed communication and data wait.
 
     Compute comes from other steps (the no-sync ones), so noise, or a no-sync
@@ -289,7 +289,7 @@ def split_step(step_s: float, data_s: float, nosync_compute_s: float | None) -> 
     data = min(max(data_s, 0.0), step_s)
     rest = step_s - data
     compute = rest if nosync_compute_s is None else min(max(nosync_compute_s, 0.0), rest)
-    return StepSplit(compute_s=compute, comm_s=rest - compute, data_s=data)
+    return TimedStep(compute_s=compute, comm_s=rest - compute, data_s=data)
 
 
 DATA_BYTES = 512 << 20

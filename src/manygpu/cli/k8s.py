@@ -1,7 +1,7 @@
 """``manygpu k8s render``: a ready-to-apply Kubeflow TrainJob or PyTorchJob for a manygpu job.
 
-Building the parser imports nothing but :mod:`manygpu.k8s.render` (which is
-``re`` and a dataclass), so ``manygpu --help`` stays cheap; PyYAML is imported
+Building the parser imports nothing but :mod:`manygpu.k8s.render` (``re``, a
+dataclass and the launch options' plain data), so ``manygpu --help`` stays cheap; PyYAML is imported
 only when rendering, and only if it is there (JSON is valid YAML).
 """
 

@@ -16,10 +16,10 @@ from manygpu.errors import UsageError
 from manygpu.launch.entry import script_problem
 from manygpu.launch.spec import (
     HostOptions,
-    JobOptions,
     LaunchRequest,
     LaunchSpec,
     Placement,
+    ProgramOptions,
     TorchrunOptions,
 )
 
@@ -65,7 +65,7 @@ def add_parser(sub: Any) -> None:
 def add_launch_options(p: argparse.ArgumentParser) -> None:
     """Where and how many workers: shared by every command that launches a job."""
     add_flags(p, Placement)
-    add_flags(p, JobOptions)
+    add_flags(p, ProgramOptions)
 
 
 def add_torchrun_options(p: argparse.ArgumentParser) -> None:

@@ -34,6 +34,7 @@ from manygpu.comm.common import all_gather_single, scratch_device, wait
 from manygpu.comm.objects import all_gather_json
 from manygpu.errors import ManyGPUError
 from manygpu.runtime import env as envmod
+from manygpu.runtime.ranks import ranks_text
 
 _WIDTH = 16  # op, dtype, ndim, 8 dims, extra, call number, site hash, line, strict
 _MAX_DIMS = 8
@@ -246,7 +247,7 @@ def _mismatch_text(
     odd = [r for r, row_r in enumerate(rows) if row_r != common]
     majority = [r for r in range(world) if r not in odd]
     calls = "; ".join(f"rank {r} calls {_render(list(full[r]), sites[r])}" for r in odd)
-    who = f"rank {majority[0]} calls" if len(majority) == 1 else f"ranks {majority} call"
+    who = f"{ranks_text(majority)} {'calls' if len(majority) == 1 else 'call'}"
     same_but_site = all(rows[r][:_SITE] == common[:_SITE] for r in odd)
     why = (
         "the ranks reached this collective from different lines: one skipped a call before "

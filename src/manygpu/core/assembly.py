@@ -59,7 +59,7 @@ class JobParts:
 
 
 @dataclass(frozen=True)
-class Job:
+class JobFacts:
     """The facts of the job the parts are built for."""
 
     config: ParallelConfig
@@ -71,7 +71,7 @@ class Job:
     choice: PrecisionChoice
 
 
-def assemble(current: Current, job: Job, environ: envmod.Environ) -> JobParts:
+def assemble(current: Current, job: JobFacts, environ: envmod.Environ) -> JobParts:
     """The job's parts, wired: the step event's listeners, logging, profiling, prepare."""
     config, cluster = job.config, job.cluster
     console = MainConsole(job.is_main, cluster.rank)
@@ -114,7 +114,7 @@ def assemble(current: Current, job: Job, environ: envmod.Environ) -> JobParts:
     )
 
 
-def facts(current: Current, job: Job) -> dict[str, Any]:
+def facts(current: Current, job: JobFacts) -> dict[str, Any]:
     """The resolved configuration a new tracked run records once."""
     mesh = job.config.mesh
     return {
@@ -127,7 +127,7 @@ def facts(current: Current, job: Job) -> dict[str, Any]:
 
 
 def parts(
-    current: Current, job: Job, model: nn.Module, optimizer: torch.optim.Optimizer | None
+    current: Current, job: JobFacts, model: nn.Module, optimizer: torch.optim.Optimizer | None
 ) -> Parts:
     """What a checkpoint of the prepared ``model`` and (inner) ``optimizer`` holds."""
     # Imported here: `import manygpu` must not pay for the checkpoint package.

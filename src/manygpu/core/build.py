@@ -39,7 +39,7 @@ def chosen_strategy(config: ParallelConfig, name: str, environ: envmod.Environ) 
     """Strategy ``name``'s options (the script's object, else its defaults), its class
     (a ``--ps`` launch admits only a serving one) and what the launcher decided."""
     options = config.strategy_object(name)
-    cls = served_class(options, envmod.ps_servers(environ))
+    cls = served_class(options, envmod.launched_servers(environ))
     return Chosen(name, cls, options.launched(environ))
 
 
@@ -124,7 +124,7 @@ class Started:
 def started(config: ParallelConfig, cluster: ClusterInfo, environ: envmod.Environ) -> Started:
     """The strategy the config and the launcher ask for, checked, on its device, joined."""
     name = config.resolved_strategy(
-        cluster.world_size, served=envmod.ps_servers(environ) is not None
+        cluster.world_size, served=envmod.launched_servers(environ) is not None
     )
     chosen = chosen_strategy(config, name, environ)
     device, device_name, choice = device_and_precision(chosen, config, cluster, environ)

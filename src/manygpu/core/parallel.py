@@ -28,7 +28,7 @@ from manygpu.comm.common import debug_requested, peer_failure
 from manygpu.comm.debug import check_end
 from manygpu.core import build
 from manygpu.core.accumulation import reweight_short_cycle
-from manygpu.core.assembly import Current, Job, assemble
+from manygpu.core.assembly import Current, JobFacts, assemble
 from manygpu.core.auto import choose_strategy
 from manygpu.core.clipping import clip_grad_norm
 from manygpu.core.config import ParallelConfig
@@ -91,7 +91,7 @@ class Parallel:
         self.precision = PrecisionPlugin.chosen(self.precision_choice, device)
         self._restore_tf32 = apply_tf32(self.precision_choice)
         self._auto_batch = 32  # per-device batch the planner assumes for "auto"
-        facts = Job(config, self.cluster, self.is_main, device, self.timeout_s,
+        facts = JobFacts(config, self.cluster, self.is_main, device, self.timeout_s,
                     self.precision, self.precision_choice)  # fmt: skip
         parts = assemble(self._current, facts, environ)
         self._accumulator, self._reports, self._prep = parts.accumulator, parts.reports, parts.prep
@@ -132,7 +132,7 @@ class Parallel:
         """True on a parameter server (strategy ``"ps"``): its ``prepare`` serves the
         workers and then ends the process with exit code 0, so code after it runs on
         workers only."""
-        return abilities.serves(self.strategy)
+        return abilities.is_server(self.strategy)
 
     @property
     def device(self) -> torch.device:

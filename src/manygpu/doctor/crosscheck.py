@@ -9,6 +9,7 @@ from collections.abc import Callable, Sequence
 
 from manygpu.doctor.facts import Facts, LiveResults, PairResult
 from manygpu.doctor.result import CheckResult, fail, ok, warn
+from manygpu.runtime.ranks import ranks_text
 
 SLOW_FRACTION = 0.10
 """A pair below this fraction of the median pair's bandwidth is named as slow."""
@@ -27,25 +28,10 @@ SHOULD_MATCH: dict[str, Callable[[Facts], object]] = {
 }
 
 
-def ranges(ranks: Sequence[int]) -> str:
-    """``[0, 1, 2, 5]`` -> ``0-2, 5``."""
-    out: list[str] = []
-    items = sorted(ranks)
-    start = prev = items[0] if items else 0
-    for r in [*items[1:], None]:
-        if r is not None and r == prev + 1:
-            prev = r
-            continue
-        out.append(f"{start}" if start == prev else f"{start}-{prev}")
-        if r is not None:
-            start = prev = r
-    return ", ".join(out) if items else ""
-
-
 def _where(ranks: list[int], hosts: Sequence[str]) -> str:
     names = sorted({hosts[r] for r in ranks if r < len(hosts)})
     shown = ", ".join(names[:3]) + (" ..." if len(names) > 3 else "")
-    return f"ranks {ranges(ranks)} ({shown})" if names else f"ranks {ranges(ranks)}"
+    return f"{ranks_text(ranks)} ({shown})" if names else ranks_text(ranks)
 
 
 def check_consistency(

@@ -43,8 +43,9 @@ from manygpu.comm.objects import all_gather_json
 from manygpu.errors import UsageError
 from manygpu.horovod.basics import owned
 from manygpu.horovod.exceptions import HorovodInternalError
-from manygpu.horovod.reports import HorovodMismatchError, ranks_text, render_mismatch
+from manygpu.horovod.reports import HorovodMismatchError, render_mismatch
 from manygpu.horovod.wire import wire_dtype
+from manygpu.runtime.ranks import ranks_text
 
 Spec = dict[str, Any]
 """What joined ranks do for a call, as it travels (JSON): ``{"zeros": [[device type,

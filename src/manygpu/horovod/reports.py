@@ -31,6 +31,7 @@ from manygpu.comm.objects import PayloadError
 from manygpu.errors import CollectiveTimeoutError, peer_lost
 from manygpu.horovod.basics import Scope, owned, session
 from manygpu.horovod.exceptions import internal
+from manygpu.runtime.ranks import ranks_text
 
 Entry = tuple[str, tuple[int, ...], str]
 """(name, shape, dtype) of one tensor in a layout."""
@@ -79,11 +80,6 @@ def describe(what: str, tensor: torch.Tensor | None, name: str | None, **args: o
         parts.append(f"{str(tensor.dtype).removeprefix('torch.')}[{shape}]")
     parts += [f"{k}={v}" for k, v in args.items()]
     return f"{what}({', '.join(parts)})"
-
-
-def ranks_text(ranks: Sequence[int]) -> str:
-    """``rank 1`` or ``ranks [0, 2]``."""
-    return f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {list(ranks)}"
 
 
 def parse_row(row: object, *, sender: int, operation: str) -> tuple[str, list[Entry] | None]:

@@ -47,9 +47,9 @@ from manygpu.horovod.reports import (
     calls_made,
     named_stall,
     next_call,
-    ranks_text,
     render_mismatch,
 )
+from manygpu.runtime.ranks import ranks_text
 
 if TYPE_CHECKING:
     from manygpu.horovod.grad_sync import GradientSync

@@ -38,9 +38,10 @@ from dataclasses import dataclass
 from typing import Any
 
 from manygpu.errors import UsageError
+from manygpu.launch.spec import parse_nnodes
+from manygpu.runtime.env import JOB_SECRET
 
 KINDS = ("trainjob", "pytorchjob")
-SECRET_ENV = "MANYGPU_JOB_SECRET"
 SECRET_KEY = "secret"
 """The key in the Secret: ``kubectl create secret generic NAME --from-literal=secret=...``."""
 SHM_VOLUME = "dshm"
@@ -87,17 +88,6 @@ class RenderOptions:
     shm_size: str = "8Gi"
     preflight: bool = True
     runtime: str = "torch-distributed"
-
-
-def parse_nnodes(text: str) -> tuple[int, int]:
-    """``N`` -> ``(N, N)``; ``MIN:MAX`` -> ``(MIN, MAX)``, both at least 1."""
-    parts = text.split(":")
-    if len(parts) > 2 or not all(p.isdigit() and int(p) >= 1 for p in parts):
-        raise UsageError(f"--nnodes {text}: give a node count N or a range MIN:MAX (each >= 1)")
-    lo, hi = int(parts[0]), int(parts[-1])
-    if lo > hi:
-        raise UsageError(f"--nnodes {text}: MIN is above MAX")
-    return lo, hi
 
 
 def launch_args(command: tuple[str, ...]) -> list[str]:
@@ -175,7 +165,7 @@ def _secret_env(opts: RenderOptions, multi: bool) -> dict[str, Any]:
     ref: dict[str, Any] = {"name": opts.secret_name or f"{opts.name}-job-secret", "key": SECRET_KEY}
     if not multi:
         ref["optional"] = True
-    return {"name": SECRET_ENV, "valueFrom": {"secretKeyRef": ref}}
+    return {"name": JOB_SECRET, "valueFrom": {"secretKeyRef": ref}}
 
 
 def _shm(opts: RenderOptions) -> tuple[dict[str, Any], dict[str, Any]]:

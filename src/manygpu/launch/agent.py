@@ -34,8 +34,7 @@ from torch.distributed.elastic.rendezvous.api import (
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
 from manygpu.errors import UsageError
-from manygpu.launch import blame, driven, hangwatch, jobsecret, notices, rendezvous
-from manygpu.launch.jobsecret import JobSecret
+from manygpu.launch import blame, driven, hangwatch, notices, rendezvous
 from manygpu.launch.netcheck import (
     check_port_free,
     check_resolves,
@@ -45,6 +44,8 @@ from manygpu.launch.netcheck import (
 )
 from manygpu.launch.spec import LaunchSpec
 from manygpu.runtime import env as envmod
+from manygpu.runtime import secret as secretmod
+from manygpu.runtime.secret import JobSecret
 
 DEFAULT_RDZV_TIMEOUT_S = 300.0
 """How long nodes wait for each other by default (``--timeout`` sets it)."""
@@ -126,10 +127,10 @@ def worker_env(spec: LaunchSpec) -> dict[str, str]:
     env = dict(spec.extra_env)
     if spec.timeout_s is not None:
         env["MANYGPU_TIMEOUT"] = str(spec.timeout_s)
-    if spec.ps_servers is not None:
-        env[envmod.PS_SERVERS] = str(spec.ps_servers)
+    if spec.servers is not None:
+        env[envmod.PS_SERVERS] = str(spec.servers)
         # Workers that die may be dropped: their servers decide, not the agent.
-        env[envmod.EXPENDABLE_FROM] = str(spec.ps_servers)
+        env[envmod.EXPENDABLE_FROM] = str(spec.servers)
     return env
 
 
@@ -214,10 +215,10 @@ def take_secret(spec: LaunchSpec) -> JobSecret | None:
     It leaves this process's environment here: the workers inherit that
     environment and need no secret (their store is reached through a door).
     """
-    secret = jobsecret.load(spec.job_secret_file, envmod.current())
+    secret = secretmod.load(spec.job_secret_file, envmod.current())
     envmod.drop_job_secret()
-    if secret is None and jobsecret.required(split_endpoint(spec.rdzv_endpoint, 0)[0]):
-        raise jobsecret.refusal(spec.rdzv_endpoint)
+    if secret is None and secretmod.required(split_endpoint(spec.rdzv_endpoint, 0)[0]):
+        raise secretmod.refusal(spec.rdzv_endpoint)
     return secret
 
 
@@ -333,7 +334,7 @@ def _host_label(spec: LaunchSpec) -> str:
     """How a verdict names this host: its address on the job's network, else its name."""
     host = split_endpoint(spec.rdzv_endpoint, 0)[0]
     address = spec.local_addr or source_address(host)
-    if address and not jobsecret.is_loopback(address):
+    if address and not secretmod.is_loopback(address):
         return address
     return socket.gethostname()
 

@@ -22,6 +22,7 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from manygpu.runtime import env as envmod
+from manygpu.runtime.ranks import ranks_text
 
 NOTE_SUFFIX = ".manygpu.json"
 
@@ -164,7 +165,6 @@ def lost_peers_line(
     addresses their errors (``texts``) name, with ``/etc/hosts`` names; never this
     host's own (``is_local``): a local rank that failed after the first, or, after a
     restart, an earlier run's ranks whose addresses the old rendezvous still held."""
-    listed = ",".join(str(r) for r in sorted(ranks))
     peers = []
     for address in peer_addresses(texts):
         if is_local(address):  # a local rank that failed after the first one
@@ -173,33 +173,21 @@ def lost_peers_line(
         peers.append(f"{address} ({names[0]})" if names else address)
     if not peers:
         return (
-            f"the first failure was not here: ranks {listed} of this node lost their "
+            f"the first failure was not here: {ranks_text(ranks)} of this node lost their "
             "connections to ranks elsewhere (another host's ranks or launcher ended, or the "
             "host went down; after a restart, possibly ranks of the job's earlier run); the "
             "other hosts' output says why"
         )
     return (
-        f"the first failure was on the host(s) at {', '.join(peers)}, not here: ranks "
-        f"{listed} of this node lost their connections to it (its ranks or launcher ended, "
-        "or the host went down); that host's own output says why"
+        f"the first failure was on the host(s) at {', '.join(peers)}, not here: "
+        f"{ranks_text(ranks)} of this node lost their connections to it (its ranks or "
+        "launcher ended, or the host went down); that host's own output says why"
     )
 
 
 _RANK_TEXT = re.compile(r"^(?P<where>[^\n]*?: )?rank (?P<rank>\d+) (?P<rest>.*)$", re.S)
 _USAGE = re.compile(r"^failed with exit code \d+: UsageError: (?P<message>.*)$", re.S)
 _INDENT = "  "
-
-
-def rank_list(ranks: list[int]) -> str:
-    """``[0, 1]`` -> ``ranks 0,1``; runs of three or more as ranges (``ranks 0-7,9``)."""
-    parts: list[list[int]] = []
-    for r in sorted(set(ranks)):
-        if parts and parts[-1][-1] == r - 1:
-            parts[-1].append(r)
-        else:
-            parts.append([r])
-    text = ",".join(f"{p[0]}-{p[-1]}" if len(p) > 2 else ",".join(map(str, p)) for p in parts)
-    return f"{'rank' if len(set(ranks)) == 1 else 'ranks'} {text}"
 
 
 def report_lines(entries: list[tuple[str, Outcome]], *, lead: bool = True) -> list[str]:
@@ -242,10 +230,10 @@ def _render(kind: str, where: str, rest: str, ranks: list[int]) -> str:
         return f"{indent}{where}"
     usage = _USAGE.match(rest)
     if usage is not None and not kind:
-        return f"{where}{rank_list(ranks)}: {usage['message']}"
+        return f"{where}{ranks_text(ranks)}: {usage['message']}"
     if len(ranks) > 1 and rest.startswith("was "):
         rest = "were " + rest[4:]
-    return f"{indent}{where}{rank_list(ranks)} {rest}"
+    return f"{indent}{where}{ranks_text(ranks)} {rest}"
 
 
 def root_cause(outcomes: list[Outcome]) -> Outcome:

@@ -33,6 +33,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from manygpu.errors import UsageError
+from manygpu.launch.spec import parse_nnodes
 from manygpu.runtime import env as envmod
 from manygpu.runtime.cluster import DEFAULT_PORT
 from manygpu.runtime.env import Environ
@@ -59,17 +60,6 @@ class OuterJob:
     rdzv_id: str | None = None
     note: str | None = None
     """Said once on start, when the engine's variables could be misread."""
-
-
-def _nnodes(text: str, name: str) -> tuple[int, int]:
-    lo, _, hi = text.partition(":")
-    try:
-        bounds = int(lo), int(hi or lo)
-    except ValueError:
-        raise UsageError(f"{name}={text!r} is not N or MIN:MAX") from None
-    if not 1 <= bounds[0] <= bounds[1]:
-        raise UsageError(f"{name}={text!r}: need 1 <= MIN <= MAX")
-    return bounds
 
 
 def _nproc(text: str | None, name: str) -> int | None:
@@ -102,7 +92,7 @@ def kubeflow(env: Environ) -> OuterJob | None:
     endpoint = envmod.get_str(env, "PET_RDZV_ENDPOINT")
     if nnodes is None:
         raise UsageError(f"{engine} set PET_* variables but not PET_NNODES: set it in the pod spec")
-    lo, hi = _nnodes(nnodes, "PET_NNODES")
+    lo, hi = parse_nnodes(nnodes, f"PET_NNODES={nnodes!r}")
     nproc = _nproc(envmod.get_str(env, "PET_NPROC_PER_NODE"), "PET_NPROC_PER_NODE")
     note = None
     if v1:
@@ -153,7 +143,7 @@ def jobset(env: Environ, nnodes: str | None, master_addr: str | None) -> OuterJo
     count = nnodes or envmod.get_str(env, "NNODES")
     addr = master_addr or envmod.get_str(env, "MASTER_ADDR")
     engine = "an indexed Job (JobSet)"
-    bounds = _nnodes(count, "NNODES") if count is not None else None
+    bounds = parse_nnodes(count, f"NNODES={count!r}") if count is not None else None
     if bounds == (1, 1):
         return OuterJob(engine, 1, 1, 0, addr, envmod.get_int(env, "MASTER_PORT"))  # a sweep's pod
     _missing(

@@ -47,10 +47,10 @@ from torch.distributed.elastic.rendezvous.static_tcp_rendezvous import StaticTCP
 from torch.distributed.elastic.rendezvous.utils import parse_rendezvous_endpoint
 
 from manygpu.launch import rdzv_state
-from manygpu.launch.jobsecret import JobSecret
 from manygpu.launch.netcheck import is_local_address
 from manygpu.launch.spec import AGREED_ID
 from manygpu.runtime import store_gate
+from manygpu.runtime.secret import JobSecret
 
 RUN_ID_KEY = "manygpu.run_id"
 JOINED_KEY = "manygpu.joined"

@@ -19,7 +19,7 @@ from manygpu.launch import engines
 from manygpu.launch.engines import OuterJob
 from manygpu.launch.entry import script_problem
 from manygpu.launch.netcheck import split_endpoint
-from manygpu.launch.spec import AGREED_ID, JobOptions, LaunchRequest, LaunchSpec, parse_nnodes
+from manygpu.launch.spec import AGREED_ID, LaunchRequest, LaunchSpec, ProgramOptions, parse_nnodes
 from manygpu.runtime import env as envmod
 from manygpu.runtime.cluster import DEFAULT_PORT, mpi_port, mpi_ranks, slurm_master
 from manygpu.runtime.device import cpu_count, threads_per_process
@@ -214,7 +214,7 @@ def resolve(req: LaunchRequest, env: Environ, cuda_count: int) -> LaunchSpec:
     if req.nnodes is None and outer is not None:
         min_nodes, max_nodes = outer.min_nodes, outer.max_nodes
     else:
-        min_nodes, max_nodes = parse_nnodes(req.nnodes)
+        min_nodes, max_nodes = parse_nnodes(req.nnodes) if req.nnodes is not None else (1, 1)
     backend, endpoint, node_rank = _rendezvous(
         req, outer, multi=max_nodes > 1, elastic=min_nodes != max_nodes
     )
@@ -239,8 +239,8 @@ def resolve(req: LaunchRequest, env: Environ, cuda_count: int) -> LaunchSpec:
 
 
 def _as_given(req: LaunchRequest) -> dict[str, Any]:
-    """The options the launcher uses as typed (:class:`JobOptions`), by field name."""
-    return {f.name: getattr(req, f.name) for f in fields(JobOptions)}
+    """The options the launcher uses as typed (:class:`ProgramOptions`), by field name."""
+    return {f.name: getattr(req, f.name) for f in fields(ProgramOptions)}
 
 
 def _check_entry(req: LaunchRequest) -> None:

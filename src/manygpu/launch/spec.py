@@ -4,7 +4,7 @@ Each option names its command-line flags on its field (:mod:`manygpu.flags`);
 the CLI builds its arguments, and the request back from them, by field name.
 :class:`LaunchRequest` holds the options as typed; resolving it
 (:mod:`manygpu.launch.resolve`) gives a :class:`LaunchSpec`. The options the
-launcher uses as given (:class:`JobOptions`, :class:`TorchrunOptions`) are
+launcher uses as given (:class:`ProgramOptions`, :class:`TorchrunOptions`) are
 shared by the request and the spec, so a new one of those is one field.
 Plain data: importing this module must stay cheap (it builds ``manygpu --help``).
 """
@@ -50,16 +50,22 @@ def parse_ranks(text: str | None) -> tuple[int, ...] | None:
     return tuple(int(p) for p in parts)
 
 
-def parse_nnodes(text: str | None) -> tuple[int, int]:
-    """``"2"`` -> (2, 2); ``"1:4"`` -> (1, 4)."""
-    if text is None:
-        return 1, 1
-    lo, _, hi = text.partition(":")
-    try:
-        bounds = (int(lo), int(hi or lo))
-    except ValueError:
-        raise UsageError(f"--nnodes {text!r} is not N or MIN:MAX") from None
-    return bounds
+def parse_nnodes(text: str, where: str | None = None) -> tuple[int, int]:
+    """``"2"`` -> (2, 2); ``"1:4"`` -> (1, 4): the one reader of a node count or range.
+
+    Every ``--nnodes`` (launch, the hostfile's driver, ``k8s render``) and every
+    engine's node count (``PET_NNODES``, ``NNODES``) is read here, so each accepts
+    the same forms and refuses the same way. ``where`` names the source in the
+    error (default ``--nnodes TEXT``; an engine's is ``PET_NNODES='TEXT'``).
+    """
+    where = where or f"--nnodes {text}"
+    parts = text.strip().split(":")
+    if len(parts) > 2 or not all(p.isascii() and p.isdigit() and int(p) >= 1 for p in parts):
+        raise UsageError(f"{where}: give a node count N or a range MIN:MAX (each >= 1)")
+    lo, hi = int(parts[0]), int(parts[-1])
+    if lo > hi:
+        raise UsageError(f"{where}: MIN is above MAX")
+    return lo, hi
 
 
 AGREED_ID = "manygpu-agreed"
@@ -123,8 +129,8 @@ class TorchrunOptions:
 
 
 @dataclass(frozen=True, kw_only=True)
-class JobOptions:
-    """What the launcher uses as given: the program, restarts, timeouts, logs.
+class ProgramOptions:
+    """How the launcher runs the program, used as given: the program, restarts, timeouts, logs.
 
     Shared by :class:`LaunchRequest` and :class:`LaunchSpec` (resolving copies
     them over by name); checked by the spec.
@@ -160,7 +166,7 @@ class JobOptions:
     )
     """Seconds between SIGTERM and SIGKILL when stopping workers: the time a
     preempted job has to save (keep it below Slurm's KillWait / --signal lead)."""
-    ps_servers: int | None = option(
+    servers: int | None = option(
         "--ps",
         parse=positive_int,
         metavar="K",
@@ -173,7 +179,7 @@ class JobOptions:
         help="file (mode 600) holding the secret every node of a multi-node job shares "
         "(or MANYGPU_JOB_SECRET; -H/--hostfile draws one)",
     )
-    """Where this node reads the job's secret (:mod:`manygpu.launch.jobsecret`)."""
+    """Where this node reads the job's secret (:mod:`manygpu.runtime.secret`)."""
     driven: bool = switch("--driven", help=HIDDEN)
     """Started by a launch over several hosts (:mod:`manygpu.launch.hosts.run`): stop the
     workers when stdin closes (the driver or its ssh connection went away) and report
@@ -229,7 +235,7 @@ class Placement:
 
 
 @dataclass(frozen=True, kw_only=True)
-class LaunchRequest(JobOptions, Placement):
+class LaunchRequest(ProgramOptions, Placement):
     """The launch options as typed; ``None`` means "not given"."""
 
     standalone: bool = switch("--standalone", help="one node, private rendezvous (the default)")
@@ -239,7 +245,7 @@ class LaunchRequest(JobOptions, Placement):
 
 
 @dataclass(frozen=True, kw_only=True)
-class LaunchSpec(JobOptions):
+class LaunchSpec(ProgramOptions):
     """A job: which program, how many processes, where they meet."""
 
     nproc_per_node: int = 1
@@ -289,9 +295,9 @@ class LaunchSpec(JobOptions):
         if self.max_restarts < 0:
             raise UsageError(f"--max-restarts must be >= 0, got {self.max_restarts}")
         ranks = self.nproc_per_node * self.min_nodes
-        if self.ps_servers is not None and not 1 <= self.ps_servers < ranks:
+        if self.servers is not None and not 1 <= self.servers < ranks:
             raise UsageError(
-                f"--ps {self.ps_servers}: give 1 to {ranks - 1} servers, so that at least one "
+                f"--ps {self.servers}: give 1 to {ranks - 1} servers, so that at least one "
                 f"of the job's {ranks} processes is a worker"
             )
         if self.timeout_s is not None and self.timeout_s <= 0:

@@ -13,6 +13,8 @@ import os
 from collections import Counter
 from dataclasses import dataclass, field
 
+from manygpu.runtime.ranks import ranks_text
+
 STATES = ("answered", "stopped", "silent", "exited")
 
 
@@ -52,19 +54,6 @@ class RankView:
     extra: dict[str, str] = field(default_factory=dict)
 
 
-def ranks_text(ranks: list[int]) -> str:
-    """``[0, 1, 2, 4, 6, 7]`` -> ``0-2,4,6-7``."""
-    out: list[str] = []
-    for r in sorted(ranks):
-        if out and "-" not in out[-1].split(",")[-1] and int(out[-1]) == r - 1:
-            out[-1] = f"{out[-1]}-{r}"
-        elif out and "-" in out[-1] and int(out[-1].split("-")[1]) == r - 1:
-            out[-1] = f"{out[-1].split('-')[0]}-{r}"
-        else:
-            out.append(str(r))
-    return ",".join(out)
-
-
 def _who(v: RankView) -> str:
     return f"rank {v.rank} (host {v.host})"
 
@@ -93,7 +82,7 @@ def compose(views: list[RankView], world: int) -> tuple[str, int]:
     in_main = [v for v in waiting if v.waiting and (v.waiting.pg, v.waiting.seq) == main_key]
     name = in_main[0].waiting.name if in_main[0].waiting else ""
     others = [v for v in views if v not in in_main]
-    wait_text = f"ranks {ranks_text([v.rank for v in in_main])} wait in"
+    wait_text = f"{ranks_text([v.rank for v in in_main])} wait in"
     if len(in_main) == 1:
         wait_text = f"rank {in_main[0].rank} waits in"
     if others or missing:
@@ -135,9 +124,9 @@ def _absent(
             line = f"{_who(first)} never entered {name} that {wait_text}; {_state(first)}"
         rest = [v.rank for v in culprits[1:]] + missing
         if rest:
-            line += f" (also not in it: rank{'s' if len(rest) > 1 else ''} {ranks_text(rest)})"
+            line += f" (also not in it: {ranks_text(rest)})"
         return line, first.rank
-    line = f"rank{'s' if len(missing) > 1 else ''} {ranks_text(missing)} never answered"
+    line = f"{ranks_text(missing)} never answered"
     return f"{line}; {wait_text} {name}", missing[0]
 
 
@@ -174,11 +163,10 @@ def _mismatch(in_main: list[RankView], name: str) -> tuple[str, int]:
 
 
 def _group(views: list[RankView]) -> str:
-    """``rank 3 (host a)``, ``ranks 2-3 (host a)``, ``ranks 2-3 (hosts a,b)``."""
+    """``rank 3 (host a)``, ``ranks 2, 3 (host a)``, ``ranks 2-4 (hosts a,b)``."""
     hosts = sorted({v.host for v in views})
-    plural = "s" if len(views) > 1 else ""
     return (
-        f"rank{plural} {ranks_text([v.rank for v in views])} "
+        f"{ranks_text([v.rank for v in views])} "
         f"(host{'s' if len(hosts) > 1 else ''} {','.join(hosts)})"
     )
 

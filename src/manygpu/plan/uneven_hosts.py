@@ -33,7 +33,7 @@ from manygpu.strategies.registry import card
 
 
 @dataclass(frozen=True, kw_only=True)
-class Host:
+class HostRates:
     """One process's host as the step model sees it."""
 
     compute_s: float
@@ -42,14 +42,14 @@ class Host:
     """Its link, GB/s (1e9 bytes) in each direction."""
 
 
-def ring_step_s(hosts: Sequence[Host], grad_bytes: float, latency_us: float) -> float:
+def ring_step_s(hosts: Sequence[HostRates], grad_bytes: float, latency_us: float) -> float:
     """One ring all-reduce step on ``hosts`` (every host trains)."""
     slowest_link = min(h.bw_gbs for h in hosts)
     comm = ring_allreduce_s(grad_bytes, len(hosts), slowest_link, latency_us)
     return max(h.compute_s for h in hosts) + comm
 
 
-def _phase_s(nbytes: float, workers: Sequence[Host], servers: Sequence[Host]) -> float:
+def _phase_s(nbytes: float, workers: Sequence[HostRates], servers: Sequence[HostRates]) -> float:
     """One push (or pull) of ``nbytes`` per worker: the busier end's transfer time."""
     per_server = len(workers) * nbytes / len(servers)
     worker_side = max(nbytes / (w.bw_gbs * 1e9) for w in workers)
@@ -58,8 +58,8 @@ def _phase_s(nbytes: float, workers: Sequence[Host], servers: Sequence[Host]) ->
 
 
 def ps_sync_step_s(
-    workers: Sequence[Host],
-    servers: Sequence[Host],
+    workers: Sequence[HostRates],
+    servers: Sequence[HostRates],
     grad_bytes: float,
     weight_bytes: float,
     latency_us: float,
@@ -70,8 +70,8 @@ def ps_sync_step_s(
 
 
 def ps_async_updates_per_s(
-    workers: Sequence[Host],
-    servers: Sequence[Host],
+    workers: Sequence[HostRates],
+    servers: Sequence[HostRates],
     grad_bytes: float,
     weight_bytes: float,
     latency_us: float,
@@ -90,7 +90,7 @@ def ps_async_updates_per_s(
 
 def samples_per_s(
     strategy: str,
-    hosts: Sequence[Host],
+    hosts: Sequence[HostRates],
     *,
     batch: int,
     grad_bytes: float,

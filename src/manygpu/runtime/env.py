@@ -81,7 +81,7 @@ PS_SERVERS = "MANYGPU_PS_SERVERS"
 """How many of the first ranks are parameter servers (``manygpu launch --ps K``)."""
 
 
-def ps_servers(env: Environ) -> int | None:
+def launched_servers(env: Environ) -> int | None:
     """The ``K`` of ``manygpu launch --ps K``; ``None`` when the job has no servers."""
     value = get_int(env, PS_SERVERS)
     if value is not None and value < 1:
@@ -182,7 +182,7 @@ def visible_devices(env: Environ) -> list[str] | None:
 
 
 JOB_SECRET = "MANYGPU_JOB_SECRET"
-"""The job's secret for a multi-node job (:mod:`manygpu.launch.jobsecret`)."""
+"""The job's secret for a multi-node job (:mod:`manygpu.runtime.secret`)."""
 
 
 def drop_job_secret() -> None:

@@ -1,9 +1,17 @@
-"""The job's secret: what a process must hold to reach a job's stores over the network.
+"""The job's secret: what a process must hold to join a job that meets over the network.
 
-Read here (``MANYGPU_JOB_SECRET``, or a file given to the launcher) and used
-to key the gate in front of a job's store (:mod:`manygpu.runtime.store_gate`)
-and, in the launcher, to derive the run id and sign the rendezvous state.
-Its value never shows in a repr, a log or a command line.
+A multi-node job's rendezvous store has to listen where the other hosts reach
+it, and so does any stranger on that network. The store itself sits behind a
+:class:`~manygpu.runtime.store_gate.Gate` keyed by this secret; in the
+launcher, the run id (and so every rendezvous key) is derived from it too and
+it signs the rendezvous state, so a leftover launcher of another job with
+another secret cannot meet this one.
+
+Where it comes from, first found wins: the driver of ``-H`` / ``--hostfile``
+draws a fresh one and hands it to every host on the ssh stdin pipe;
+``--job-secret-file FILE``; ``MANYGPU_JOB_SECRET`` (read here). It is never on
+a command line and never in the store, and the launcher removes it from the
+environment its workers inherit. Its value never shows in a repr or a log.
 """
 
 from __future__ import annotations
@@ -21,6 +29,11 @@ from manygpu.runtime.env import JOB_SECRET, Environ
 
 MIN_LENGTH = 16
 """Characters; ``openssl rand -hex 32`` gives 64."""
+
+HOW = (
+    "put the same secret on every node: export MANYGPU_JOB_SECRET=$(openssl rand -hex 32) "
+    "(or --job-secret-file FILE, mode 600); -H/--hostfile draws one for you"
+)
 
 
 @dataclass(frozen=True)
@@ -96,3 +109,22 @@ def is_loopback(host: str) -> bool:
         return ipaddress.ip_address(name).is_loopback
     except ValueError:
         return False
+
+
+def required(endpoint_host: str) -> bool:
+    """Whether a job must have a secret: its store listens beyond loopback.
+
+    A job that meets on loopback (one node, or several launchers on one
+    machine) is reachable from this machine only, as a one-node job always
+    is. A job whose rendezvous address is a network address can be reached
+    by other hosts, and so by strangers.
+    """
+    return not is_loopback(endpoint_host)
+
+
+def refusal(endpoint: str) -> UsageError:
+    """The one line for a network job without a secret."""
+    return UsageError(
+        f"this job meets over the network (rendezvous {endpoint}), so its nodes must prove "
+        f"they belong to it: {HOW}"
+    )

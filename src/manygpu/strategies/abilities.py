@@ -35,7 +35,7 @@ class PlacesRanks(Protocol):
 
     Class-level: both are asked before the strategy object exists. Its instance on a
     rank that serves the others (and never runs the loop: its ``prepare`` ends the
-    process once the workers are done) says so with a true ``serves`` attribute.
+    process once the workers are done) says so with a true ``is_server`` attribute.
     """
 
     @classmethod
@@ -136,9 +136,12 @@ def join(
     )  # fmt: skip
 
 
-def serves(strategy: object) -> bool:
-    """Whether this process serves the others instead of training."""
-    return bool(getattr(strategy, "serves", False))
+def is_server(strategy: object) -> bool:
+    """Whether this process serves the others instead of training: this rank's role.
+
+    Not the card's ``serves`` (:class:`~manygpu.strategies.registry.StrategyCard`),
+    which says the strategy's first ranks serve, whichever rank asks."""
+    return bool(getattr(strategy, "is_server", False))
 
 
 def combined_clip(

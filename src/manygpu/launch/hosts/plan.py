@@ -26,9 +26,9 @@ from manygpu.launch.hosts.hostfile import Host
 from manygpu.launch.netcheck import split_endpoint
 from manygpu.launch.spec import (
     HostOptions,
-    JobOptions,
     LaunchRequest,
     Placement,
+    ProgramOptions,
     TorchrunOptions,
     parse_nnodes,
 )
@@ -162,7 +162,7 @@ def forwarded_flags(req: LaunchRequest) -> list[str]:
     """
     out: list[str] = []
     groups: list[tuple[Any, type[Any], Sequence[str] | None]] = [
-        (req, JobOptions, None),
+        (req, ProgramOptions, None),
         (req, Placement, _PLACEMENT_FORWARDED),
         (req.torchrun, TorchrunOptions, None),
     ]

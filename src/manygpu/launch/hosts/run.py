@@ -37,11 +37,11 @@ from manygpu.launch.hosts import hostfile as hosts
 from manygpu.launch.hosts import plan as hostplan
 from manygpu.launch.hosts import probe as hostprobe
 from manygpu.launch.hosts.plan import HostPlan, NodeCommand
-from manygpu.launch.jobsecret import JobSecret
 from manygpu.launch.netcheck import is_local_address, source_address
 from manygpu.launch.spec import HostOptions, LaunchRequest
 from manygpu.runtime import env as envmod
 from manygpu.runtime.env import Environ
+from manygpu.runtime.secret import JobSecret
 
 SSH_FAILED = 255
 """ssh's own exit code for a connection or login failure; ours for an unreachable host."""

@@ -74,7 +74,7 @@ class PS(StrategySpec):
 
     def launched(self, environ: Environ) -> PS:
         """These options with ``servers`` decided: the launcher's ``--ps K`` must agree."""
-        launched = envmod.ps_servers(environ)
+        launched = envmod.launched_servers(environ)
         if launched is not None and self.servers is not None and launched != self.servers:
             raise UsageError(
                 f"the script asks for PS(servers={self.servers}) but was launched with "

@@ -61,7 +61,7 @@ class ParameterServerStrategy(Strategy[PS]):
         if not isinstance(ctx, PSContext):
             raise UsageError("strategy 'ps' needs its own process groups: create it via Parallel")
         self.ps: PSContext = ctx
-        self.serves = ctx.role == "server"
+        self.is_server = ctx.role == "server"
         self._module: nn.Module | None = None
         self._client: PSClient | None = None
         self._optimizer: torch.optim.Optimizer | None = None
@@ -101,13 +101,13 @@ class ParameterServerStrategy(Strategy[PS]):
         return join(cluster, _servers(options), device=device, backend=backend, timeout_s=timeout_s)
 
     def data_shard(self) -> tuple[int, int]:
-        return (self.ps.index, self.ps.workers) if not self.serves else (0, 1)
+        return (self.ps.index, self.ps.workers) if not self.is_server else (0, 1)
 
     def setup_module(self, module: nn.Module) -> nn.Module:
         if self._module is not None:
             raise UsageError("strategy 'ps' trains one model: prepare a single model")
         self._module = module
-        return module if self.serves else module.to(self.ctx.device)
+        return module if self.is_server else module.to(self.ctx.device)
 
     def setup_optimizer(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
         """On a worker: the pushing optimizer. On a server: serve, then exit cleanly."""
@@ -118,7 +118,7 @@ class ParameterServerStrategy(Strategy[PS]):
         params = _checked_params(optimizer, self.ps.servers)
         shards = balance([p.numel() for p in params], self.ps.servers)
         hypers = HyperLayout.of(optimizer.param_groups)
-        if self.serves:
+        if self.is_server:
             server = _build_server(self.ps, optimizer, params, shards[self.ps.index], hypers,
                                    self.options)  # fmt: skip
             raise ServingDone(server.serve())
