@@ -169,7 +169,7 @@ def test_a_host_whose_ranks_are_all_slow_for_one_cause_is_one_line() -> None:
     assert len(found) == 1
     assert (found[0].subject, found[0].cause) == ("host h1", "compute")
     assert found[0].line == (
-        "host h1 (ranks 2,3): computes 2.0x as long as the median "
+        "host h1 (ranks 2, 3): computes 2.0x as long as the median "
         "(input 2.0 ms, compute 40 ms vs 20 ms)"
     )
 
@@ -191,7 +191,7 @@ def test_the_one_host_of_a_single_host_job_does_not_fold() -> None:
     assert _fold_hosts(one_host, both) == both
     # The same two findings fold once the job has a second host.
     two_hosts = [*one_host, split(2, host="other")]
-    assert [f.who for f in _fold_hosts(two_hosts, both)] == ["host solo (ranks 0,1):"]
+    assert [f.who for f in _fold_hosts(two_hosts, both)] == ["host solo (ranks 0, 1):"]
 
 
 # -- network -------------------------------------------------------------------------
@@ -273,6 +273,6 @@ def test_a_folded_host_line_shows_its_slowest_rank() -> None:
     # "rank 10" sorts before "rank 9": the line must follow the numbers, not the names.
     job = [one(0, "a", 20.0), one(1, "a", 20.0), one(9, "b", 90.0), one(10, "b", 30.0)]
     assert [f.line for f in findings(job)] == [
-        "host b (ranks 9,10): computes 4.5x as long as the median (input 2.0 ms, "
+        "host b (ranks 9, 10): computes 4.5x as long as the median (input 2.0 ms, "
         "compute 90 ms vs 20 ms)"
     ]

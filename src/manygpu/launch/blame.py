@@ -196,7 +196,7 @@ def report_lines(entries: list[tuple[str, Outcome]], *, lead: bool = True) -> li
     ``entries`` pair each outcome with its line ("rank 1 failed with exit code 1:
     UsageError: ..."; a host's prefix allowed). The first line is the root cause
     and every rank that failed the same way on its own (a configuration error
-    hits every rank alike: ``ranks 0,1: unknown strategy ...``, without the
+    hits every rank alike: ``ranks 0, 1: unknown strategy ...``, without the
     exception's class); then ranks that failed otherwise on their own
     (``also``), then those that failed because of another (``then (a
     consequence)``), each group once, in order of time.

@@ -29,6 +29,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from manygpu.observe.step_clock import StepSplit
+from manygpu.runtime.ranks import ranks_text
 
 RELATIVE = 0.20
 ABSOLUTE_MS = 1.0
@@ -137,11 +138,11 @@ def _fold_hosts(splits: Sequence[StepSplit], found: list[Finding]) -> list[Findi
         mine = [f for f in found if int(f.subject.split()[1]) in ranks]
         causes = {f.cause for f in mine}
         if hosts > 1 and len(ranks) > 1 and len(mine) == len(ranks) and len(causes) == 1:
-            span = ",".join(map(str, sorted(ranks)))
+            span = ranks_text(sorted(ranks))
             worst = max(mine, key=lambda f: f.excess_ms)
             out = [f for f in out if f not in mine]
             out.append(
-                Finding(f"host {host}", causes.pop(), f"host {host} (ranks {span}):", worst.detail)
+                Finding(f"host {host}", causes.pop(), f"host {host} ({span}):", worst.detail)
             )
     return out
 
