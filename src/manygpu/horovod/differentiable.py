@@ -33,15 +33,19 @@ from manygpu.horovod.reduce_ops import (
 class _Allreduce(torch.autograd.Function):
     @staticmethod
     def forward(
-        ctx: Any, tensor: torch.Tensor, name: Any, op: Any, pre: Any, post: Any, ps: Any
+        ctx: Any, tensor: torch.Tensor, name: Any, op: Any, pre: Any, post: Any, process_set: Any
     ) -> Any:
-        ctx.op, ctx.pre, ctx.post, ctx.ps = op, pre, post, ps
-        return synchronize(allreduce_async(tensor, None, name, op, pre, post, ps))
+        ctx.op, ctx.pre, ctx.post, ctx.process_set = op, pre, post, process_set
+        return synchronize(allreduce_async(tensor, None, name, op, pre, post, process_set))
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> Any:
         reduced = allreduce(
-            grad, op=ctx.op, prescale_factor=ctx.pre, postscale_factor=ctx.post, process_set=ctx.ps
+            grad,
+            op=ctx.op,
+            prescale_factor=ctx.pre,
+            postscale_factor=ctx.post,
+            process_set=ctx.process_set,
         )
         return reduced, None, None, None, None, None
 
@@ -69,17 +73,17 @@ def allreduce(
 class _GroupedAllreduce(torch.autograd.Function):
     @staticmethod
     def forward(
-        ctx: Any, name: Any, op: Any, pre: Any, post: Any, ps: Any, *tensors: torch.Tensor
+        ctx: Any, name: Any, op: Any, pre: Any, post: Any, process_set: Any, *tensors: torch.Tensor
     ) -> Any:
-        ctx.op, ctx.pre, ctx.post, ctx.ps = op, pre, post, ps
-        handle = grouped_allreduce_async(list(tensors), None, name, op, pre, post, ps)
+        ctx.op, ctx.pre, ctx.post, ctx.process_set = op, pre, post, process_set
+        handle = grouped_allreduce_async(list(tensors), None, name, op, pre, post, process_set)
         return tuple(synchronize(handle))
 
     @staticmethod
     def backward(ctx: Any, *grads: torch.Tensor) -> Any:
         reduced = grouped_allreduce(
             list(grads), op=ctx.op, prescale_factor=ctx.pre, postscale_factor=ctx.post,
-            process_set=ctx.ps,
+            process_set=ctx.process_set,
         )  # fmt: skip
         return (None, None, None, None, None, *reduced)
 
@@ -106,16 +110,16 @@ def grouped_allreduce(
 
 class _Allgather(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: Any, tensor: torch.Tensor, name: Any, ps: Any) -> Any:
+    def forward(ctx: Any, tensor: torch.Tensor, name: Any, process_set: Any) -> Any:
         ctx.rows = tensor.shape[0] if tensor.dim() else 1
-        ctx.ps = ps
-        return synchronize(allgather_async(tensor, name, ps))
+        ctx.process_set = process_set
+        return synchronize(allgather_async(tensor, name, process_set))
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> Any:
-        reduced = allreduce(grad, op=ReduceOp.Average, process_set=ctx.ps)
-        rows = allgather(torch.tensor([ctx.rows], device=grad.device), process_set=ctx.ps)
-        offset = sum(rows.tolist()[: resolve(ctx.ps, "allgather").rank])
+        reduced = allreduce(grad, op=ReduceOp.Average, process_set=ctx.process_set)
+        rows = allgather(torch.tensor([ctx.rows], device=grad.device), process_set=ctx.process_set)
+        offset = sum(rows.tolist()[: resolve(ctx.process_set, "allgather").rank])
         return reduced.narrow(0, offset, ctx.rows), None, None
 
 
@@ -129,13 +133,13 @@ def allgather(
 
 class _Broadcast(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: Any, tensor: torch.Tensor, root_rank: Any, name: Any, ps: Any) -> Any:
-        ctx.root_rank, ctx.ps = root_rank, ps
-        return synchronize(broadcast_async(tensor, root_rank, name, ps))
+    def forward(ctx: Any, tensor: torch.Tensor, root_rank: Any, name: Any, process_set: Any) -> Any:
+        ctx.root_rank, ctx.process_set = root_rank, process_set
+        return synchronize(broadcast_async(tensor, root_rank, name, process_set))
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> Any:
-        reduced = allreduce(grad, op=ReduceOp.Average, process_set=ctx.ps)
+        reduced = allreduce(grad, op=ReduceOp.Average, process_set=ctx.process_set)
         if session().topology.rank != ctx.root_rank:  # root_rank is global, as hvd.rank()
             reduced = reduced * 0
         return reduced, None, None, None
@@ -154,17 +158,17 @@ def broadcast(
 
 class _Alltoall(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: Any, tensor: torch.Tensor, splits: Any, name: Any, ps: Any) -> Any:
-        world = resolve(ps, "alltoall").size
+    def forward(ctx: Any, tensor: torch.Tensor, splits: Any, name: Any, process_set: Any) -> Any:
+        world = resolve(process_set, "alltoall").size
         sent = send_splits(tensor.shape[0], splits, world) if tensor.dim() else splits
-        out, received = synchronize(alltoall_async(tensor, sent, name, ps))
-        ctx.received, ctx.ps = received, ps
+        out, received = synchronize(alltoall_async(tensor, sent, name, process_set))
+        ctx.received, ctx.process_set = received, process_set
         ctx.mark_non_differentiable(received)
         return out if splits is None else (out, received)
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor, *unused: Any) -> Any:
-        back, _ = alltoall(grad, splits=ctx.received, process_set=ctx.ps)
+        back, _ = alltoall(grad, splits=ctx.received, process_set=ctx.process_set)
         return back, None, None, None
 
 
@@ -186,16 +190,16 @@ def alltoall(
 class _Reducescatter(torch.autograd.Function):
     @staticmethod
     def forward(
-        ctx: Any, tensor: torch.Tensor, name: Any, op: Any, pre: Any, post: Any, ps: Any
+        ctx: Any, tensor: torch.Tensor, name: Any, op: Any, pre: Any, post: Any, process_set: Any
     ) -> Any:
-        ctx.op, ctx.pre, ctx.post, ctx.ps = op, pre, post, ps
-        return synchronize(reducescatter_async(tensor, name, op, ps, pre, post))
+        ctx.op, ctx.pre, ctx.post, ctx.process_set = op, pre, post, process_set
+        return synchronize(reducescatter_async(tensor, name, op, process_set, pre, post))
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> Any:
-        world = resolve(ctx.ps, "reducescatter").size
+        world = resolve(ctx.process_set, "reducescatter").size
         factor = ctx.pre * ctx.post * (world if ctx.op is ReduceOp.Sum else 1)
-        gathered = allgather(grad * factor if factor != 1 else grad, process_set=ctx.ps)
+        gathered = allgather(grad * factor if factor != 1 else grad, process_set=ctx.process_set)
         return gathered, None, None, None, None, None
 
 

@@ -105,17 +105,17 @@ def grouped_reducescatter_async(
 
 class _GroupedAllgather(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: Any, name: Any, ps: Any, *tensors: torch.Tensor) -> Any:
-        ctx.ps = ps
+    def forward(ctx: Any, name: Any, process_set: Any, *tensors: torch.Tensor) -> Any:
+        ctx.process_set = process_set
         ctx.rows = [t.shape[0] if t.dim() else 1 for t in tensors]
-        return tuple(synchronize(grouped_allgather_async(list(tensors), name, ps)))
+        return tuple(synchronize(grouped_allgather_async(list(tensors), name, process_set)))
 
     @staticmethod
     def backward(ctx: Any, *grads: torch.Tensor) -> Any:
-        reduced = grouped_allreduce(list(grads), op=ReduceOp.Average, process_set=ctx.ps)
+        reduced = grouped_allreduce(list(grads), op=ReduceOp.Average, process_set=ctx.process_set)
         mine = torch.tensor([ctx.rows], dtype=torch.int64)
-        table = grouped_allgather([mine], process_set=ctx.ps)[0]  # set size x tensors
-        before = table[: resolve(ctx.ps, "grouped_allgather").rank].sum(0).tolist()
+        table = grouped_allgather([mine], process_set=ctx.process_set)[0]  # set size x tensors
+        before = table[: resolve(ctx.process_set, "grouped_allgather").rank].sum(0).tolist()
         parts = [
             g.narrow(0, int(start), rows)
             for g, start, rows in zip(reduced, before, ctx.rows, strict=True)
@@ -137,18 +137,25 @@ def grouped_allgather(
 class _GroupedReducescatter(torch.autograd.Function):
     @staticmethod
     def forward(
-        ctx: Any, name: Any, op: Any, ps: Any, pre: Any, post: Any, *tensors: torch.Tensor
+        ctx: Any, name: Any, op: Any, process_set: Any, pre: Any, post: Any, *tensors: torch.Tensor
     ) -> Any:
-        ctx.op, ctx.ps, ctx.pre, ctx.post = op, ps, pre, post
-        handle = grouped_reducescatter_async(list(tensors), name, op, ps, pre, post)
+        ctx.op, ctx.process_set, ctx.pre, ctx.post = op, process_set, pre, post
+        handle = grouped_reducescatter_async(list(tensors), name, op, process_set, pre, post)
         return tuple(synchronize(handle))
 
     @staticmethod
     def backward(ctx: Any, *grads: torch.Tensor) -> Any:
-        world = resolve(ctx.ps, "grouped_reducescatter").size
+        world = resolve(ctx.process_set, "grouped_reducescatter").size
         factor = ctx.pre * ctx.post * (world if ctx.op is ReduceOp.Sum else 1)
         scaled = [g * factor if factor != 1 else g for g in grads]
-        return (None, None, None, None, None, *grouped_allgather(scaled, process_set=ctx.ps))
+        return (
+            None,
+            None,
+            None,
+            None,
+            None,
+            *grouped_allgather(scaled, process_set=ctx.process_set),
+        )
 
 
 def grouped_reducescatter(
