@@ -148,9 +148,12 @@ def _optimizer_steps(recipe: Recipe, data_world: int) -> int:
     return recipe.epochs * math.ceil(per_epoch / recipe.accum)
 
 
-def _step_loss(recipe: Recipe, model: torch.nn.Module, parts: Any, shards: int) -> torch.Tensor:
+def _step_loss(
+    recipe: Recipe, model: torch.nn.Module, parts: Any, shards: int, device: str = "cpu"
+) -> torch.Tensor:
     """One global batch's loss: one forward over it, or one per shard (BatchNorm under ddp)."""
     entry = ZOO[recipe.model]
+    parts = [p.to(device) for p in parts]
     xs, ys = parts[:shards], parts[shards:]
     with torch.autocast("cpu", torch.bfloat16, enabled=recipe.precision == "bf16"):
         if recipe.per_shard_forward:
@@ -159,12 +162,14 @@ def _step_loss(recipe: Recipe, model: torch.nn.Module, parts: Any, shards: int) 
         return entry.loss(model(torch.cat(xs)), torch.cat(ys))
 
 
-def reference_train(recipe: Recipe, data_world: int) -> dict[str, Any]:
-    """The recipe in one process, plain torch, on the same global batches."""
+def reference_train(recipe: Recipe, data_world: int, device: str = "cpu") -> dict[str, Any]:
+    """The recipe in one process, plain torch, on the same global batches (on ``device``:
+    a GPU run compares with the same GPU's kernels, not the CPU's summation order)."""
     entry = ZOO[recipe.model]
     torch.manual_seed(INIT_SEED)  # rank 0's model: the one prepare broadcasts
     model = entry.build()
     initial = full_params(model)
+    model.to(device)
     opt = OPTIMIZERS[recipe.optimizer](model)
     sched = warmup_cosine(opt, _optimizer_steps(recipe, data_world))
     norms = []
@@ -173,7 +178,7 @@ def reference_train(recipe: Recipe, data_world: int) -> dict[str, Any]:
         cycles = [steps[i : i + recipe.accum] for i in range(0, len(steps), recipe.accum)]
         for cycle in cycles:
             for parts in cycle:
-                (_step_loss(recipe, model, parts, data_world) / len(cycle)).backward()
+                (_step_loss(recipe, model, parts, data_world, device) / len(cycle)).backward()
             if recipe.clip is not None:
                 norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), recipe.clip)))
             opt.step()
