@@ -91,8 +91,7 @@ class SlurmHosts:
 
     Args:
         cluster: the emulated hosts (every one becomes a node).
-        cpus: CPUs each node offers, however many the machine has (tasks are not bound
-            to them: ``task/none``).
+        cpus: CPUs each node offers (tasks are not bound to them: ``task/none``).
         names: the nodes' names, ``node0``, ``node1``, ... unless given.
     """
 
@@ -201,9 +200,6 @@ class SlurmHosts:
             "SelectTypeParameters=CR_Core",
             "SchedulerType=sched/backfill",
             "ReturnToService=2",
-            # A node offers the CPUs named here (``cpus``), whatever the machine has:
-            # tasks are not bound to CPUs, and a test may run several jobs at once.
-            "SlurmdParameters=config_overrides",
             # Short timeouts: a test's job should never wait on a default minute.
             "SlurmctldTimeout=30",
             "SlurmdTimeout=30",

@@ -19,24 +19,15 @@ launcher per node inside an allocation of several tasks per node (Slurm ignores
 job saves and resumes bit for bit; a node whose processes die is named; ``srun
 manygpu doctor --all-ranks`` checks every node. Slurm's packages are installed
 with apt-get when missing (the module skips, saying why, when that fails).
-
-The four jobs that neither kill, signal nor requeue anything (the two recipes, the
-refused launchers, the doctor) are submitted at once when the first of them is
-asked for (:func:`together`): the nodes offer enough CPUs for all four, each meets
-on its own port (from its job id), and what one waits on (Slurm's polling,
-start-up, rendezvous) the others fill. The one-process references are computed
-on a thread meanwhile. The jobs that kill or signal run alone, one after the other.
 """
 
 from __future__ import annotations
 
 import itertools
 import json
-import subprocess
 import sys
 import time
-from collections.abc import Callable, Iterator
-from concurrent.futures import Future, ThreadPoolExecutor
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -89,34 +80,21 @@ with Parallel(strategy=strategy, timeout_s=60) as par:  # the group, from Slurm'
 
 @pytest.fixture(scope="module")
 def slurm() -> Iterator[SlurmHosts]:
-    """Two emulated hosts, ``node0`` (also the controller) and ``node1``, as one Slurm
-    cluster; 6 CPUs a node, so that the jobs of :func:`together` (1 + 2 + 2 + 1 tasks
-    a node) run at once (tasks are not bound to CPUs: ``task/none``)."""
+    """Two emulated hosts, ``node0`` (also the controller) and ``node1``, as one Slurm cluster."""
     why = ensure_slurm()
     if why is not None:
         pytest.skip(why)
-    with (
-        EmulatedCluster(2, LinkShape(rate="1gbit")) as cluster,
-        SlurmHosts(cluster, cpus=6) as hosts,
-    ):
+    with EmulatedCluster(2, LinkShape(rate="1gbit")) as cluster, SlurmHosts(cluster) as hosts:
         yield hosts
         left = hosts.wait_until_clean()
     assert not left, f"a job left processes behind: {left}"
 
 
 @pytest.fixture(scope="module")
-def pool(slurm: SlurmHosts) -> Iterator[ThreadPoolExecutor]:
-    """Threads that wait on jobs (or compute a reference) while a test waits on another;
-    ended (every job waited for) before the cluster is."""
-    with ThreadPoolExecutor(max_workers=6) as threads:
-        yield threads
-
-
-@pytest.fixture(scope="module")
-def gpt_ref(pool: ThreadPoolExecutor) -> Future[dict[str, torch.Tensor]]:
+def gpt_ref() -> dict[str, torch.Tensor]:
     """The recipe's GPT trained in one process on the 4 ranks' global batches: the
-    parameters both recipes must match (computed once, while the jobs run)."""
-    return pool.submit(lambda: reference_train(Recipe("gpt"), 4)["params"])
+    parameters both recipes must match (trained once for both)."""
+    return reference_train(Recipe("gpt"), 4)["params"]
 
 
 def _job_env() -> dict[str, str]:
@@ -158,85 +136,27 @@ def _records(out: Path, strategy: str, world: int) -> list[dict[str, Any]]:
     return [torch.load(out / f"{strategy}-rank{r}.pt", weights_only=True) for r in range(world)]
 
 
-Started = dict[str, tuple[Path, Future[subprocess.CompletedProcess[str]]]]
-Client = Callable[[], subprocess.CompletedProcess[str]]
-"""A Slurm client command (sbatch --wait, srun) that waits for its job: run on a thread."""
-
-
-def _sbatch_wait(slurm: SlurmHosts, script: Path, where: Path) -> Client:
-    """``sbatch --wait`` of ``script`` from ``where``, to be run on a thread."""
-    argv = ["sbatch", "--wait", "--export=ALL", f"--chdir={where}", str(script)]
-    env = _job_env()  # read here, on the test's thread
-    return lambda: slurm.run(argv, env=env, timeout=240, check=False)
-
-
-def _launch_job(slurm: SlurmHosts, where: Path) -> Client:
-    """The README's batch recipe: ``srun manygpu launch --nproc-per-node 2`` per node."""
-    out = where / "out"
-    out.mkdir()
-    job = [*_launch("2"), "--timeout", "60", str(SCRIPT), str(out), "ddp,fsdp"]
-    lines = [f"env | grep '^SLURM_' | sort > {where / 'batch-env.txt'}", f"srun {' '.join(job)}"]
-    return _sbatch_wait(slurm, _sbatch_file(where, lines), where)
-
-
-def _per_rank_job(slurm: SlurmHosts, where: Path) -> Client:
-    """``srun --ntasks-per-node=2 python task.py``: one task per rank, no launcher."""
-    (where / "out").mkdir()
-    task = where / "task.py"
-    task.write_text(TASK)
-    argv = [sys.executable, str(task), str(where / "out"), "ddp"]
-    srun = ["srun", "--nodes=2", "--ntasks-per-node=2", "--export=ALL", f"--chdir={where}"]
-    env = _job_env()
-    return lambda: slurm.run([*srun, *argv], env=env, timeout=240, check=False)
-
-
-def _refused_job(slurm: SlurmHosts, where: Path) -> Client:
-    """One launcher per node asked for inside an allocation of 2 tasks per node."""
-    out = where / "out"
-    out.mkdir()
-    job = [*_launch("1"), "--timeout", "60", str(SCRIPT), str(out), "ddp"]
-    # 2 tasks per node (one per GPU: the usual allocation), the README's recipe in it
-    lines = [f"srun --ntasks-per-node=1 {' '.join(job)}"]
-    return _sbatch_wait(slurm, _sbatch_file(where, lines, per_node=2), where)
-
-
-def _doctor_job(slurm: SlurmHosts, where: Path) -> Client:
-    """``srun --ntasks-per-node=1 manygpu doctor --all-ranks --json`` on both nodes."""
-    argv = [sys.executable, "-m", "manygpu", "doctor", "--all-ranks", "--json"]
-    srun = ["srun", "--nodes=2", "--ntasks-per-node=1", "--export=ALL", f"--chdir={where}"]
-    env = _job_env()
-    return lambda: slurm.run([*srun, *argv], env=env, timeout=180, check=False)
-
-
-@pytest.fixture(scope="module")
-def together(
-    slurm: SlurmHosts, pool: ThreadPoolExecutor, tmp_path_factory: pytest.TempPathFactory
-) -> Started:
-    """The jobs that neither kill, signal nor requeue, all submitted now, each from its
-    own directory: by name, (that directory, the finished client command's result)."""
-    jobs = {
-        "launch": _launch_job,
-        "per_rank": _per_rank_job,
-        "refused": _refused_job,
-        "doctor": _doctor_job,
-    }
-    started: Started = {}
-    for name, make in jobs.items():
-        where = tmp_path_factory.mktemp(name)
-        started[name] = (where, pool.submit(make(slurm, where)))
-    return started
-
-
 @pytest.mark.timeout(300)
 def test_sbatch_srun_manygpu_launch_per_node_matches_one_process(
-    together: Started, gpt_ref: Future[dict[str, torch.Tensor]]
+    slurm: SlurmHosts, gpt_ref: dict[str, torch.Tensor], tmp_path: Path
 ) -> None:
-    where, done = together["launch"]
-    res = done.result()
-    out = where / "out"
-    job_out = _job_output(where)
+    out = tmp_path / "out"
+    out.mkdir()
+    launch = _launch("2")
+    job = [*launch, "--timeout", "60", str(SCRIPT), str(out), "ddp,fsdp"]
+    script = _sbatch_file(
+        tmp_path,
+        [f"env | grep '^SLURM_' | sort > {tmp_path / 'batch-env.txt'}", f"srun {' '.join(job)}"],
+    )
+    res = slurm.run(
+        ["sbatch", "--wait", "--export=ALL", f"--chdir={tmp_path}", str(script)],
+        env=_job_env(),
+        timeout=240,
+        check=False,
+    )
+    job_out = _job_output(tmp_path)
     assert res.returncode == 0, f"{res.stdout}{res.stderr}\njob output:\n{job_out[-4000:]}"
-    ref = gpt_ref.result()
+    ref = gpt_ref
     for strategy in ("ddp", "fsdp"):
         for rank, rec in enumerate(_records(out, strategy, 4)):
             assert rec["error"] is None and rec["data_world"] == 4, (strategy, rank, rec["error"])
@@ -248,13 +168,22 @@ def test_sbatch_srun_manygpu_launch_per_node_matches_one_process(
 
 @pytest.mark.timeout(300)
 def test_srun_once_per_rank_matches_one_process(
-    together: Started, gpt_ref: Future[dict[str, torch.Tensor]]
+    slurm: SlurmHosts, gpt_ref: dict[str, torch.Tensor], tmp_path: Path
 ) -> None:
-    where, done = together["per_rank"]
-    res = done.result()
+    out = tmp_path / "out"
+    out.mkdir()
+    task = tmp_path / "task.py"
+    task.write_text(TASK)
+    argv = [sys.executable, str(task), str(out), "ddp"]
+    res = slurm.run(
+        ["srun", "--nodes=2", "--ntasks-per-node=2", "--export=ALL", f"--chdir={tmp_path}", *argv],
+        env=_job_env(),
+        timeout=240,
+        check=False,
+    )
     assert res.returncode == 0, f"{res.stdout[-3000:]}{res.stderr[-4000:]}"
-    ref = gpt_ref.result()
-    records = _records(where / "out", "ddp", 4)
+    ref = gpt_ref
+    records = _records(out, "ddp", 4)
     slurm_env = records[0]["slurm"]
     print(
         "SLURM_ variables of task 0:", *sorted(f"{k}={v}" for k, v in slurm_env.items()), sep="\n"
@@ -269,11 +198,21 @@ def test_srun_once_per_rank_matches_one_process(
 
 @pytest.mark.timeout(300)
 def test_srun_one_launcher_per_node_in_an_allocation_of_several_tasks_per_node(
-    together: Started,
+    slurm: SlurmHosts, tmp_path: Path
 ) -> None:
-    where, done = together["refused"]
-    res = done.result()
-    job_out = _job_output(where)
+    out = tmp_path / "out"
+    out.mkdir()
+    launch = _launch("1")
+    job = [*launch, "--timeout", "60", str(SCRIPT), str(out), "ddp"]
+    # 2 tasks per node (one per GPU: the usual allocation), the README's recipe in it
+    script = _sbatch_file(tmp_path, [f"srun --ntasks-per-node=1 {' '.join(job)}"], per_node=2)
+    res = slurm.run(
+        ["sbatch", "--wait", "--export=ALL", f"--chdir={tmp_path}", str(script)],
+        env=_job_env(),
+        timeout=240,
+        check=False,
+    )
+    job_out = _job_output(tmp_path)
     # An allocation of 2 tasks per node exports SLURM_NTASKS=4, so srun ignores
     # --ntasks-per-node=1 (it only warns) and starts 2 launchers per node: each would
     # run a job of its own, silently. Each launcher refuses in one line instead.
@@ -285,24 +224,7 @@ def test_srun_one_launcher_per_node_in_an_allocation_of_several_tasks_per_node(
     )
     assert refusal in job_out.splitlines(), job_out[-3000:]
     assert "Traceback" not in job_out, job_out[-3000:]
-    assert not list((where / "out").glob("ddp-rank*.pt"))
-
-
-@pytest.mark.timeout(240)
-def test_srun_doctor_all_ranks_checks_every_node(together: Started) -> None:
-    """``srun --ntasks-per-node=1 manygpu doctor --all-ranks`` inside an allocation: one
-    report (printed once, not once per node) over both nodes, with the live all-reduce
-    and every rank pair's transfer across the hosts; exit 0 (warnings: no GPU here)."""
-    res = together["doctor"][1].result()
-    assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-3000:]
-    report = json.loads(res.stdout)  # one document: node 0's launcher prints it
-    assert report["counts"]["fail"] == 0, report["checks"]
-    assert sorted(n["system"]["hostname"] for n in report["nodes"]) == ["node0", "node1"]
-    live = report["live"]
-    assert live["world_size"] == 4 and live["hosts"] == ["node0", "node0", "node1", "node1"]
-    assert live["all_reduce_error"] is None
-    pairs = {(p["a"], p["b"]) for p in live["pairs"] if p["error"] is None}
-    assert pairs == {(a, b) for a in range(4) for b in range(a + 1, 4)}, live["pairs"]
+    assert not list(out.glob("ddp-rank*.pt"))
 
 
 PREEMPT = Path(__file__).parent / "scripts" / "preempt_recipe.py"
@@ -337,7 +259,7 @@ def _start_requeued_now(slurm: SlurmHosts, job: str, tmp_path: Path) -> None:
 
 @pytest.mark.timeout(300)
 def test_warned_then_requeued_job_resumes_bit_identically(
-    slurm: SlurmHosts, pool: ThreadPoolExecutor, tmp_path: Path
+    slurm: SlurmHosts, tmp_path: Path
 ) -> None:
     """A batch job of ``srun manygpu launch`` on 2 nodes x 2 ranks, the recipe's GPT
     under fsdp with a Checkpointer: Slurm's warning signal (``scancel --signal=USR1``, what
@@ -353,18 +275,6 @@ def test_warned_then_requeued_job_resumes_bit_identically(
     script = _sbatch_file(tmp_path, [*directives, f"srun {' '.join([*launch, *args])}"], minutes=6)
     env = _job_env() | {"OMP_NUM_THREADS": "1"}
     job = _submit(slurm, script, tmp_path, env)
-    (tmp_path / "ref").mkdir()  # the uninterrupted run, on local ranks, while Slurm's runs
-    reference = pool.submit(
-        run_ranks,
-        train_to,
-        4,
-        str(tmp_path / "ref-ck"),
-        str(tmp_path / "ref"),
-        PREEMPT_STEPS,
-        0.0,
-        extra_env={"OMP_NUM_THREADS": "1"},
-        timeout=180,
-    )
     try:
         _wait_for("3 steps", lambda: _progress(out, 0) >= 3, slurm, tmp_path, 90)
         slurm.run(["scancel", "--signal=USR1", job])
@@ -384,12 +294,41 @@ def test_warned_then_requeued_job_resumes_bit_identically(
     assert steps[0][0] == 1 and steps[2][-1] == PREEMPT_STEPS, steps
     for before, after in itertools.pairwise(steps):
         assert after[0] == before[-1] + 1, steps  # resumed right after the saved step
-    ref = reference.result()[0]
+    (tmp_path / "ref").mkdir()
+    ref = run_ranks(
+        train_to,
+        4,
+        str(tmp_path / "ref-ck"),
+        str(tmp_path / "ref"),
+        PREEMPT_STEPS,
+        0.0,
+        extra_env={"OMP_NUM_THREADS": "1"},
+        timeout=180,
+    )[0]
     ref_losses = json.loads((tmp_path / "ref" / "losses-0.json").read_text())
     for run in runs:
         assert all(loss == ref_losses[s] for s, loss in run.items()), (run, ref_losses)
     params = torch.load(out / "params.pt", weights_only=True)
     assert all(torch.equal(params[k], ref[k]) for k in ref), "parameters differ from the reference"
+
+
+@pytest.mark.timeout(240)
+def test_srun_doctor_all_ranks_checks_every_node(slurm: SlurmHosts, tmp_path: Path) -> None:
+    """``srun --ntasks-per-node=1 manygpu doctor --all-ranks`` inside an allocation: one
+    report (printed once, not once per node) over both nodes, with the live all-reduce
+    and every rank pair's transfer across the hosts; exit 0 (warnings: no GPU here)."""
+    argv = [sys.executable, "-m", "manygpu", "doctor", "--all-ranks", "--json"]
+    srun = ["srun", "--nodes=2", "--ntasks-per-node=1", "--export=ALL", f"--chdir={tmp_path}"]
+    res = slurm.run([*srun, *argv], env=_job_env(), timeout=180, check=False)
+    assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-3000:]
+    report = json.loads(res.stdout)  # one document: node 0's launcher prints it
+    assert report["counts"]["fail"] == 0, report["checks"]
+    assert sorted(n["system"]["hostname"] for n in report["nodes"]) == ["node0", "node1"]
+    live = report["live"]
+    assert live["world_size"] == 4 and live["hosts"] == ["node0", "node0", "node1", "node1"]
+    assert live["all_reduce_error"] is None
+    pairs = {(p["a"], p["b"]) for p in live["pairs"] if p["error"] is None}
+    assert pairs == {(a, b) for a in range(4) for b in range(a + 1, 4)}, live["pairs"]
 
 
 def _job_gone(slurm: SlurmHosts, job: str) -> bool:
