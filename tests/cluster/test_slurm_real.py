@@ -379,7 +379,7 @@ def test_an_elastic_job_goes_on_without_a_lost_node(slurm: SlurmHosts, tmp_path:
     launch = _launch("2")
     launch += ["--nnodes", "1:2", "--max-restarts", "2", "--timeout", "60"]
     launch += ["--rdzv-conf", "last_call_timeout=2,keep_alive_interval=1,keep_alive_max_attempt=2"]
-    total = 16
+    total = 10  # killed at step 4 or 5, resumed from 4: 6 steps on one node
     args = [str(PREEMPT), str(ckpt), str(out), str(total), "0.3", "2"]
     srun = f"srun --kill-on-bad-exit=0 {' '.join([*launch, *args])}"
     script = _sbatch_file(tmp_path, ["#SBATCH --no-kill", srun])
