@@ -90,6 +90,13 @@ def slurm() -> Iterator[SlurmHosts]:
     assert not left, f"a job left processes behind: {left}"
 
 
+@pytest.fixture(scope="module")
+def gpt_ref() -> dict[str, torch.Tensor]:
+    """The recipe's GPT trained in one process on the 4 ranks' global batches: the
+    parameters both recipes must match (trained once for both)."""
+    return reference_train(Recipe("gpt"), 4)["params"]
+
+
 def _job_env() -> dict[str, str]:
     """What a user's shell holds when they submit: the sources, the job's secret."""
     return subprocess_env(namespace=True)
@@ -131,7 +138,7 @@ def _records(out: Path, strategy: str, world: int) -> list[dict[str, Any]]:
 
 @pytest.mark.timeout(300)
 def test_sbatch_srun_manygpu_launch_per_node_matches_one_process(
-    slurm: SlurmHosts, tmp_path: Path
+    slurm: SlurmHosts, gpt_ref: dict[str, torch.Tensor], tmp_path: Path
 ) -> None:
     out = tmp_path / "out"
     out.mkdir()
@@ -149,7 +156,7 @@ def test_sbatch_srun_manygpu_launch_per_node_matches_one_process(
     )
     job_out = _job_output(tmp_path)
     assert res.returncode == 0, f"{res.stdout}{res.stderr}\njob output:\n{job_out[-4000:]}"
-    ref = reference_train(Recipe("gpt"), 4)["params"]
+    ref = gpt_ref
     for strategy in ("ddp", "fsdp"):
         for rank, rec in enumerate(_records(out, strategy, 4)):
             assert rec["error"] is None and rec["data_world"] == 4, (strategy, rank, rec["error"])
@@ -160,7 +167,9 @@ def test_sbatch_srun_manygpu_launch_per_node_matches_one_process(
 
 
 @pytest.mark.timeout(300)
-def test_srun_once_per_rank_matches_one_process(slurm: SlurmHosts, tmp_path: Path) -> None:
+def test_srun_once_per_rank_matches_one_process(
+    slurm: SlurmHosts, gpt_ref: dict[str, torch.Tensor], tmp_path: Path
+) -> None:
     out = tmp_path / "out"
     out.mkdir()
     task = tmp_path / "task.py"
@@ -173,7 +182,7 @@ def test_srun_once_per_rank_matches_one_process(slurm: SlurmHosts, tmp_path: Pat
         check=False,
     )
     assert res.returncode == 0, f"{res.stdout[-3000:]}{res.stderr[-4000:]}"
-    ref = reference_train(Recipe("gpt"), 4)["params"]
+    ref = gpt_ref
     records = _records(out, "ddp", 4)
     slurm_env = records[0]["slurm"]
     print(
@@ -370,7 +379,7 @@ def test_an_elastic_job_goes_on_without_a_lost_node(slurm: SlurmHosts, tmp_path:
     launch = _launch("2")
     launch += ["--nnodes", "1:2", "--max-restarts", "2", "--timeout", "60"]
     launch += ["--rdzv-conf", "last_call_timeout=2,keep_alive_interval=1,keep_alive_max_attempt=2"]
-    total = 16
+    total = 10  # killed at step 4 or 5, resumed from 4: 6 steps on one node
     args = [str(PREEMPT), str(ckpt), str(out), str(total), "0.3", "2"]
     srun = f"srun --kill-on-bad-exit=0 {' '.join([*launch, *args])}"
     script = _sbatch_file(tmp_path, ["#SBATCH --no-kill", srun])
