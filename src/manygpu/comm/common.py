@@ -63,17 +63,17 @@ _PEER_FAILURE_HINTS = (
 )
 
 
-def peer_failure(
+def raise_peer_failure(
     exc: RuntimeError, *, rank: int, world_size: int, operation: str, timeout_s: float
-) -> CollectiveTimeoutError | None:
-    """``exc`` (raised inside ``operation``) as the collective timeout it means when a
-    peer never answered; ``None`` when it is something else (a bug of the model's)."""
+) -> None:
+    """Raise ``exc`` (raised inside ``operation``) as the collective timeout it means when a
+    peer never answered; return when it is something else (a bug of the model's: the
+    caller re-raises it as it is)."""
     if isinstance(exc, CollectiveTimeoutError):  # named already: keep the backend's words
-        return exc
+        raise exc
     text = str(exc).lower()
     if world_size > 1 and any(hint in text for hint in _PEER_FAILURE_HINTS):
-        return CollectiveTimeoutError(rank, operation, timeout_s, first_line(exc))
-    return None
+        raise CollectiveTimeoutError(rank, operation, timeout_s, first_line(exc)) from exc
 
 
 def wait(work: dist.Work | None, operation: str, timeout_s: float) -> None:

@@ -116,8 +116,8 @@ class Started:
     strategy: Strategy[Any]
     ctx: DistContext
     choice: PrecisionChoice
-    name: str
-    """The device's name (for the precision announcement)."""
+    device_name: str
+    """For the precision announcement."""
     timeout_s: float
 
 

@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from manygpu.comm.common import peer_failure
+from manygpu.comm.common import raise_peer_failure
 from manygpu.comm.grad_norm import clip_grads_, total_grad_norm
 from manygpu.core.optimizer import PreparedOptimizer
 from manygpu.core.precision import PrecisionPlugin
@@ -62,12 +62,10 @@ def clip_grad_norm(
             timeout_s=timeout_s,
         )
     except RuntimeError as exc:
-        operation = "gradient-norm all-reduce in clip_grad_norm_"
-        named = peer_failure(
-            exc, rank=rank, world_size=world_size, operation=operation, timeout_s=timeout_s
-        )
-        if named is None or named is exc:
-            raise
-        raise named from exc
+        raise_peer_failure(
+            exc, rank=rank, world_size=world_size, timeout_s=timeout_s,
+            operation="gradient-norm all-reduce in clip_grad_norm_",
+        )  # fmt: skip
+        raise
     clip_grads_(params, max_norm, norm)
     return norm

@@ -33,12 +33,8 @@ class JobCollectives:
         timeout_s: float,
         debug: bool | None,
     ) -> None:
-        self._strategy, self.device, self.timeout_s, self._debug = (
-            strategy,
-            device,
-            timeout_s,
-            debug,
-        )
+        self._strategy, self._debug = strategy, debug
+        self.device, self.timeout_s = device, timeout_s
 
     @property
     def mesh(self) -> DeviceMesh:

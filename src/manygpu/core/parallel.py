@@ -24,7 +24,7 @@ from torch import nn
 from torch.utils.data import DataLoader
 
 from manygpu import comm
-from manygpu.comm.common import debug_requested, peer_failure
+from manygpu.comm.common import debug_requested, raise_peer_failure
 from manygpu.comm.debug import check_end
 from manygpu.core import build
 from manygpu.core.accumulation import reweight_short_cycle
@@ -82,7 +82,11 @@ class Parallel:
         started = build.started(config, cluster or detect_cluster(environ), environ)
         self.precision_choice = started.choice
         """What ``precision=`` became on this device (``"auto"`` resolved)."""
-        self.timeout_s, self._ctx, self._device_name = started.timeout_s, started.ctx, started.name
+        self.timeout_s, self._ctx, self._device_name = (
+            started.timeout_s,
+            started.ctx,
+            started.device_name,
+        )
         # The job as this rank's role sees it: a parameter-server job's workers
         # count workers only (the servers never run the loop).
         self.cluster = self._ctx.cluster
@@ -214,7 +218,10 @@ class Parallel:
         try:
             self.strategy.backward(self.precision.scale(loss))
         except RuntimeError as exc:
-            self._raise_if_peer_failure(exc, "gradient all-reduce in backward")
+            raise_peer_failure(
+                exc, rank=self.rank, world_size=self.world_size, timeout_s=self.timeout_s,
+                operation="gradient all-reduce in backward",
+            )  # fmt: skip
             raise
         if self._accumulator.advance():
             steps, had = self.config.grad_accum_steps, self._accumulator.last_cycle
@@ -368,13 +375,3 @@ class Parallel:
             )
             self._current.name, self._current.strategy = name, strategy
         self.print(f"manygpu: strategy='auto' chose {name!r}")
-
-    def _raise_if_peer_failure(self, exc: RuntimeError, operation: str) -> None:
-        named = peer_failure(
-            exc, rank=self.rank, world_size=self.world_size, operation=operation,
-            timeout_s=self.timeout_s,
-        )  # fmt: skip
-        if named is exc:
-            raise exc
-        if named is not None:
-            raise named from exc
