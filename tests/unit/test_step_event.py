@@ -104,11 +104,12 @@ def test_the_pipeline_runs_its_steps_in_the_written_order() -> None:
         sync_weights=lambda _m: calls.append("sync"),
         remember=lambda _m: calls.append("remember"),
         shard=shard,
+        fill=lambda _m: calls.append("fill"),
         hook=lambda _m: calls.append("hook"),
         compile=lambda _m: calls.append("compile"),
     )
     said: list[str] = []
     wrapped = prepare_module(nn.Linear(2, 2), [Named("layout"), Named("ckpt")], around, said.append)
     assert isinstance(wrapped, nn.Sequential)
-    assert calls == ["sync", "remember", "layout", "ckpt", "shard", "hook", "compile"]
+    assert calls == ["sync", "remember", "layout", "ckpt", "shard", "fill", "hook", "compile"]
     assert said == ["layout done", "ckpt done"]

@@ -226,8 +226,8 @@ from toy_strategy import Halve
 class HalveStrategy(Strategy[Halve]):
     spec_class = Halve
 
-    def setup_module(self, module):
-        return module.to(self.ctx.device)
+    def setup_module(self, module, place):
+        return place(module, self.ctx.device)
 
     def backward(self, loss):
         (loss * self.options.factor).backward()

@@ -14,8 +14,10 @@ strategy-specific work.
 from __future__ import annotations
 
 import contextlib
+import os
 import random
 from collections.abc import Iterable, Iterator, Mapping
+from contextlib import AbstractContextManager
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -35,6 +37,7 @@ from manygpu.core.config import ParallelConfig
 from manygpu.core.data import PreparedLoader
 from manygpu.core.optimizer import PreparedOptimizer
 from manygpu.core.precision import PrecisionPlugin, announcement, apply_tf32
+from manygpu.errors import UsageError
 from manygpu.observe import straggler_board
 from manygpu.observe.profiling import ProfileWindow
 from manygpu.runtime import env as envmod
@@ -42,6 +45,7 @@ from manygpu.runtime.cluster import ClusterInfo, detect_cluster
 from manygpu.runtime.process_group import teardown
 from manygpu.strategies import Strategy, abilities
 from manygpu.transforms.fp8 import planned_precision
+from manygpu.transforms.materialize import empty_init
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
@@ -159,19 +163,34 @@ class Parallel:
         return self._accumulator.last_synced
 
     # -- preparation -----------------------------------------------------------
-    def prepare(self, *objects: Any) -> Any:
+    def init_module(self) -> AbstractContextManager[None]:
+        """``with par.init_module(): model = Net()``: parameters built empty (meta device).
+
+        No memory and no init work until :meth:`prepare`, where the strategy
+        shards first and each rank allocates only its part, then fills it from
+        ``weights=`` or by each module's own init (see
+        :mod:`manygpu.transforms.materialize`). Buffers stay real.
+        """
+        return empty_init()
+
+    def prepare(self, *objects: Any, weights: str | os.PathLike[str] | None = None) -> Any:
         """Prepare models, optimizers and training loaders; returns them in the same order.
 
         Models are prepared before optimizers whatever the order given, because
         wrapping may move parameters. Pass evaluation loaders to
-        :meth:`prepare_loader` with ``train=False`` instead.
+        :meth:`prepare_loader` with ``train=False`` instead. ``weights``: a
+        ``.safetensors`` file, a Hugging Face-style directory or a manygpu
+        checkpoint, read straight into the model's shards (one model only).
         """
+        models = [o for o in objects if isinstance(o, nn.Module)]
+        if weights is not None and len(models) != 1:
+            raise UsageError(f"weights= loads one model; prepare() got {len(models)}")
         prepared: list[Any] = list(objects)
         loaders = [o for o in objects if isinstance(o, DataLoader) and o.batch_size]
         self._auto_batch = int(loaders[0].batch_size or 1) if loaders else self._auto_batch
         for i, obj in enumerate(objects):
             if isinstance(obj, nn.Module):
-                prepared[i] = self.prepare_model(obj)
+                prepared[i] = self.prepare_model(obj, weights=weights)
         for i, obj in enumerate(objects):
             if isinstance(obj, torch.optim.Optimizer):
                 prepared[i] = self.prepare_optimizer(obj)
@@ -183,7 +202,9 @@ class Parallel:
                 )
         return prepared[0] if len(prepared) == 1 else tuple(prepared)
 
-    def prepare_model(self, model: nn.Module) -> nn.Module:
+    def prepare_model(
+        self, model: nn.Module, *, weights: str | os.PathLike[str] | None = None
+    ) -> nn.Module:
         """Place and wrap ``model`` for the strategy; forward runs under autocast.
 
         The steps and their order: :mod:`manygpu.transforms.pipeline`. With
@@ -194,7 +215,7 @@ class Parallel:
         self._prep.refuse_again(model)
         if self.config.planned and not self._prep.models:
             self._choose_strategy(model)
-        return self._prep.model(model)
+        return self._prep.model(model, weights)
 
     def prepare_optimizer(self, optimizer: torch.optim.Optimizer) -> PreparedOptimizer:
         """Wrap ``optimizer`` so it steps once per accumulation cycle."""

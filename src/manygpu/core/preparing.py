@@ -10,6 +10,7 @@ accumulation cycle, so no gradient is left behind at an epoch's end.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from typing import Any
 
@@ -17,10 +18,10 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, IterableDataset
 
-from manygpu.comm.module_sync import broadcast_module_state
 from manygpu.core.accumulation import Accumulator
 from manygpu.core.config import ParallelConfig
 from manygpu.core.data import PreparedLoader, rebuild_loader
+from manygpu.core.model_values import ModelValues
 from manygpu.core.optimizer import PreparedOptimizer
 from manygpu.core.precision import PrecisionPlugin
 from manygpu.core.rebind import ParameterRebinder
@@ -39,6 +40,7 @@ from manygpu.strategies import Strategy, abilities
 from manygpu.transforms.channels_last import ChannelsLast
 from manygpu.transforms.checkpointing import CheckpointBlocks
 from manygpu.transforms.fp8 import ToFloat8
+from manygpu.transforms.materialize import place
 from manygpu.transforms.pipeline import Around, ModelTransform, prepare_module
 
 
@@ -70,9 +72,13 @@ class Preparer:
                 "using the module it returned"
             )
 
-    def model(self, model: nn.Module) -> nn.Module:
+    def model(self, model: nn.Module, weights: str | os.PathLike[str] | None = None) -> nn.Module:
         """``model`` through the transforms and the strategy, in the pipeline's order."""
         strategy, config = self._strategy(), self._config
+        values = ModelValues(
+            model, weights=weights, seed=config.seed or 0, device=self._device,
+            timeout_s=self._timeout_s, unwrap=strategy.unwrap, say=self._say,
+        )  # fmt: skip
         layout = ChannelsLast(
             config.channels_last, device_type=self._device.type,
             allowed=strategy.channels_last_refusal is None,
@@ -84,12 +90,18 @@ class Preparer:
         ]
         if self._precision.fp8 is not None:
             transforms.append(ToFloat8(self._precision.fp8, strategy))
+
+        def shard(module: nn.Module) -> nn.Module:
+            values.record(module)
+            return strategy.setup_module(module, place)
+
         around = Around(
             # Every replica (and every shard's source) starts from rank 0's weights,
             # whatever each rank's seed did to the model built after it.
-            sync_weights=self._sync_weights,
+            sync_weights=values.sync,
             remember=self._rebinder.before,
-            shard=strategy.setup_module,
+            shard=shard,
+            fill=values.fill,
             hook=self._hook,
             compile=None if config.compile_options is None else self._compile,
         )
@@ -98,9 +110,6 @@ class Preparer:
         self.models.append(wrapped)
         self._model_inputs.append(model)
         return wrapped
-
-    def _sync_weights(self, model: nn.Module) -> None:
-        broadcast_module_state(model, device=self._device, timeout_s=self._timeout_s)
 
     def _hook(self, wrapped: nn.Module) -> None:
         """The job's hooks on a wrapped model (step 5 of the transforms' pipeline)."""

@@ -25,6 +25,7 @@ from manygpu.strategies.options import CompileOptions, compile_in_place
 from manygpu.strategies.registry import StrategyCard, cards
 from manygpu.strategies.spec import StrategySpec
 from manygpu.transforms.fp8 import check_fp8_strategy
+from manygpu.transforms.materialize import Place
 
 if TYPE_CHECKING:
     from manygpu.checkpoint_io.formats import Format
@@ -192,8 +193,15 @@ class Strategy(ABC, Generic[OptionsT]):
         loss.backward()
 
     @abstractmethod
-    def setup_module(self, module: nn.Module) -> nn.Module:
-        """Move ``module`` to the device and wrap it for this strategy."""
+    def setup_module(self, module: nn.Module, place: Place) -> nn.Module:
+        """Split, shard and wrap ``module`` for this strategy; ``place(part, device)``
+        each part this rank keeps, *after* splitting or sharding it.
+
+        ``module`` may be on the meta device (built under ``par.init_module()``):
+        ``place`` then allocates only what this rank keeps, so sharding before
+        placing is what lets a model bigger than one device train. A wrapper that
+        needs real values (DDP broadcasts at construction) wraps after ``place``.
+        """
 
     def setup_optimizer(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
         """Adapt the optimizer (sharded strategies replace it); default: as is."""

@@ -7,10 +7,9 @@ or the strategy's own split / shard / wrap, which only the strategy knows.
 :func:`prepare_module` runs them in this order:
 
 1. **one set of weights**: every rank starts from rank 0's values (the
-   strategy's source of truth for replicas and shards alike). *Materializing
-   a model built on the meta device goes here*: each rank allocates only
-   what it will own once sharded, so this step becomes "materialize, then
-   initialise or broadcast".
+   strategy's source of truth for replicas and shards alike). A model built
+   empty (:mod:`.materialize`) has none to send, and a model given
+   ``weights=`` gets its values from the file in step 4b: both skip it.
 2. **remember the user's parameters** (by name), so an optimizer built
    before ``prepare`` is rebound to whatever replaces them below.
 3. **transforms, in order**: channels_last (weights' layout) ->
@@ -23,9 +22,12 @@ or the strategy's own split / shard / wrap, which only the strategy knows.
    names and parameters untouched, so the tensor split inside the strategy
    sees the same model either way.
 4. **the strategy**: its split (tensor / pipeline stages), then sharding or
-   replication, then its wrapper (``setup_module``). *Loading pretrained
-   weights straight into shards goes right after this step*, before any
-   optimizer state exists.
+   replication, then its wrapper (``setup_module``); it calls ``place`` on
+   each part it keeps once that part is split, so a model built on the meta
+   device is allocated only as this rank's share (:mod:`.materialize`).
+4b. **fill**: weights read from ``weights=`` straight into those shards, or
+   a model built empty initialised part by part; before any optimizer state
+   exists.
 5. **the job's hooks on the wrapped model**: the optimizer rebinding, the
    forward's precision, gradient sync for accumulation, the straggler
    clock's probe.
@@ -63,7 +65,9 @@ class Around:
     remember: Callable[[nn.Module], None]
     """Step 2: the user's parameters, by name."""
     shard: Callable[[nn.Module], nn.Module]
-    """Step 4: the strategy's split, shard and wrap; returns the wrapped module."""
+    """Step 4: the strategy's split, shard, place and wrap; returns the wrapped module."""
+    fill: Callable[[nn.Module], None]
+    """Step 4b: values for the wrapped module (from a file, or initialised)."""
     hook: Callable[[nn.Module], None]
     """Step 5: the job's hooks on the wrapped module."""
     compile: Callable[[nn.Module], None] | None
@@ -84,6 +88,7 @@ def prepare_module(
         if line is not None:
             say(line)
     wrapped = around.shard(model)
+    around.fill(wrapped)
     around.hook(wrapped)
     if around.compile is not None:
         around.compile(wrapped)

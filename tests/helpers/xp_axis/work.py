@@ -6,6 +6,7 @@ from torch import nn
 
 from manygpu.strategies.mesh import job_mesh
 from manygpu.strategies.sharded import MeshStrategy
+from manygpu.transforms.materialize import Place
 from xp_axis import ExpertSplit
 
 
@@ -16,6 +17,6 @@ class ExpertSplitStrategy(MeshStrategy[ExpertSplit]):
     needs_process_group = True
     shards_data = True
 
-    def setup_module(self, module: nn.Module) -> nn.Module:
+    def setup_module(self, module: nn.Module, place: Place) -> nn.Module:
         job_mesh(self.ctx, self.shape, self.mesh_names)
-        return module.to(self.ctx.device)
+        return place(module, self.ctx.device)

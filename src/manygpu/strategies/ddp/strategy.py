@@ -16,6 +16,7 @@ from manygpu.strategies.base import Strategy
 from manygpu.strategies.ddp import DDP
 from manygpu.strategies.options import CompileOptions, compile_in_place
 from manygpu.transforms.fp8 import TrainsFp8
+from manygpu.transforms.materialize import Place
 
 _HOOKS = {
     "fp16": default_hooks.fp16_compress_hook,
@@ -38,14 +39,14 @@ class DDPStrategy(Strategy[DDP], TrainsFp8):
     needs_process_group = True
     shards_data = True
 
-    def setup_module(self, module: nn.Module) -> nn.Module:
+    def setup_module(self, module: nn.Module, place: Place) -> nn.Module:
         opts = self.options
         if opts.grad_compression == "bf16" and self.ctx.backend != "nccl":
             raise UsageError(
                 "grad_compression='bf16' needs the NCCL backend (CUDA GPUs); "
                 "use grad_compression='fp16' with gloo"
             )
-        module = module.to(self.ctx.device)
+        module = place(module, self.ctx.device)
         if opts.sync_batchnorm:
             module = _sync_batchnorm(module, self.ctx.device)
         device_ids = [self.ctx.device.index] if self.ctx.device.type == "cuda" else None

@@ -12,6 +12,7 @@ from torch import nn
 
 from manygpu.strategies.base import Strategy
 from manygpu.strategies.dp import DataParallel
+from manygpu.transforms.materialize import Place
 from manygpu.warn import warn_user
 
 
@@ -26,12 +27,12 @@ class DataParallelStrategy(Strategy[DataParallel]):
         "(`manygpu launch script.py`), which compiles after wrapping"
     )
 
-    def setup_module(self, module: nn.Module) -> nn.Module:
+    def setup_module(self, module: nn.Module, place: Place) -> nn.Module:
         warn_user(
             "strategy 'dp' (nn.DataParallel) is kept for old scripts; 'ddp' is faster even "
             "on one machine: run `manygpu launch script.py` with strategy='ddp'"
         )
-        module = module.to(self.ctx.device)
+        module = place(module, self.ctx.device)
         if self.ctx.device.type == "cuda":
             ids = list(range(torch.cuda.device_count()))
             return nn.DataParallel(module, device_ids=ids, output_device=self.ctx.device)

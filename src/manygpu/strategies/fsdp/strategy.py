@@ -18,6 +18,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
+import torch
 from torch import nn
 from torch.distributed.fsdp import FSDPModule
 
@@ -27,6 +28,7 @@ from manygpu.strategies.fsdp.sharding import fsdp_kwargs, shard_data_dims
 from manygpu.strategies.mesh import job_mesh
 from manygpu.strategies.options import CompileOptions, compile_in_place
 from manygpu.strategies.sharded import MeshStrategy
+from manygpu.transforms.materialize import Place
 
 
 class FSDPStrategy(MeshStrategy[FSDP], Fsdp2Fp8):
@@ -37,10 +39,8 @@ class FSDPStrategy(MeshStrategy[FSDP], Fsdp2Fp8):
     needs_process_group = True
     shards_data = True
 
-    def setup_module(self, module: nn.Module) -> nn.Module:
+    def setup_module(self, module: nn.Module, place: Place) -> nn.Module:
         opts = self.options
-        if not opts.cpu_offload:
-            module = module.to(self.ctx.device)
         names = self.mesh_names
         mesh = job_mesh(self.ctx, self.shape, names)
         kwargs = fsdp_kwargs(
@@ -53,7 +53,9 @@ class FSDPStrategy(MeshStrategy[FSDP], Fsdp2Fp8):
             children=opts.shard_children,
             block_classes=tuple(opts.block_classes),  # type: ignore[arg-type]
         )
-        return module
+        # Sharded first (FSDP2 moves a real model to the device unit by unit), then
+        # each rank's shards allocated: a meta model is never whole anywhere.
+        return place(module, torch.device("cpu") if opts.cpu_offload else self.ctx.device)
 
     def compile_module(self, module: nn.Module, options: CompileOptions) -> None:
         """Each FSDP2 unit (a block) compiled on its own, then the root.

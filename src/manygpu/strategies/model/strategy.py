@@ -26,6 +26,7 @@ from manygpu.runtime.device import move_to_device
 from manygpu.strategies.base import Strategy
 from manygpu.strategies.model import ModelParallel
 from manygpu.strategies.splitting import balanced_cuts, param_sizes
+from manygpu.transforms.materialize import Place
 
 
 def _stage_devices(count: int, local_rank: int = 0) -> list[torch.device]:
@@ -67,7 +68,7 @@ class ModelParallelStrategy(Strategy[ModelParallel]):
     def data_shard(self) -> tuple[int, int]:
         return (self.ctx.rank, self.ctx.world_size) if self._replicated else (0, 1)
 
-    def setup_module(self, module: nn.Module) -> nn.Module:
+    def setup_module(self, module: nn.Module, place: Place) -> nn.Module:
         if not isinstance(module, nn.Sequential):
             raise UsageError(
                 "strategy 'model' splits an nn.Sequential; wrap your layers in one, "
@@ -81,7 +82,7 @@ class ModelParallelStrategy(Strategy[ModelParallel]):
         bounds = [*starts, len(module)]
         for stage, device in enumerate(devices):
             for layer in list(module)[bounds[stage] : bounds[stage + 1]]:
-                layer.to(device)
+                place(layer, device)
             first = module[bounds[stage]]
             first.register_forward_pre_hook(_move_inputs(device))
         self.stage_starts, self.stage_devices = starts, devices

@@ -39,9 +39,11 @@ class Parallelize(StrategySpec):
     )  # fmt: skip
 
     fn: Callable[[Any, Any], Any]
-    """``fn(model, mesh)``: parallelizes ``model`` (on this rank's device) in place over
-    ``mesh``, a torch ``DeviceMesh`` with the job's named dimensions; may return the
-    model to use instead."""
+    """``fn(model, mesh)``: parallelizes ``model`` in place over ``mesh``, a torch
+    ``DeviceMesh`` with the job's named dimensions; may return the model to use
+    instead. ``model`` is as built: on the CPU, or on the meta device under
+    ``par.init_module()`` (``fully_shard`` and ``parallelize_module`` move or
+    shard it per part); what this rank keeps is allocated on its device after."""
 
     def __post_init__(self) -> None:
         if not callable(self.fn):

@@ -10,6 +10,7 @@ from manygpu.strategies.base import JobOptions
 from manygpu.strategies.mesh import job_mesh
 from manygpu.strategies.parallelize import Parallelize
 from manygpu.strategies.sharded import MeshStrategy
+from manygpu.transforms.materialize import Place
 
 
 class ParallelizeStrategy(MeshStrategy[Parallelize]):
@@ -25,8 +26,7 @@ class ParallelizeStrategy(MeshStrategy[Parallelize]):
         # is): the user's plan gets the mesh they asked for, not FSDP2's reading of it.
         self.mesh_names = self.shape.sized() or (self.card.mesh_default,)
 
-    def setup_module(self, module: nn.Module) -> nn.Module:
-        module = module.to(self.ctx.device)
+    def setup_module(self, module: nn.Module, place: Place) -> nn.Module:
         mesh = job_mesh(self.ctx, self.shape, self.mesh_names)
         returned = self.options.fn(module, mesh)
         if returned is not None and not isinstance(returned, nn.Module):
@@ -35,4 +35,6 @@ class ParallelizeStrategy(MeshStrategy[Parallelize]):
                 "(or None when it parallelizes the model in place)"
             )
         prepared = returned if returned is not None else module
-        return prepared
+        # The plan applied to the model as built (meta under init_module()), then
+        # what this rank keeps allocated on its device.
+        return place(prepared, self.ctx.device)

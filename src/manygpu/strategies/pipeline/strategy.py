@@ -45,6 +45,7 @@ from manygpu.strategies.splitting import (
     param_sizes,
     starts_from_split_points,
 )
+from manygpu.transforms.materialize import Place, has_meta
 
 _SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}
 
@@ -96,7 +97,7 @@ class PipelineStrategy(MeshStrategy[Pipeline]):
                 "grad_accum_steps=1 and raise strategy=Pipeline(microbatches=...) instead"
             )
 
-    def setup_module(self, module: nn.Module) -> nn.Module:
+    def setup_module(self, module: nn.Module, place: Place) -> nn.Module:
         if not isinstance(module, nn.Sequential):
             raise UsageError(
                 "strategy 'pipeline' splits an nn.Sequential into stages; wrap your layers "
@@ -107,13 +108,19 @@ class PipelineStrategy(MeshStrategy[Pipeline]):
         names = self.mesh_names
         mesh = job_mesh(self.ctx, self.shape, names)
         index, stages = self.shape.coords(self.ctx.rank)["pp"], self.shape.pp
+        if has_meta(module) and opts.balance == "time" and opts.split_points is None:
+            raise UsageError(
+                "Pipeline(balance='time') times each layer on real values, and this model "
+                "was built empty (init_module()): use balance='params' or give split_points"
+            )
         bounds = [*self._stage_starts(module, stages), len(module)]
         part = nn.Sequential(
             OrderedDict((str(i), module[i]) for i in range(bounds[index], bounds[index + 1]))
-        ).to(device)
+        )
         if self.data_names:
             kwargs = fsdp_kwargs(self.options.fsdp, self.ctx.device, reshard_after_forward=False)
             shard_data_dims(part, mesh[self.data_names], kwargs, children=False)
+        place(part, device)  # this stage only, (sharded and) then allocated in place
         pp_group = mesh["pp"].get_group()
         self._pp_group = pp_group
         last_rank = dist.get_global_rank(pp_group, stages - 1)

@@ -41,6 +41,7 @@ from manygpu.strategies.ps.client import PSClient, PSOptimizer, PSStats
 from manygpu.strategies.ps.links import PSContext, join
 from manygpu.strategies.ps.protocol import HyperLayout, balance
 from manygpu.strategies.ps.server import ServingDone, ShardServer
+from manygpu.transforms.materialize import Place
 
 
 class ParameterServerStrategy(Strategy[PS]):
@@ -103,11 +104,12 @@ class ParameterServerStrategy(Strategy[PS]):
     def data_shard(self) -> tuple[int, int]:
         return (self.ps.index, self.ps.workers) if not self.is_server else (0, 1)
 
-    def setup_module(self, module: nn.Module) -> nn.Module:
+    def setup_module(self, module: nn.Module, place: Place) -> nn.Module:
         if self._module is not None:
             raise UsageError("strategy 'ps' trains one model: prepare a single model")
         self._module = module
-        return module if self.is_server else module.to(self.ctx.device)
+        # A server holds the values on the CPU; a worker computes on its device.
+        return place(module, torch.device("cpu") if self.is_server else self.ctx.device)
 
     def setup_optimizer(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
         """On a worker: the pushing optimizer. On a server: serve, then exit cleanly."""

@@ -7,6 +7,7 @@ from torch import nn
 from manygpu.strategies.base import Strategy
 from manygpu.strategies.single import Single
 from manygpu.transforms.fp8 import TrainsFp8
+from manygpu.transforms.materialize import Place
 
 
 class SingleDevice(Strategy[Single], TrainsFp8):
@@ -14,5 +15,5 @@ class SingleDevice(Strategy[Single], TrainsFp8):
 
     spec_class = Single
 
-    def setup_module(self, module: nn.Module) -> nn.Module:
-        return module.to(self.ctx.device)
+    def setup_module(self, module: nn.Module, place: Place) -> nn.Module:
+        return place(module, self.ctx.device)

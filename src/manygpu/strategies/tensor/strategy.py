@@ -30,6 +30,7 @@ from manygpu.strategies.fsdp.sharding import fsdp_kwargs, shard_data_dims
 from manygpu.strategies.mesh import job_mesh
 from manygpu.strategies.sharded import MeshStrategy
 from manygpu.strategies.tensor import Tensor
+from manygpu.transforms.materialize import Place
 
 # Leaf names of common layers (Llama, GPT-2/NeoX, BERT-style, torch's MLPs).
 # Fused q/k/v projections (c_attn, qkv) are left out on purpose: a colwise
@@ -55,8 +56,7 @@ class TensorParallelStrategy(MeshStrategy[Tensor]):
     needs_process_group = True
     shards_data = True
 
-    def setup_module(self, module: nn.Module) -> nn.Module:
-        module = module.to(self.ctx.device)
+    def setup_module(self, module: nn.Module, place: Place) -> nn.Module:
         names = self.mesh_names
         mesh = job_mesh(self.ctx, self.shape, names)
         given = self.options.plan
@@ -66,7 +66,9 @@ class TensorParallelStrategy(MeshStrategy[Tensor]):
         if self.data_names:
             kwargs = fsdp_kwargs(self.options.fsdp, self.ctx.device, reshard_after_forward=True)
             shard_data_dims(module, mesh[self.data_names], kwargs, children=False)
-        return module
+        # Split (and sharded) first, then each rank's slices allocated: the whole
+        # model is never on the device. Layers left whole (embeddings, norms) move.
+        return place(module, self.ctx.device)
 
 
 def default_plan(module: nn.Module) -> dict[str, ParallelStyle]:
