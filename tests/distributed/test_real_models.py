@@ -53,6 +53,9 @@ PIPE = Pipeline(loss_fn=lm_loss, microbatches=2)
 # Activation checkpointing under each strategy: one more run in the case's job,
 # which must equal the same recipe without it in that job (see _check_checkpointing).
 AC, AC_TOL = "activation_checkpointing", 1e-6
+# Built empty (init_module) and loaded with weights= straight into each rank's part:
+# the tied GPT and Llama must train as one process loaded from the same file.
+GPT_W, LLAMA_W, SEQ_W = (Recipe(m, weights=True) for m in ("gpt", "hf_llama", "gpt_seq"))
 
 
 def _ac(recipe: Recipe, mode: str) -> Recipe:
@@ -70,43 +73,63 @@ CASES: dict[str, tuple[int, dict[str, Any], list[Recipe]]] = {
     "ddp": (
         2,
         {"strategy": "ddp"},
-        [GPT_ACCUM, *HF, *OTHER_OPTIMIZERS, RESNET, *BF16, _ac(RESNET, "full")],
+        [GPT_ACCUM, *HF, *OTHER_OPTIMIZERS, RESNET, *BF16, _ac(RESNET, "full"), GPT_W, LLAMA_W],
     ),
     "zero1": (
         2,
         {"strategy": "zero1"},
-        [GPT_ACCUM, *HF, *OTHER_OPTIMIZERS, _ac(GPT_ACCUM, "full")],
+        [GPT_ACCUM, *HF, *OTHER_OPTIMIZERS, _ac(GPT_ACCUM, "full"), GPT_W],
     ),
-    "fsdp": (2, {"strategy": "fsdp"}, [GPT_ACCUM, *HF, *OTHER_OPTIMIZERS, *BF16]),
+    "fsdp": (
+        2,
+        {"strategy": "fsdp"},
+        [GPT_ACCUM, *HF, *OTHER_OPTIMIZERS, *BF16, GPT_W, LLAMA_W, Recipe("gpt", empty=True)],
+    ),
     "zero2": (
         2,
         {"strategy": "zero2"},
-        [GPT_ACCUM, Recipe("hf_llama"), _ac(GPT_ACCUM, "selective")],
+        [GPT_ACCUM, Recipe("hf_llama"), _ac(GPT_ACCUM, "selective"), GPT_W],
     ),
     "hsdp-dp2-fsdp2": (
         4,
         {"strategy": "fsdp", "mesh": {"dp": 2, "fsdp": 2}},
-        [GPT_ACCUM, Recipe("hf_gpt2")],
+        [GPT_ACCUM, Recipe("hf_gpt2"), GPT_W, LLAMA_W],
     ),
     "tensor-tp2": (
         2,
         {"strategy": "tensor"},
-        [Recipe("gpt"), Recipe("hf_llama"), Recipe("hf_bert"), _ac(Recipe("gpt"), "selective")],
+        [
+            Recipe("gpt"),
+            Recipe("hf_llama"),
+            Recipe("hf_bert"),
+            _ac(Recipe("gpt"), "selective"),
+            GPT_W,
+            LLAMA_W,
+            Recipe("hf_llama", empty=True),
+        ],
     ),
     "hybrid-dp2-tp2": (
         4,
         {"mesh": {"dp": 2, "tp": 2}},
-        [GPT_ACCUM, Recipe("hf_llama"), _ac(GPT_ACCUM, "full")],
+        [GPT_ACCUM, Recipe("hf_llama"), _ac(GPT_ACCUM, "full"), GPT_W, LLAMA_W],
     ),
-    "pipeline-pp2": (2, {"strategy": PIPE}, [Recipe("gpt_seq"), _ac(Recipe("gpt_seq"), "full")]),
+    "pipeline-pp2": (
+        2,
+        {"strategy": PIPE},
+        [Recipe("gpt_seq"), _ac(Recipe("gpt_seq"), "full"), SEQ_W, Recipe("gpt_seq", empty=True)],
+    ),
     "pipeline-pp2-dp2": (
         4,
         {"strategy": PIPE, "mesh": {"pp": 2, "dp": 2}},
-        [Recipe("gpt_seq", samples=24), _ac(Recipe("gpt_seq", samples=24), "selective")],
+        [
+            Recipe("gpt_seq", samples=24),
+            _ac(Recipe("gpt_seq", samples=24), "selective"),
+            replace(SEQ_W, samples=24),
+        ],
     ),
-    "model-dp2": (2, {"strategy": "model", "mesh": {"dp": 2}}, [Recipe("gpt_seq")]),
+    "model-dp2": (2, {"strategy": "model", "mesh": {"dp": 2}}, [Recipe("gpt_seq"), SEQ_W]),
     # The user's own plan (torchtitan's FSDP2 per block) on the job's mesh.
-    "parallelize-fsdp2": (2, {"strategy": Parallelize(titan_fsdp)}, [GPT_ACCUM]),
+    "parallelize-fsdp2": (2, {"strategy": Parallelize(titan_fsdp)}, [GPT_ACCUM, GPT_W]),
 }
 
 # (case, model) pairs a strategy cannot run: prepare must refuse in one line naming the fix.
@@ -133,7 +156,8 @@ _REFERENCES: dict[tuple[str, int], dict[str, Any]] = {}
 
 def _reference(recipe: Recipe, data_world: int) -> dict[str, Any]:
     """``reference_train``, computed once per recipe and data width for all cases."""
-    key = (repr(replace(recipe, parallel={})), data_world)  # Parallel's keywords: same reference
+    # Parallel's keywords and the loading path leave the reference unchanged.
+    key = (repr(replace(recipe, parallel={}, weights=False, five_lines=False)), data_world)
     if key not in _REFERENCES:
         _REFERENCES[key] = reference_train(recipe, data_world)
     return _REFERENCES[key]
@@ -191,14 +215,18 @@ def test_real_models_match_one_process(case: str) -> None:
     refused = REFUSED.get(case, [])
     # The first recipe again in the README's five lines: optimizer and scheduler built
     # on the model before prepare(model, opt, loader) must train exactly the same.
-    five = replace(recipes[0], five_lines=True)
-    all_recipes = [*recipes, five, *(r for r, _ in refused)]
+    # So must the first model loaded with weights=, its optimizer built on the empty model.
+    bases = [0, *[i for i, r in enumerate(recipes) if r.weights][:1]]
+    fives = [replace(recipes[i], five_lines=True) for i in bases]
+    all_recipes = [*recipes, *fives, *(r for r, _ in refused)]
     results = run_ranks(train_parallel, world, all_recipes, parallel, timeout=400)
     for i, recipe in enumerate(recipes):
         _check(recipe, [r[i] for r in results])
-    _check_same(five, [r[len(recipes)] for r in results], [r[0] for r in results])
+    for k, (i, five) in enumerate(zip(bases, fives, strict=True)):
+        at = len(recipes) + k
+        _check_same(five, [r[at] for r in results], [r[i] for r in results])
     _check_checkpointing(recipes, results)
-    for j, (_, needle) in enumerate(refused, start=len(recipes) + 1):
+    for j, (_, needle) in enumerate(refused, start=len(recipes) + len(fives)):
         for rank_results in results:
             error = rank_results[j].get("error", "no error")
             assert error.startswith("UsageError") and needle in error, error

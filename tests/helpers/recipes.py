@@ -13,8 +13,11 @@ torch: for each step, the concatenation of every data shard's batch (the
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import math
+import os
+import tempfile
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -43,6 +46,12 @@ class Recipe:
     five_lines: bool = False
     """Build the optimizer and its scheduler on the model *before* prepare, and prepare
     model, optimizer and loader in one call (the README's five lines)."""
+    empty: bool = False
+    """Build the model under ``par.init_module()`` (parameters on the meta device): the
+    reference is one process initialised the same way (by module, from seed 0)."""
+    weights: bool = False
+    """Build it empty and ``prepare(..., weights=file)``, the file holding the model the
+    reference starts from (safetensors of the INIT_SEED build)."""
 
 
 def full_params(module: torch.nn.Module) -> dict[str, torch.Tensor]:
@@ -89,14 +98,16 @@ def _run(par: Any, recipe: Recipe) -> dict[str, Any]:
     torch.manual_seed(INIT_SEED + par.rank)  # different on purpose: prepare must fix it
     steps = _optimizer_steps(recipe, par.strategy.data_shard()[1])
     loader = DataLoader(dataset(recipe.model, recipe.samples), batch_size=recipe.batch)
-    if recipe.five_lines:
+    weights = _weights_file(recipe, par.rank) if recipe.weights else None
+    with par.init_module() if recipe.empty or recipe.weights else contextlib.nullcontext():
         model = entry.build()
+    if recipe.five_lines:
         opt = OPTIMIZERS[recipe.optimizer](model)
         sched = warmup_cosine(opt, steps)
-        model, opt, loader = par.prepare(model, opt, loader)
+        model, opt, loader = par.prepare(model, opt, loader, weights=weights)
         initial = full_params(par.unwrap(model))
     else:
-        model = par.prepare(entry.build())
+        model = par.prepare(model, weights=weights)
         initial = full_params(par.unwrap(model))
         opt = par.prepare(OPTIMIZERS[recipe.optimizer](model))
         loader = par.prepare(loader)
@@ -126,6 +137,30 @@ def _run(par: Any, recipe: Recipe) -> dict[str, Any]:
             for m in par.unwrap(model).modules()
         ),
     }
+
+
+def _weights_file(recipe: Recipe, rank: int) -> str:
+    """The reference's starting model as a safetensors file (this rank's own copy)."""
+    from safetensors.torch import save_model
+
+    torch.manual_seed(INIT_SEED)
+    path = os.path.join(
+        tempfile.mkdtemp(prefix="recipe-weights-"), f"{recipe.model}-{rank}.safetensors"
+    )
+    save_model(ZOO[recipe.model].build(), path)  # a tied weight is written once
+    return path
+
+
+def _empty_build(name: str) -> torch.nn.Module:
+    """What ``init_module()`` + ``prepare`` make of model ``name``, in one process."""
+    from manygpu.transforms.materialize import EmptyModules, empty_init, initialize, place
+
+    with empty_init():
+        model = ZOO[name].build()
+    empty = EmptyModules.of(model)
+    place(model, torch.device("cpu"))
+    initialize(empty, 0)  # Parallel's default seed
+    return model
 
 
 def global_batches(recipe: Recipe, data_world: int) -> list[tuple[torch.Tensor, ...]]:
@@ -167,7 +202,7 @@ def reference_train(recipe: Recipe, data_world: int, device: str = "cpu") -> dic
     a GPU run compares with the same GPU's kernels, not the CPU's summation order)."""
     entry = ZOO[recipe.model]
     torch.manual_seed(INIT_SEED)  # rank 0's model: the one prepare broadcasts
-    model = entry.build()
+    model = _empty_build(recipe.model) if recipe.empty and not recipe.weights else entry.build()
     initial = full_params(model)
     model.to(device)
     opt = OPTIMIZERS[recipe.optimizer](model)

@@ -27,7 +27,6 @@ Three moments, so no rank ever holds the whole model:
 
 from __future__ import annotations
 
-import copy
 import hashlib
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -206,7 +205,10 @@ def _init_one(
     a child, as ``nn.MultiheadAttention``'s does, still works); only this
     module's parameters are whole, so one module is in flight at a time.
     """
-    twin = copy.copy(module)
+    # A shallow copy made without calling the class: FSDP2's wrapper classes
+    # re-run ``__init__`` in ``__new__``, which a copy must not do.
+    twin = object.__new__(type(module))
+    twin.__dict__.update(module.__dict__)
     twin._parameters = {
         name: None if p is None else nn.Parameter(
             torch.empty(p.shape, dtype=p.dtype), requires_grad=p.requires_grad
