@@ -11,35 +11,8 @@ from typing import Any
 import torch
 
 from manygpu.checkpoint_io import formats, layout
+from manygpu.checkpoint_io.layout import locate
 from manygpu.errors import CheckpointError
-
-
-def locate(path: Path, step: int | None = None) -> Path:
-    """A step directory; or under a checkpoint root, ``step``'s (default: the newest good one)."""
-    if (path / layout.META).is_file():
-        if step is not None:
-            raise CheckpointError(
-                f"{path} is one checkpoint; give the directory holding it to pick one by --step"
-            )
-        return path
-    if step is not None:
-        return _by_step(path, step)
-    for candidate in reversed(layout.committed(path)):
-        try:
-            return layout.verify(candidate).path
-        except CheckpointError:
-            continue
-    raise CheckpointError(f"no complete checkpoint in {path}")
-
-
-def _by_step(root: Path, step: int) -> Path:
-    """Step ``step``'s checkpoint under ``root``; the error lists the steps there are."""
-    wanted = layout.step_dir(root, step)
-    if wanted.is_dir():
-        return wanted
-    steps = [p.name.removeprefix(layout.PREFIX).lstrip("0") or "0" for p in layout.committed(root)]
-    there = f"it has steps {', '.join(steps)}" if steps else "it holds no checkpoints"
-    raise CheckpointError(f"no checkpoint of step {step} in {root} ({there}); give one of those")
 
 
 def model_state(path: Path) -> dict[str, torch.Tensor]:
