@@ -106,3 +106,25 @@ def gathered(tensor: torch.Tensor) -> torch.Tensor:
                 stride=tensor.stride(),
             )
         return tensor.full_tensor()
+
+
+def copy_part(target: torch.Tensor, source: torch.Tensor) -> None:
+    """``target``'s values from ``source`` laid out the same way (both plain, or both
+    DTensors of one mesh and placements); anything else is refused."""
+    with torch.no_grad():
+        if not isinstance(target, DTensor) and not isinstance(source, DTensor):
+            target.copy_(source)
+            return
+        same = (
+            isinstance(target, DTensor)
+            and isinstance(source, DTensor)
+            and target.device_mesh == source.device_mesh
+            and target.placements == source.placements
+        )
+        if not same:
+            raise CheckpointError(
+                "one stored tensor fills two tensors of this rank laid out differently; "
+                "load from safetensors (manygpu checkpoint export) instead"
+            )
+        assert isinstance(target, DTensor) and isinstance(source, DTensor)
+        target.to_local().copy_(source.to_local())

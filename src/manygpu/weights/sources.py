@@ -18,9 +18,10 @@ sources read for each DTensor exactly the block its rank owns.
 
 from __future__ import annotations
 
+import functools
 import json
 from abc import ABC, abstractmethod
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path, PurePosixPath
 from typing import Any
 
@@ -57,9 +58,9 @@ class Source(ABC):
     """Every tensor it holds: name -> global shape and dtype (no values read)."""
 
     @abstractmethod
-    def fill(self, targets: Mapping[str, torch.Tensor]) -> int:
-        """Copy each named tensor into its target (a plain tensor or a DTensor, in
-        place, cast to its dtype); returns the bytes this rank read."""
+    def fill(self, targets: Sequence[tuple[str, torch.Tensor]]) -> int:
+        """Copy each named stored tensor into its target (a plain tensor or a DTensor,
+        in place, cast to its dtype); returns the bytes this rank read."""
 
     def close(self) -> None:
         """Release open files."""
@@ -72,9 +73,11 @@ class SlicedSource(Source):
     def read(self, name: str, index: tuple[slice, ...] | None) -> torch.Tensor:
         """``name``'s values at ``index`` (None: all of it), on CPU, as stored."""
 
-    def fill(self, targets: Mapping[str, torch.Tensor]) -> int:
-        return sum(shards.fill_one(target, lambda i, n=name: self.read(n, i))
-                   for name, target in targets.items())  # fmt: skip
+    def fill(self, targets: Sequence[tuple[str, torch.Tensor]]) -> int:
+        total = 0
+        for name, target in targets:
+            total += shards.fill_one(target, functools.partial(self.read, name))
+        return total
 
 
 class SafetensorsSource(SlicedSource):
@@ -151,14 +154,21 @@ class DcpSource(Source):
             if key.startswith("model.") and isinstance(item, TensorStorageMetadata)
         }
 
-    def fill(self, targets: Mapping[str, torch.Tensor]) -> int:
+    def fill(self, targets: Sequence[tuple[str, torch.Tensor]]) -> int:
+        """One ``dcp.load`` (collective: every rank calls it once); a stored tensor
+        that fills two of this rank's tensors (a pipeline stage's untied copy) is
+        read into the first and copied into the other."""
         import torch.distributed as dist
 
         from manygpu.checkpoint_io.safe_dcp import safe_load
 
+        first: dict[str, torch.Tensor] = {}
+        extra = [(key, t) for key, t in targets if first.setdefault(key, t) is not t]
         alone = not dist.is_initialized() or dist.get_world_size() == 1
-        safe_load({"model": dict(targets)}, self.step, no_dist=alone)
-        return sum(shards.local_bytes(t) for t in targets.values())
+        safe_load({"model": dict(first)}, self.step, no_dist=alone)
+        for key, target in extra:
+            shards.copy_part(target, first[key])
+        return sum(shards.local_bytes(t) for _, t in targets)
 
 
 def open_source(path: Path) -> Source:
@@ -216,7 +226,8 @@ def _weight_map(directory: Path) -> dict[str, Path]:
         if not isinstance(weight_map, dict):
             raise TypeError("weight_map is not an object")
     except (ValueError, KeyError, TypeError, UnicodeDecodeError) as exc:
-        raise CheckpointError(f"{index} is not a weight index ({_first(exc)}); re-save it") from None
+        why = _first(exc)
+        raise CheckpointError(f"{index} is not a weight index ({why}); re-save it") from None
     out = {}
     for name, file in weight_map.items():
         pure = PurePosixPath(file) if isinstance(file, str) else None

@@ -72,7 +72,11 @@ def header(specs: Mapping[str, Spec], metadata: Mapping[str, str]) -> bytes:
         if spec.dtype not in NAMES:
             raise TypeError(f"{name}: safetensors has no dtype for {spec.dtype}")
         end = offset + spec.nbytes
-        table[name] = {"dtype": NAMES[spec.dtype], "shape": list(spec.shape), "data_offsets": [offset, end]}
+        table[name] = {
+            "dtype": NAMES[spec.dtype],
+            "shape": list(spec.shape),
+            "data_offsets": [offset, end],
+        }
         offset = end
     text = json.dumps(table, separators=(",", ":")).encode()
     text += b" " * (-len(text) % 8)
@@ -106,7 +110,7 @@ class StreamingFile:
         flat = tensor.detach().to("cpu").contiguous().reshape(-1)
         if flat.numel():
             # Native byte order is little-endian on every platform torch ships for.
-            self.fh.write(memoryview(flat.view(torch.uint8).numpy()))
+            self.fh.write(flat.view(torch.uint8).numpy().data)
         self.next += 1
 
     def close(self) -> None:
