@@ -18,6 +18,6 @@ pickles are refused.
 
 from manygpu.weights.load import LoadReport, load_weights
 from manygpu.weights.names import state_names
-from manygpu.weights.save import Written, save_weights
+from manygpu.weights.save import SavedWeights, save_weights
 
-__all__ = ["LoadReport", "Written", "load_weights", "save_weights", "state_names"]
+__all__ = ["LoadReport", "SavedWeights", "load_weights", "save_weights", "state_names"]

@@ -22,7 +22,7 @@ from manygpu.weights.names import model_tensors, state_names
 from manygpu.weights.shards import gathered
 from manygpu.weights.st_file import NAMES, Spec
 
-Written = sharded_files.Written
+SavedWeights = sharded_files.SavedWeights
 
 
 def saved_names(model: nn.Module) -> dict[str, torch.Tensor]:
@@ -56,7 +56,7 @@ def save_weights(
     max_shard_bytes: int = sharded_files.DEFAULT_MAX_SHARD_BYTES,
     dtype: torch.dtype | None = None,
     timeout_s: float = DEFAULT_TIMEOUT_S,
-) -> Written:
+) -> SavedWeights:
     """Write ``model``'s weights as safetensors; every rank calls it, rank 0 writes.
 
     ``path`` ending in ``.safetensors`` gets one file; any other path is a

@@ -41,7 +41,7 @@ Tensors = Callable[[list[str]], Iterator[torch.Tensor]]
 
 
 @dataclass(frozen=True)
-class Written:
+class SavedWeights:
     """What a save wrote (every rank gets the same)."""
 
     path: str
@@ -78,7 +78,7 @@ def write(
     main: bool = True,
     max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
     metadata: Mapping[str, str] | None = None,
-) -> tuple[Written, str | None]:
+) -> tuple[SavedWeights, str | None]:
     """Write ``specs``' tensors to ``path``; every rank calls it (``tensors`` may be
     collective), the ``main`` one writes. Returns what was written and, instead of
     raising, the main rank's error: it keeps calling ``tensors`` to the end so that
@@ -86,7 +86,8 @@ def write(
     one_file = path.suffix == ".safetensors"
     files = plan(specs, max_shard_bytes, one_file=one_file)
     names = list(files) if not one_file else [path.name]
-    written = Written(str(path), tuple(names), len(specs), sum(s.nbytes for s in specs.values()))
+    total = sum(s.nbytes for s in specs.values())
+    written = SavedWeights(str(path), tuple(names), len(specs), total)
     error: str | None = None
     target = None
     if main:
