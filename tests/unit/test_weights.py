@@ -293,3 +293,68 @@ def test_an_index_that_points_outside_its_directory_is_refused(tmp_path: Path) -
     with pytest.raises(CheckpointError) as exc:
         load_weights(_fresh(0), tmp_path / "hf")
     assert "not a file of" in _one_line(exc)
+
+
+# -- manygpu checkpoint export: the same streaming writer ------------------------------
+@pytest.mark.parametrize("fmt", ["full", "dcp"])
+def test_export_writes_tied_weights_and_shards_a_directory(
+    tmp_path: Path, fmt: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from manygpu import Parallel
+    from manygpu.checkpoint import Checkpointer, TrainState
+    from manygpu.cli.main import main
+
+    model = _fresh(0)
+    with Parallel(strategy="single") as par:
+        Checkpointer(par, tmp_path / "ck", model=par.prepare(model), format=fmt).save(
+            TrainState(step=1)
+        )
+    one = tmp_path / "w.safetensors"
+    assert main(["checkpoint", "export", str(tmp_path / "ck"), str(one)]) == 0  # tied: once
+    if fmt == "full":  # one storage under two names: written once, the first name
+        assert "head.weight" not in load_file(str(one))
+    out = tmp_path / "hf"
+    argv = ["checkpoint", "export", str(tmp_path / "ck"), str(out), "--max-shard-size", "600"]
+    assert main(argv) == 0
+    assert " files: " in capsys.readouterr().out
+    assert (out / "model.safetensors.index.json").is_file()
+    for path in (one, out):
+        other = _fresh(1)
+        load_weights(other, path)
+        assert _same(model, other)
+    assert main(argv) == 2  # an existing directory is not overwritten
+    assert "is a directory that exists" in capsys.readouterr().err
+
+
+def test_export_refuses_a_size_that_is_not_one(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from manygpu.cli.main import main
+
+    for size in ("0", "big"):
+        with pytest.raises(SystemExit) as exc:
+            main(
+                [
+                    "checkpoint",
+                    "export",
+                    str(tmp_path),
+                    str(tmp_path / "o"),
+                    "--max-shard-size",
+                    size,
+                ]
+            )
+        err = capsys.readouterr().err.strip()
+        assert exc.value.code == 2 and "--max-shard-size" in err and "\n" not in err, err
+
+
+def test_a_safetensors_file_is_not_taken_for_a_pickle_by_its_first_byte(tmp_path: Path) -> None:
+    """A header of 128 + 256k bytes starts the file with 0x80, pickle's first byte."""
+    model, other = _fresh(0), _fresh(1)
+    state = {k: v for k, v in model.state_dict().items() if k != "head.weight"}
+    for pad in range(300):
+        save_file(state, str(tmp_path / "w.safetensors"), metadata={"pad": "x" * pad})
+        if (tmp_path / "w.safetensors").read_bytes()[0] == 0x80:
+            break
+    assert (tmp_path / "w.safetensors").read_bytes()[0] == 0x80
+    load_weights(other, tmp_path / "w.safetensors")
+    assert _same(model, other)

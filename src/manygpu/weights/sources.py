@@ -18,10 +18,11 @@ sources read for each DTensor exactly the block its rank owns.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 from abc import ABC, abstractmethod
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path, PurePosixPath
 from typing import Any
 
@@ -65,6 +66,14 @@ class Source(ABC):
     def close(self) -> None:
         """Release open files."""
 
+    @abstractmethod
+    def whole(self, names: Sequence[str]) -> Iterator[torch.Tensor]:
+        """Each named tensor whole, on CPU, in order (for an export: one file's worth)."""
+
+    def distinct(self) -> list[str]:
+        """The names to export, each stored tensor once (tied names share storage)."""
+        return list(self.entries)
+
 
 class SlicedSource(Source):
     """A source that can read any block of a tensor: each rank reads what it owns."""
@@ -72,6 +81,10 @@ class SlicedSource(Source):
     @abstractmethod
     def read(self, name: str, index: tuple[slice, ...] | None) -> torch.Tensor:
         """``name``'s values at ``index`` (None: all of it), on CPU, as stored."""
+
+    def whole(self, names: Sequence[str]) -> Iterator[torch.Tensor]:
+        for name in names:
+            yield self.read(name, None)
 
     def fill(self, targets: Sequence[tuple[str, torch.Tensor]]) -> int:
         total = 0
@@ -108,10 +121,7 @@ class SafetensorsSource(SlicedSource):
             try:
                 handle = self.handles[path] = safe_open(str(path), framework="pt")
             except Exception as exc:  # SafetensorError, OSError
-                raise CheckpointError(
-                    f"{path} is not a readable safetensors file ({_first(exc)}); "
-                    "give a .safetensors file, a directory of them, or a manygpu checkpoint"
-                ) from None
+                raise _unreadable(path, exc) from None
         return handle
 
     def read(self, name: str, index: tuple[slice, ...] | None) -> torch.Tensor:
@@ -133,6 +143,17 @@ class MappedSource(SlicedSource):
         tensor = self.state[name]
         return tensor if index is None else tensor[index]
 
+    def distinct(self) -> list[str]:
+        seen: set[tuple[Any, ...]] = set()
+        out = []
+        for name, tensor in self.state.items():
+            key = (tensor.untyped_storage().data_ptr(), tensor.storage_offset(), tensor.dtype,
+                   tuple(tensor.shape), tensor.stride())  # fmt: skip
+            if tensor.numel() == 0 or key not in seen:
+                out.append(name)
+            seen.add(key)
+        return out
+
     def close(self) -> None:
         self.state.clear()
 
@@ -153,6 +174,15 @@ class DcpSource(Source):
             for key, item in metadata.state_dict_metadata.items()
             if key.startswith("model.") and isinstance(item, TensorStorageMetadata)
         }
+
+    def whole(self, names: Sequence[str]) -> Iterator[torch.Tensor]:
+        """One ``dcp.load`` (in this process alone) for all of ``names``."""
+        from manygpu.checkpoint_io.safe_dcp import safe_load
+
+        state = {n: torch.empty(self.entries[n].shape, dtype=self.entries[n].dtype) for n in names}
+        safe_load({"model": state}, self.step, no_dist=True)
+        for name in names:
+            yield state.pop(name)
 
     def fill(self, targets: Sequence[tuple[str, torch.Tensor]]) -> int:
         """One ``dcp.load`` (collective: every rank calls it once); a stored tensor
@@ -187,7 +217,7 @@ def open_source(path: Path) -> Source:
     if (path / SINGLE).is_file():
         return open_source(path / SINGLE)
     if (path / layout.META).is_file() or layout.committed(path):
-        return _checkpoint(path)
+        return open_checkpoint(path)
     pickles = sorted(p.name for p in path.iterdir() if p.suffix in PICKLE_SUFFIXES)
     if pickles:
         raise pickle_refusal(path / pickles[0])
@@ -198,11 +228,8 @@ def open_source(path: Path) -> Source:
 
 
 def _is_pickle(path: Path) -> bool:
-    if path.suffix in PICKLE_SUFFIXES:
-        return True
-    with open(path, "rb") as fh:
-        start = fh.read(4)
-    return start.startswith(_PICKLE_MAGIC)
+    """By its name; a pickle named otherwise is caught when safetensors cannot read it."""
+    return path.suffix in PICKLE_SUFFIXES
 
 
 def _names_in(path: Path) -> list[str]:
@@ -212,10 +239,19 @@ def _names_in(path: Path) -> list[str]:
         with safe_open(str(path), framework="pt") as handle:
             return list(handle.keys())
     except Exception as exc:  # SafetensorError, OSError
-        raise CheckpointError(
-            f"{path} is not a readable safetensors file ({_first(exc)}); "
-            "give a .safetensors file, a directory of them, or a manygpu checkpoint"
-        ) from None
+        raise _unreadable(path, exc) from None
+
+
+def _unreadable(path: Path, exc: BaseException) -> CheckpointError:
+    """Why ``path`` is not safetensors: a pickle by its first bytes (checked only now: a
+    safetensors header length can start with any byte), or what safetensors said."""
+    with contextlib.suppress(OSError), open(path, "rb") as fh:
+        if fh.read(4).startswith(_PICKLE_MAGIC):
+            return pickle_refusal(path)
+    return CheckpointError(
+        f"{path} is not a readable safetensors file ({_first(exc)}); "
+        "give a .safetensors file, a directory of them, or a manygpu checkpoint"
+    )
 
 
 def _weight_map(directory: Path) -> dict[str, Path]:
@@ -242,7 +278,7 @@ def _weight_map(directory: Path) -> dict[str, Path]:
     return out
 
 
-def _checkpoint(path: Path) -> Source:
+def open_checkpoint(path: Path) -> Source:
     """A manygpu step directory (or the newest good one under a root), by its format.
 
     Sizes and the file table are checked; checksums are not (each rank reads only
