@@ -34,6 +34,8 @@ LAYERS: dict[str, int] = {
     "manygpu.emulate": 2,
     # How state reaches disk: below the strategies, which name their format.
     "manygpu.checkpoint_io": 3,
+    # Weights into and out of a (sharded) model as safetensors: beside checkpoint_io.
+    "manygpu.weights": 3,
     # Model transforms (blocks, activation checkpointing, channels_last, fp8): below
     # the strategies, which find blocks and declare the fp8 ability with them.
     "manygpu.transforms": 3,

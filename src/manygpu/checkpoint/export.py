@@ -2,44 +2,17 @@
 
 from __future__ import annotations
 
-import contextlib
-import os
-import stat
+import math
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from manygpu.checkpoint_io import formats, layout
+from manygpu.checkpoint_io.layout import locate
 from manygpu.errors import CheckpointError
-
-
-def locate(path: Path, step: int | None = None) -> Path:
-    """A step directory; or under a checkpoint root, ``step``'s (default: the newest good one)."""
-    if (path / layout.META).is_file():
-        if step is not None:
-            raise CheckpointError(
-                f"{path} is one checkpoint; give the directory holding it to pick one by --step"
-            )
-        return path
-    if step is not None:
-        return _by_step(path, step)
-    for candidate in reversed(layout.committed(path)):
-        try:
-            return layout.verify(candidate).path
-        except CheckpointError:
-            continue
-    raise CheckpointError(f"no complete checkpoint in {path}")
-
-
-def _by_step(root: Path, step: int) -> Path:
-    """Step ``step``'s checkpoint under ``root``; the error lists the steps there are."""
-    wanted = layout.step_dir(root, step)
-    if wanted.is_dir():
-        return wanted
-    steps = [p.name.removeprefix(layout.PREFIX).lstrip("0") or "0" for p in layout.committed(root)]
-    there = f"it has steps {', '.join(steps)}" if steps else "it holds no checkpoints"
-    raise CheckpointError(f"no checkpoint of step {step} in {root} ({there}); give one of those")
+from manygpu.weights.sharded_files import DEFAULT_MAX_SHARD_BYTES
 
 
 def model_state(path: Path) -> dict[str, torch.Tensor]:
@@ -61,64 +34,73 @@ DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 
 def export_safetensors(
-    path: Path, out: Path, *, step: int | None = None, dtype: str | None = None
+    path: Path,
+    out: Path,
+    *,
+    step: int | None = None,
+    dtype: str | None = None,
+    max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
 ) -> dict[str, Any]:
     """Write the model weights of the checkpoint at ``path`` to ``out``; returns a summary.
 
+    ``out`` ending in ``.safetensors`` gets one file, whatever its size; any other
+    (new) path becomes a directory laid out as Hugging Face does: one
+    ``model.safetensors``, or above ``max_shard_bytes`` numbered files and an
+    index (:mod:`manygpu.weights.sharded_files`). Tensors stream one file's worth
+    at a time (a ``full`` checkpoint is mapped, a DCP one read file by file);
+    tied weights (one storage under two names) are written once, the first name.
     ``step`` picks a checkpoint under a root (default: the newest good one);
     ``dtype`` (a key of :data:`DTYPES`) casts every floating tensor.
     """
-    from safetensors.torch import save_file
+    from manygpu.weights import sharded_files
+    from manygpu.weights.sources import open_checkpoint
+    from manygpu.weights.st_file import Spec
 
     step_path = locate(path, step)
     layout.verify(step_path)
     if out.is_dir():
-        raise CheckpointError(f"{out} is a directory; give the path of a .safetensors file")
+        raise CheckpointError(
+            f"{out} is a directory that exists; give a new path: a directory (written as "
+            "Hugging Face lays weights out) or a .safetensors file"
+        )
     cast = DTYPES[dtype] if dtype is not None else None
-    state = {k: _cast(v, cast).contiguous() for k, v in model_state(step_path).items()}
-    tmp = out.with_suffix(out.suffix + ".tmp")
+    source = open_checkpoint(step_path)
     try:
-        out.parent.mkdir(parents=True, exist_ok=True)
-        mode = _new_file_mode(tmp)
-        save_file(state, str(tmp), metadata={"source": str(step_path)})
-        # safetensors writes its file owner-only (0600), whatever the umask
-        # says; an exported model is meant to be shared like any other file.
-        os.chmod(tmp, mode)
-        layout.fsync_path(tmp)
-        tmp.replace(out)  # atomic: a reader sees the old file or the whole new one
-        layout.fsync_path(out.parent)
-    except Exception as exc:  # OSError, or safetensors' own error for the same I/O
-        with contextlib.suppress(OSError):
-            tmp.unlink(missing_ok=True)
-        why = getattr(exc, "strerror", None) or str(exc).splitlines()[0][:200]
-        raise CheckpointError(f"cannot write {out} ({why}); give a writable path") from None
+        names = source.distinct()
+        specs = {n: Spec(source.entries[n].shape, _cast_type(source.entries[n].dtype, cast))
+                 for n in names}  # fmt: skip
+
+        def tensors(group: list[str]) -> Iterator[torch.Tensor]:
+            for tensor in source.whole(group):
+                yield _cast(tensor, cast)
+
+        written, error = sharded_files.write(
+            out, specs, tensors, max_shard_bytes=max_shard_bytes,
+            metadata={"source": str(step_path)},
+        )  # fmt: skip
+    finally:
+        source.close()
+    if error is not None:
+        raise CheckpointError(error)
+    files = [out] if out.suffix == ".safetensors" else [out / f for f in written.files]
     return {
         "checkpoint": str(step_path),
-        "tensors": len(state),
-        "parameters": sum(v.numel() for v in state.values()),
-        "dtypes": sorted({str(v.dtype).removeprefix("torch.") for v in state.values()}),
-        "bytes": out.stat().st_size,
+        "tensors": len(specs),
+        "parameters": sum(math.prod(s.shape) for s in specs.values()),
+        "dtypes": sorted({str(s.dtype).removeprefix("torch.") for s in specs.values()}),
+        "files": len(files),
+        "bytes": sum(f.stat().st_size for f in files),
     }
+
+
+def _cast_type(have: torch.dtype, want: torch.dtype | None) -> torch.dtype:
+    return want if want is not None and have.is_floating_point else have
 
 
 def _cast(tensor: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
     if dtype is None or not tensor.is_floating_point():
         return tensor
     return tensor.to(dtype)
-
-
-def _new_file_mode(path: Path) -> int:
-    """The mode a new file gets here (0666 less the umask): ``path`` is created to see it.
-
-    Read from a file the kernel just created rather than by setting the
-    umask to read it back, which would race with other threads creating files.
-    """
-    path.unlink(missing_ok=True)  # a leftover keeps its own mode
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
-    try:
-        return stat.S_IMODE(os.fstat(fd).st_mode)
-    finally:
-        os.close(fd)
 
 
 def inspect(path: Path, *, hashes: bool = True) -> dict[str, Any]:

@@ -259,6 +259,38 @@ def committed(root: Path) -> list[Path]:
     return sorted(dirs, key=lambda p: p.name)
 
 
+def locate(path: Path, step: int | None = None, *, hashes: bool = True) -> Path:
+    """A step directory; or under a checkpoint root, ``step``'s (default: the newest good one).
+
+    ``hashes=False`` judges "good" by the file table and sizes alone: a rank that
+    reads only its slices of the weights should not read every byte to pick one.
+    """
+    if (path / META).is_file():
+        if step is not None:
+            raise CheckpointError(
+                f"{path} is one checkpoint; give the directory holding it to pick one by --step"
+            )
+        return path
+    if step is not None:
+        return _by_step(path, step)
+    for candidate in reversed(committed(path)):
+        try:
+            return verify(candidate, hashes=hashes).path
+        except CheckpointError:
+            continue
+    raise CheckpointError(f"no complete checkpoint in {path}")
+
+
+def _by_step(root: Path, step: int) -> Path:
+    """Step ``step``'s checkpoint under ``root``; the error lists the steps there are."""
+    wanted = step_dir(root, step)
+    if wanted.is_dir():
+        return wanted
+    steps = [p.name.removeprefix(PREFIX).lstrip("0") or "0" for p in committed(root)]
+    there = f"it has steps {', '.join(steps)}" if steps else "it holds no checkpoints"
+    raise CheckpointError(f"no checkpoint of step {step} in {root} ({there}); give one of those")
+
+
 def remove_stale(root: Path) -> list[Path]:
     """Delete ``.tmp`` directories left by a save that crashed."""
     gone = []

@@ -48,7 +48,18 @@ def add_parser(sub: Any) -> None:
     i.set_defaults(run=run_inspect)
     e = verbs.add_parser("export", help="write the model weights as safetensors")
     e.add_argument("path", help="a checkpoint directory (step-N) or their parent (newest)")
-    e.add_argument("out", help="output .safetensors file")
+    e.add_argument(
+        "out",
+        help="a .safetensors file (one file), or a new directory: Hugging Face's layout "
+        "(model.safetensors, or numbered files and an index above --max-shard-size)",
+    )
+    e.add_argument(
+        "--max-shard-size",
+        type=_size,
+        default=None,
+        metavar="SIZE",
+        help="largest file of a directory export, e.g. 2G (default: 5 GB, as Hugging Face)",
+    )
     e.add_argument(
         "--step", type=_step, metavar="N", help="step N's checkpoint under PATH (default: newest)"
     )
@@ -56,6 +67,19 @@ def add_parser(sub: Any) -> None:
         "--dtype", choices=("bf16", "fp16", "fp32"), help="cast floating tensors to this type"
     )
     e.set_defaults(run=run_export)
+
+
+def _size(text: str) -> int:
+    from manygpu.flags import SIZE_EXAMPLES, parse_size
+
+    try:
+        size = parse_size(text, "--max-shard-size")
+    except UsageError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    if size < 1:
+        raise argparse.ArgumentTypeError(f"--max-shard-size {text!r} must be 1 byte or more; "
+                                         f"{SIZE_EXAMPLES}")  # fmt: skip
+    return size
 
 
 def _step(text: str) -> int:
@@ -183,12 +207,16 @@ def run_export(ns: argparse.Namespace) -> int:
     from manygpu.checkpoint.export import export_safetensors
     from manygpu.errors import CheckpointError
 
+    sizes = {} if ns.max_shard_size is None else {"max_shard_bytes": ns.max_shard_size}
     try:
-        summary = export_safetensors(_existing(ns.path), Path(ns.out), step=ns.step, dtype=ns.dtype)
+        summary = export_safetensors(
+            _existing(ns.path), Path(ns.out), step=ns.step, dtype=ns.dtype, **sizes
+        )
     except CheckpointError as exc:
         raise UsageError(shown(exc)) from None
+    files = f" in {summary['files']} files" if summary["files"] > 1 else ""
     print(
-        f"wrote {shown(ns.out)}: {summary['tensors']:,} tensors, {summary['parameters']:,} "
+        f"wrote {shown(ns.out)}{files}: {summary['tensors']:,} tensors, {summary['parameters']:,} "
         f"parameters ({', '.join(summary['dtypes'])}), {summary['bytes']:,} bytes, "
         f"from {shown(summary['checkpoint'])}"
     )

@@ -1,0 +1,100 @@
+"""Load weights from files straight into a (sharded) model's own tensors."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch.distributed as dist
+from torch import nn
+
+from manygpu.comm.common import DEFAULT_TIMEOUT_S
+from manygpu.comm.objects import all_gather_json
+from manygpu.errors import CheckpointError
+from manygpu.weights.names import Expected, match
+from manygpu.weights.sources import Source, open_source
+
+
+@dataclass(frozen=True)
+class LoadReport:
+    """What one rank's load did."""
+
+    source: str
+    """What was read: the file, directory, or the checkpoint step chosen under a root."""
+    tensors: int
+    """Tensors of this rank's model that were filled (tied names count once)."""
+    bytes_read: int
+    """Bytes this rank read: its own blocks of sharded tensors, replicated ones whole."""
+
+
+def load_weights(
+    model: nn.Module,
+    path: str | os.PathLike[str],
+    *,
+    expected: Expected | None = None,
+    timeout_s: float = DEFAULT_TIMEOUT_S,
+) -> LoadReport:
+    """Fill ``model``'s parameters and persistent buffers from the weights at ``path``.
+
+    ``model`` is the user's module, already sharded or wrapped by a strategy:
+    plain tensors, or DTensors (FSDP2, HSDP, tensor parallel, both), each rank's
+    part in place, cast to the tensor's dtype, on its device (host memory too,
+    with CPU offload). Each rank reads only the blocks it owns. ``path`` is a
+    ``.safetensors`` file, a Hugging Face-style directory or a manygpu checkpoint
+    (:mod:`.sources`); names match as ``load_state_dict``'s do (:mod:`.names`).
+
+    Args:
+        expected: the whole model's state-dict names (tied names grouped,
+            :func:`~manygpu.weights.state_names`) when ``model`` is one pipeline
+            stage of it; default: ``model``'s own.
+        timeout_s: how long a rank waits for the others to agree that every
+            rank's check and read succeeded (two small all-gathers when a
+            process group is up, so a failure on one rank is raised on all).
+
+    Raises:
+        CheckpointError: one line, the same on every rank: a path that does not
+            exist, a pickle, keys missing or unexpected, a shape that differs, a
+            read that failed (the first failing rank's reason).
+    """
+    source: Source | None = None
+    try:
+        try:
+            source = open_source(Path(path))
+            pairs = match(model, source.entries, source.where, expected)
+        except CheckpointError as exc:
+            agree(str(exc), "load_weights", timeout_s)
+            raise
+        # Every rank fits before any rank reads (DCP's reads are collective).
+        agree(None, "load_weights", timeout_s)
+        try:
+            read = source.fill(pairs)
+        except Exception as exc:  # I/O, a damaged file, a device error
+            error = str(exc) if isinstance(exc, CheckpointError) else _failed(source, exc)
+            agree(error, "load_weights", timeout_s)
+            raise CheckpointError(error) from None
+        agree(None, "load_weights", timeout_s)
+        return LoadReport(source=source.where, tensors=len(pairs), bytes_read=read)
+    finally:
+        if source is not None:
+            source.close()
+
+
+def _failed(source: Source, exc: BaseException) -> str:
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    lines = [ln.strip() for ln in str(exc).splitlines() if ln.strip()]
+    why = (lines or [type(exc).__name__])[0][:240]
+    return f"reading weights {source.where} failed on rank {rank} ({why}); check the files"
+
+
+def agree(error: str | None, operation: str, timeout_s: float) -> None:
+    """Raise the first failing rank's error on every rank, or return when none failed
+    (collective when a process group of more than one rank is up)."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        if error is not None:
+            raise CheckpointError(error)
+        return
+    every = all_gather_json(error, operation=operation, timeout_s=timeout_s)
+    first = next((e for e in every if e is not None), None)
+    if first is not None:
+        raise CheckpointError(str(first))

@@ -1,0 +1,307 @@
+"""Where weights come from: what a path holds is decided by its structure, never by trust.
+
+- a ``.safetensors`` file (its header is checked by ``safetensors`` itself);
+- a Hugging Face-style directory: ``model.safetensors``, or the files a
+  ``model.safetensors.index.json`` weight map names (each a plain file name
+  inside the directory);
+- a manygpu checkpoint (a step directory with ``meta.json``, or the root holding
+  them: the newest good one): ``full`` format mapped with ``weights_only``,
+  ``dcp`` through :mod:`manygpu.checkpoint_io.safe_dcp`, which reshards by itself.
+
+A pickle (``torch.save``'s zip or a bare pickle, whatever its suffix) is refused
+before anything is read from it: unpickling runs code.
+
+Each source says what it holds (:attr:`Source.entries`: name -> shape and dtype,
+from headers only) and fills target tensors (:meth:`Source.fill`): the sliced
+sources read for each DTensor exactly the block its rank owns.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import json
+from abc import ABC, abstractmethod
+from collections.abc import Iterator, Mapping, Sequence
+from pathlib import Path, PurePosixPath
+from typing import Any
+
+import torch
+
+from manygpu.checkpoint_io import formats, layout
+from manygpu.errors import CheckpointError
+from manygpu.weights import shards
+from manygpu.weights.st_file import DTYPES, Spec
+
+SINGLE, INDEX = "model.safetensors", "model.safetensors.index.json"
+PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl", ".pickle")
+_PICKLE_MAGIC = (b"PK\x03\x04", b"\x80")  # torch.save's zip archive; pickle protocol 2+
+_CONVERT = (
+    "convert it to safetensors where you trust it, e.g. transformers' "
+    "save_pretrained(DIR, safe_serialization=True), or safetensors.torch.save_file("
+    "{k: v.clone() for k, v in torch.load(FILE, weights_only=True).items()}, OUT)"
+)
+
+
+def pickle_refusal(path: Path) -> CheckpointError:
+    return CheckpointError(
+        f"{path} is a pickle file (torch.save); loading it could run code, so it is refused; "
+        + _CONVERT
+    )
+
+
+class Source(ABC):
+    """Weights by name, read on demand."""
+
+    where: str
+    """How errors name the source (its path)."""
+    entries: dict[str, Spec]
+    """Every tensor it holds: name -> global shape and dtype (no values read)."""
+
+    @abstractmethod
+    def fill(self, targets: Sequence[tuple[str, torch.Tensor]]) -> int:
+        """Copy each named stored tensor into its target (a plain tensor or a DTensor,
+        in place, cast to its dtype); returns the bytes this rank read."""
+
+    def close(self) -> None:
+        """Release open files."""
+
+    @abstractmethod
+    def whole(self, names: Sequence[str]) -> Iterator[torch.Tensor]:
+        """Each named tensor whole, on CPU, in order (for an export: one file's worth)."""
+
+    def distinct(self) -> list[str]:
+        """The names to export, each stored tensor once (tied names share storage)."""
+        return list(self.entries)
+
+
+class SlicedSource(Source):
+    """A source that can read any block of a tensor: each rank reads what it owns."""
+
+    @abstractmethod
+    def read(self, name: str, index: tuple[slice, ...] | None) -> torch.Tensor:
+        """``name``'s values at ``index`` (None: all of it), on CPU, as stored."""
+
+    def whole(self, names: Sequence[str]) -> Iterator[torch.Tensor]:
+        for name in names:
+            yield self.read(name, None)
+
+    def fill(self, targets: Sequence[tuple[str, torch.Tensor]]) -> int:
+        total = 0
+        for name, target in targets:
+            total += shards.fill_one(target, functools.partial(self.read, name))
+        return total
+
+
+class SafetensorsSource(SlicedSource):
+    """One or more safetensors files (``files``: tensor name -> the file holding it)."""
+
+    def __init__(self, where: str, files: Mapping[str, Path]) -> None:
+        self.where, self.files = where, dict(files)
+        self.handles: dict[Path, Any] = {}
+        self.entries = {}
+        for path in sorted(set(self.files.values())):
+            handle = self._open(path)
+            for name in handle.keys():  # noqa: SIM118 - safe_open is not a mapping
+                if self.files.get(name) == path:
+                    piece = handle.get_slice(name)
+                    self.entries[name] = Spec(tuple(piece.get_shape()), _dtype(piece, path))
+        lost = sorted(set(self.files) - set(self.entries))
+        if lost:
+            raise CheckpointError(
+                f"{where} is damaged: its index puts {lost[0]} in {self.files[lost[0]].name}, "
+                f"which does not hold it ({len(lost)} such); re-save the weights"
+            )
+
+    def _open(self, path: Path) -> Any:
+        from safetensors import safe_open
+
+        handle = self.handles.get(path)
+        if handle is None:
+            try:
+                handle = self.handles[path] = safe_open(str(path), framework="pt")
+            except Exception as exc:  # SafetensorError, OSError
+                raise _unreadable(path, exc) from None
+        return handle
+
+    def read(self, name: str, index: tuple[slice, ...] | None) -> torch.Tensor:
+        handle = self._open(self.files[name])
+        if index is None or not self.entries[name].shape:  # all of it; a 0-d has no slice
+            return handle.get_tensor(name)
+        return handle.get_slice(name)[index]
+
+
+class MappedSource(SlicedSource):
+    """A state dict mapped from one of our own ``torch.save`` files (``weights_only``):
+    a slice touches only its own pages."""
+
+    def __init__(self, where: str, state: Mapping[str, torch.Tensor]) -> None:
+        self.where, self.state = where, dict(state)
+        self.entries = {k: Spec(tuple(v.shape), v.dtype) for k, v in self.state.items()}
+
+    def read(self, name: str, index: tuple[slice, ...] | None) -> torch.Tensor:
+        tensor = self.state[name]
+        return tensor if index is None else tensor[index]
+
+    def distinct(self) -> list[str]:
+        seen: set[tuple[Any, ...]] = set()
+        out = []
+        for name, tensor in self.state.items():
+            key = (tensor.untyped_storage().data_ptr(), tensor.storage_offset(), tensor.dtype,
+                   tuple(tensor.shape), tensor.stride())  # fmt: skip
+            if tensor.numel() == 0 or key not in seen:
+                out.append(name)
+            seen.add(key)
+        return out
+
+    def close(self) -> None:
+        self.state.clear()
+
+
+class DcpSource(Source):
+    """A manygpu DCP checkpoint's model: DCP plans each rank's reads and reshards."""
+
+    def __init__(self, step: Path) -> None:
+        from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+        from manygpu.checkpoint_io.safe_dcp import SafeFileSystemReader
+
+        self.where, self.step = str(step), step
+        reader = SafeFileSystemReader(step, layout.read_meta(step)["files"])
+        metadata = reader.read_metadata()
+        self.entries = {
+            key.removeprefix("model."): Spec(tuple(item.size), item.properties.dtype)
+            for key, item in metadata.state_dict_metadata.items()
+            if key.startswith("model.") and isinstance(item, TensorStorageMetadata)
+        }
+
+    def whole(self, names: Sequence[str]) -> Iterator[torch.Tensor]:
+        """One ``dcp.load`` (in this process alone) for all of ``names``."""
+        from manygpu.checkpoint_io.safe_dcp import safe_load
+
+        state = {n: torch.empty(self.entries[n].shape, dtype=self.entries[n].dtype) for n in names}
+        safe_load({"model": state}, self.step, no_dist=True)
+        for name in names:
+            yield state.pop(name)
+
+    def fill(self, targets: Sequence[tuple[str, torch.Tensor]]) -> int:
+        """One ``dcp.load`` (collective: every rank calls it once); a stored tensor
+        that fills two of this rank's tensors (a pipeline stage's untied copy) is
+        read into the first and copied into the other."""
+        import torch.distributed as dist
+
+        from manygpu.checkpoint_io.safe_dcp import safe_load
+
+        first: dict[str, torch.Tensor] = {}
+        extra = [(key, t) for key, t in targets if first.setdefault(key, t) is not t]
+        alone = not dist.is_initialized() or dist.get_world_size() == 1
+        safe_load({"model": dict(first)}, self.step, no_dist=alone)
+        for key, target in extra:
+            shards.copy_part(target, first[key])
+        return sum(shards.local_bytes(t) for _, t in targets)
+
+
+def open_source(path: Path) -> Source:
+    """The source ``path`` holds, decided by its structure; one-line errors otherwise."""
+    if not path.exists():
+        raise CheckpointError(
+            f"weights path {path} does not exist; give a .safetensors file, a directory of "
+            "them (Hugging Face style) or a manygpu checkpoint"
+        )
+    if path.is_file():
+        if _is_pickle(path):
+            raise pickle_refusal(path)
+        return SafetensorsSource(str(path), {name: path for name in _names_in(path)})
+    if (path / INDEX).is_file():
+        return SafetensorsSource(str(path), _weight_map(path))
+    if (path / SINGLE).is_file():
+        return open_source(path / SINGLE)
+    if (path / layout.META).is_file() or layout.committed(path):
+        return open_checkpoint(path)
+    pickles = sorted(p.name for p in path.iterdir() if p.suffix in PICKLE_SUFFIXES)
+    if pickles:
+        raise pickle_refusal(path / pickles[0])
+    raise CheckpointError(
+        f"{path} holds no weights we read (no {SINGLE}, {INDEX}, or manygpu checkpoint); "
+        "give a .safetensors file, a directory of them or a checkpoint"
+    )
+
+
+def _is_pickle(path: Path) -> bool:
+    """By its name; a pickle named otherwise is caught when safetensors cannot read it."""
+    return path.suffix in PICKLE_SUFFIXES
+
+
+def _names_in(path: Path) -> list[str]:
+    from safetensors import safe_open
+
+    try:
+        with safe_open(str(path), framework="pt") as handle:
+            return list(handle.keys())
+    except Exception as exc:  # SafetensorError, OSError
+        raise _unreadable(path, exc) from None
+
+
+def _unreadable(path: Path, exc: BaseException) -> CheckpointError:
+    """Why ``path`` is not safetensors: a pickle by its first bytes (checked only now: a
+    safetensors header length can start with any byte), or what safetensors said."""
+    with contextlib.suppress(OSError), open(path, "rb") as fh:
+        if fh.read(4).startswith(_PICKLE_MAGIC):
+            return pickle_refusal(path)
+    return CheckpointError(
+        f"{path} is not a readable safetensors file ({_first(exc)}); "
+        "give a .safetensors file, a directory of them, or a manygpu checkpoint"
+    )
+
+
+def _weight_map(directory: Path) -> dict[str, Path]:
+    """``name -> file`` from the index; every file a plain name inside ``directory``."""
+    index = directory / INDEX
+    try:
+        weight_map = json.loads(index.read_text())["weight_map"]
+        if not isinstance(weight_map, dict):
+            raise TypeError("weight_map is not an object")
+    except (ValueError, KeyError, TypeError, UnicodeDecodeError) as exc:
+        why = _first(exc)
+        raise CheckpointError(f"{index} is not a weight index ({why}); re-save it") from None
+    out = {}
+    for name, file in weight_map.items():
+        pure = PurePosixPath(file) if isinstance(file, str) else None
+        if pure is None or len(pure.parts) != 1 or pure.name in ("", ".", ".."):
+            raise CheckpointError(f"{index} puts {name!r} in {file!r}, not a file of {directory}")
+        out[str(name)] = directory / pure.name
+    for file in sorted(set(out.values())):
+        if not file.is_file():
+            raise CheckpointError(f"{index} names {file.name}, which is missing from {directory}")
+        if _is_pickle(file):
+            raise pickle_refusal(file)
+    return out
+
+
+def open_checkpoint(path: Path) -> Source:
+    """A manygpu step directory (or the newest good one under a root), by its format.
+
+    Sizes and the file table are checked; checksums are not (each rank reads only
+    its slices; ``manygpu checkpoint inspect`` checks every byte).
+    """
+    step = layout.locate(path, hashes=False)
+    layout.verify(step, hashes=False)
+    if formats.detect(step) == "dcp":
+        return DcpSource(step)
+    state = formats.load_file(step / formats.MODEL, mmap=True)
+    if not isinstance(state, dict):
+        raise CheckpointError(f"checkpoint file {step / formats.MODEL} holds no state dict")
+    tensors = {k: v for k, v in state.items() if isinstance(v, torch.Tensor)}
+    return MappedSource(str(step), tensors)
+
+
+def _dtype(piece: Any, path: Path) -> torch.dtype:
+    name = piece.get_dtype()
+    if name not in DTYPES:
+        raise CheckpointError(f"{path} holds a tensor of dtype {name}, which torch cannot hold")
+    return DTYPES[name]
+
+
+def _first(exc: BaseException) -> str:
+    lines = [ln.strip() for ln in str(exc).splitlines() if ln.strip()]
+    return (lines or [type(exc).__name__])[0][:200]
