@@ -39,8 +39,6 @@ LAYERS: dict[str, int] = {
     # Model transforms (blocks, activation checkpointing, channels_last, fp8): below
     # the strategies, which find blocks and declare the fp8 ability with them.
     "manygpu.transforms": 3,
-    # Weights files read into shards, and written from them: beside checkpoint_io.
-    "manygpu.weights": 3,
     "manygpu.strategies": 4,
     "manygpu.plan": 5,
     "manygpu.tracking": 5,  # experiment trackers under Parallel.log: below core, which uses them

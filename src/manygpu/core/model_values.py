@@ -25,6 +25,7 @@ from manygpu.transforms.materialize import (
     initialize,
     meta_buffers,
 )
+from manygpu.weights import load_weights, state_names
 
 
 class ModelValues:
@@ -39,7 +40,7 @@ class ModelValues:
         self.weights = weights
         self._seed, self._device, self._timeout_s, self._unwrap = seed, device, timeout_s, unwrap
         self._modules = EmptyModules(model, ())
-        self._names: frozenset[str] = frozenset()
+        self._names: list[tuple[str, ...]] = []
         self._lost = meta_buffers(model) if self.empty else []
         if self._lost and not callable(getattr(model, "init_weights", None)):
             shown = ", ".join(self._lost[:3])
@@ -61,7 +62,7 @@ class ModelValues:
 
     def record(self, model: nn.Module) -> None:
         """Before the strategy: the whole model's names, and what was built empty."""
-        self._names = frozenset(model.state_dict(keep_vars=True))
+        self._names = state_names(model)
         if self.empty:
             self._modules = EmptyModules.of(model)
             if self.weights is None or self._lost:
@@ -72,6 +73,7 @@ class ModelValues:
         if self._modules and (self.weights is None or self._lost):
             initialize(self._modules, self._seed)  # init_weights() restores lost buffers
         if self.weights is not None:
-            from manygpu.weights import load_weights
-
-            load_weights(self._unwrap(wrapped), self.weights, expected=self._names)
+            load_weights(
+                self._unwrap(wrapped), self.weights, expected=self._names,
+                timeout_s=self._timeout_s,
+            )  # fmt: skip
