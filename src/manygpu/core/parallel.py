@@ -46,6 +46,7 @@ from manygpu.runtime.process_group import teardown
 from manygpu.strategies import Strategy, abilities
 from manygpu.transforms.fp8 import planned_precision
 from manygpu.transforms.materialize import empty_init
+from manygpu.weights import SavedWeights, save_weights
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
@@ -315,6 +316,22 @@ class Parallel:
         return self.profiler.profile(steps, dir=dir)
 
     # -- utilities -------------------------------------------------------------
+    def save_weights(
+        self, model: nn.Module, path: str | os.PathLike[str], *, max_shard_bytes: int = 5 * 10**9,
+        dtype: torch.dtype | None = None,
+    ) -> SavedWeights:  # fmt: skip
+        """Write ``model``'s weights as safetensors (every rank calls it; rank 0 writes).
+
+        A ``.safetensors`` path gets one file; any other path a Hugging Face-style
+        directory, sharded above ``max_shard_bytes`` with an index, which
+        ``prepare(..., weights=path)`` and ``from_pretrained`` read. Shards are
+        gathered one tensor at a time: no rank ever holds the whole model.
+        """
+        return save_weights(
+            self.unwrap(model), path, max_shard_bytes=max_shard_bytes, dtype=dtype,
+            timeout_s=self.timeout_s,
+        )  # fmt: skip
+
     def unwrap(self, model: nn.Module) -> nn.Module:
         """The user's module inside the strategy's wrapper."""
         return self.strategy.unwrap(model)
