@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from ckpt_job import build, train
+from ckpt_job import build, train, write_weights
 from dist_harness import run_ranks
 
 from manygpu import Parallel
@@ -74,3 +74,32 @@ def test_zero1_checkpoint_holds_the_whole_optimizer(tmp_path: Path) -> None:
     assert alone["step"] == 6
     assert torch.equal(alone["params"], trained)
     assert alone["exp_avg"].shape == (16, 8) and alone["exp_avg"].abs().sum() > 0
+
+
+def _fsdp_from_file(directory: str, weights: str, steps: int) -> torch.Tensor:
+    """Built empty, read from ``weights``; trains to ``steps`` (resuming what is saved)."""
+    with Parallel(strategy="fsdp") as par:
+        return train(par, directory, steps, every=6, weights=weights)[1]
+
+
+def test_a_model_built_empty_resumes_from_its_checkpoint_on_another_world_size(
+    tmp_path: Path,
+) -> None:
+    """fsdp at 4 ranks saves at step 6; at 2 ranks the checkpoint (not the weights file,
+    read first by prepare) decides the values: equal to 4 ranks' at step 6, exactly."""
+    directory, weights = str(tmp_path / "ck"), write_weights(tmp_path / "w.safetensors")
+    saved = run_ranks(_fsdp_from_file, 4, directory, weights, 6, timeout=120)[0]
+    resumed = run_ranks(_fsdp_from_file, 2, directory, weights, 6, timeout=120)
+    for params in resumed:
+        assert torch.equal(params, saved)
+    assert not torch.equal(saved, _fsdp_start(weights))  # it trained: the file lost
+
+
+def _fsdp_start(weights: str) -> torch.Tensor:
+    """The file's values, flat in the model's parameter order (as ``train`` returns them)."""
+    from safetensors.torch import load_file
+
+    stored = load_file(weights)
+    order = ["0.weight", "0.bias", "3.weight", "3.bias"]
+    assert sorted(order) == sorted(stored)
+    return torch.cat([stored[k].reshape(-1) for k in order])

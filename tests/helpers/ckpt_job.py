@@ -6,6 +6,7 @@ resumed run is bit-identical to an uninterrupted one.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import time
@@ -26,14 +27,18 @@ def build(
     fmt: str | None = None,
     async_save: bool = False,
     batch: int = 4,
+    weights: str | None = None,
 ):
+    """The job's parts; with ``weights``, the model is built empty (``par.init_module()``)
+    and its values read from that file by ``prepare`` (see :func:`write_weights`)."""
     torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(8, 16), nn.Dropout(0.3), nn.Tanh(), nn.Linear(16, 4))
+    with par.init_module() if weights else contextlib.nullcontext():
+        model = _model()
     opt = torch.optim.Adam(model.parameters(), lr=1e-2)
     gen = torch.Generator().manual_seed(5)
     data = TensorDataset(torch.randn(48, 8, generator=gen), torch.randn(48, 4, generator=gen))
     loader = DataLoader(data, batch_size=batch, shuffle=True)
-    model, opt, loader = par.prepare(model, opt, loader)
+    model, opt, loader = par.prepare(model, opt, loader, weights=weights)
     sched = torch.optim.lr_scheduler.StepLR(opt, step_size=5, gamma=0.5)
     ckpt = Checkpointer(
         par,
@@ -49,6 +54,19 @@ def build(
     return model, opt, sched, loader, ckpt
 
 
+def _model() -> nn.Module:
+    return nn.Sequential(nn.Linear(8, 16), nn.Dropout(0.3), nn.Tanh(), nn.Linear(16, 4))
+
+
+def write_weights(path: str | Path) -> str:
+    """The model :func:`build` makes without ``weights``, as a safetensors file."""
+    from safetensors.torch import save_model
+
+    torch.manual_seed(0)
+    save_model(_model(), str(path))
+    return str(path)
+
+
 def train(
     par: Parallel,
     directory: str | Path,
@@ -61,9 +79,10 @@ def train(
     sleep_s: float = 0.0,
     started: str | None = None,
     fresh_ok: bool = False,
+    weights: str | None = None,
 ) -> tuple[dict[int, float], torch.Tensor]:
     """Train to ``total`` steps (resuming if a checkpoint exists); (losses, flat params)."""
-    model, opt, sched, loader, ckpt = build(par, directory, every, fmt, async_save)
+    model, opt, sched, loader, ckpt = build(par, directory, every, fmt, async_save, weights=weights)
     state = ckpt.resume(fresh_ok=fresh_ok)
     losses: dict[int, float] = {}
     while state.step < total:
@@ -85,5 +104,10 @@ def train(
             if state.step >= total:
                 break
     ckpt.close()
-    params = torch.cat([p.detach().reshape(-1) for p in par.unwrap(model).parameters()])
+    params = torch.cat([_whole(p).detach().reshape(-1) for p in par.unwrap(model).parameters()])
     return losses, params
+
+
+def _whole(p: torch.Tensor) -> torch.Tensor:
+    """A sharded parameter gathered (a collective: every rank calls it in order)."""
+    return p.full_tensor() if hasattr(p, "full_tensor") else p

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from ckpt_job import train
+from ckpt_job import train, write_weights
 from dist_harness import run_ranks
 from jobs import subprocess_env
 
@@ -30,6 +30,7 @@ def _launch(
     kill_at: int = -1,
     sleep_s: float = 0.0,
     restarts: int = 0,
+    extra_env: dict[str, str] | None = None,
 ) -> subprocess.Popen[str]:
     out.mkdir(parents=True, exist_ok=True)
     cmd = [
@@ -50,22 +51,36 @@ def _launch(
         str(sleep_s),
     ]
     # One thread per worker, as the reference's harness ranks have: same arithmetic.
-    env = subprocess_env() | {"OMP_NUM_THREADS": "1"}
+    env = subprocess_env() | {"OMP_NUM_THREADS": "1"} | (extra_env or {})
     return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
 
 
-def _uninterrupted(ckpt: str, total: int) -> tuple[dict[int, float], torch.Tensor]:
+def _uninterrupted(
+    ckpt: str, total: int, strategy: str = "ddp", weights: str | None = None
+) -> tuple[dict[int, float], torch.Tensor]:
     """What ckpt_launch.py runs on each worker, never killed and never saving."""
-    with Parallel(strategy="ddp", timeout_s=30) as par:
-        return train(par, ckpt, total, 0)
+    with Parallel(strategy=strategy, timeout_s=30) as par:
+        return train(par, ckpt, total, 0, weights=weights)
 
 
-def test_kill_9_restarts_and_ends_bit_identical(tmp_path: Path) -> None:
+@pytest.mark.parametrize("empty", [False, True], ids=["ddp", "fsdp-init-module-weights"])
+def test_kill_9_restarts_and_ends_bit_identical(tmp_path: Path, empty: bool) -> None:
+    # fsdp-init-module-weights: the model built empty and read from a file into
+    # each rank's shards; the resume must still win over the file, exactly.
+    strategy, weights = (
+        ("fsdp", write_weights(tmp_path / "w.safetensors")) if empty else ("ddp", None)
+    )
+    extra = {"CKPT_STRATEGY": strategy, "CKPT_WEIGHTS": weights} if weights else {}
     # The reference, on two gloo ranks forked by the test harness: the launcher
     # itself is what the run below tests.
-    ref_losses, ref_params = run_ranks(_uninterrupted, 2, str(tmp_path / "ref-ck"), 20)[0]
+    ref_losses, ref_params = run_ranks(
+        _uninterrupted, 2, str(tmp_path / "ref-ck"), 20, strategy, weights
+    )[0]
     # Rank 1 SIGKILLs itself after step 11 (saved at 8); the agent restarts both.
-    run = _launch(tmp_path / "run", tmp_path / "ck", total=20, every=4, kill_at=11, restarts=1)
+    run = _launch(
+        tmp_path / "run", tmp_path / "ck", total=20, every=4, kill_at=11, restarts=1,
+        extra_env=extra,
+    )  # fmt: skip
     _, err = run.communicate(timeout=180)
     assert run.returncode == 0, err
     resumed = json.loads((tmp_path / "run" / "losses-1.json").read_text())

@@ -12,7 +12,9 @@ from manygpu import Parallel
 directory, out, total, every, kill_at, sleep_s = sys.argv[1:7]
 with open(os.path.join(out, f"pid{os.environ['RANK']}"), "w") as fh:
     fh.write(str(os.getpid()))
-with Parallel(strategy="ddp", timeout_s=30) as par:
+# CKPT_STRATEGY / CKPT_WEIGHTS: another strategy, the model built empty and loaded.
+strategy, weights = os.environ.get("CKPT_STRATEGY", "ddp"), os.environ.get("CKPT_WEIGHTS")
+with Parallel(strategy=strategy, timeout_s=30) as par:
     losses, params = train(
         par,
         directory,
@@ -21,6 +23,7 @@ with Parallel(strategy="ddp", timeout_s=30) as par:
         kill_at=int(kill_at),
         sleep_s=float(sleep_s),
         started=os.path.join(out, "started"),
+        weights=weights,
     )
     if par.is_main:
         attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
