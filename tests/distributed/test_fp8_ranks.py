@@ -20,6 +20,7 @@ is 0.13 away, its losses 3%.
 from __future__ import annotations
 
 import pytest
+import torch
 from dist_harness import preload, run_ranks
 from fp8_job import train_gpt, train_gpt_strategies
 
@@ -30,7 +31,7 @@ LOSS_REL, PARAM_TOL = 5e-3, 2e-2
 
 def test_fsdp_and_ddp_at_two_ranks_equal_one_process(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("MANYGPU_FP8_EMULATE", "1")
-    jobs = run_ranks(train_gpt_strategies, 2, ["fsdp", "ddp"], timeout=300)
+    jobs = run_ranks(train_gpt_strategies, 2, ["fsdp", "ddp", "fsdp+weights"], timeout=300)
     ref = train_gpt("single", "fp8")
     ranks = [job[name] for job in jobs for name in ("fsdp", "ddp")]
     for out in ranks:
@@ -39,3 +40,10 @@ def test_fsdp_and_ddp_at_two_ranks_equal_one_process(monkeypatch: pytest.MonkeyP
         diff = max((out["params"][k] - ref["params"][k]).abs().max().item() for k in ref["params"])
         assert diff < PARAM_TOL, f"max |param - one process| = {diff:.2e}"
     assert ranks[0]["params"].keys() == ref["params"].keys()
+    # Built empty, converted to fp8 and sharded on the meta device, then read from the
+    # file of rank 0's model: the same training as fsdp from rank 0's broadcast, exactly.
+    for job in jobs:
+        empty, built = job["fsdp+weights"], job["fsdp"]
+        assert empty["layers"]["blocks.1.fc1"] == "Float8Linear"
+        assert empty["losses"] == built["losses"]
+        assert all(torch.equal(empty["params"][k], built["params"][k]) for k in built["params"])

@@ -83,7 +83,16 @@ CASES: dict[str, tuple[int, dict[str, Any], list[Recipe]]] = {
     "fsdp": (
         2,
         {"strategy": "fsdp"},
-        [GPT_ACCUM, *HF, *OTHER_OPTIMIZERS, *BF16, GPT_W, LLAMA_W, Recipe("gpt", empty=True)],
+        [
+            GPT_ACCUM,
+            *HF,
+            *OTHER_OPTIMIZERS,
+            *BF16,
+            GPT_W,
+            LLAMA_W,
+            _ac(GPT_W, "full"),
+            Recipe("gpt", empty=True),
+        ],  # fmt: skip
     ),
     "zero2": (
         2,
