@@ -92,7 +92,7 @@ CASES: dict[str, tuple[int, dict[str, Any], list[Recipe]]] = {
             LLAMA_W,
             _ac(GPT_W, "full"),
             Recipe("gpt", empty=True),
-        ],  # fmt: skip
+        ],
     ),
     "zero2": (
         2,

@@ -149,3 +149,25 @@ def test_a_real_model_counts_its_convolution_flops() -> None:
     assert d.conv_flops_per_sample == 2 * conv_fwd
     # The linear layer: forward, weight gradient and input gradient (the conv needs it).
     assert d.flops_per_sample == d.conv_flops_per_sample + 3 * (2 * 288 * 2)
+
+
+def test_prepare_peaks_at_the_kept_weights_plus_one_module_in_flight() -> None:
+    """prepare holds what the device keeps of the weights and one module whole (an
+    init twin or a tensor read from a file), no gradients or optimizer state yet."""
+    desc = _desc(largest_layer_parameters=50_000)
+    fsdp = memory.estimate(desc, "fsdp", world=8, batch=1, optimizer="sgd")
+    assert fsdp.prepare == pytest.approx(4 * P / 8 + 4 * 50_000)
+    ddp = memory.estimate(desc, "ddp", world=8, batch=1, optimizer="sgd")
+    assert ddp.prepare == pytest.approx(4 * P + 4 * 50_000)
+    assert ddp.peak == max(ddp.total, ddp.prepare)
+    # A device that holds the step but not prepare's peak does not fit.
+    est = memory.MemoryEstimate(strategy="fsdp", params=1e9, grads=1e9, optimizer=0,
+                                activations=0, prepare=3e9)  # fmt: skip
+    assert est.peak == 3e9 and est.fits(3.4) and not est.fits(3.0)  # 2.7 GB: the step fits
+
+
+def test_a_model_past_one_device_is_told_to_build_under_init_module() -> None:
+    big = ModelDesc(name="m", parameters=20 * 10**9)  # 80 GB of fp32 weights
+    note = memory.init_module_note(big, memory_gb=80, processes_per_node=8)
+    assert note is not None and "par.init_module()" in note and "640.0 GB of host memory" in note
+    assert memory.init_module_note(_desc(), memory_gb=80, processes_per_node=8) is None

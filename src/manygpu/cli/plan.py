@@ -147,7 +147,7 @@ def table(plan: Plan, acts_known: bool = True) -> Table:
     timed = any(c.step for c in plan.candidates)
     out = Table(title=f"manygpu plan: {plan.world_size} device(s)")
     for name in ("strategy", "layout", "params GB", "grads GB", "optim GB", "gathered GB",
-                 "acts GB", "total GB", "fits", "checkpointing",
+                 "acts GB", "total GB", "prepare GB", "fits", "checkpointing",
                  *(SPEED_COLUMNS if timed else ())):  # fmt: skip
         words = name in ("strategy", "layout")
         out.add_column(name, justify="left" if words else "right", no_wrap=words)
@@ -161,7 +161,8 @@ def table(plan: Plan, acts_known: bool = True) -> Table:
             c.strategy, c.recipe.layout(),
             *(f"{v / 1e9:,.3f}" for v in (m.params, m.grads, m.optimizer, m.gathered)),
             f"{m.activations / 1e9:,.3f}" if acts_known else "?", f"{m.total / 1e9:,.3f}",
-            "yes" if c.fits else "no", _checkpointing(c), *(speed if timed else ()),
+            f"{m.prepare / 1e9:,.3f}", "yes" if c.fits else "no", _checkpointing(c),
+            *(speed if timed else ()),
         )  # fmt: skip
     return out
 
@@ -192,6 +193,7 @@ def run(ns: argparse.Namespace) -> int:
     from rich.console import Console
     from rich.markup import escape
 
+    from manygpu.plan.memory import init_module_note
     from manygpu.plan.recommend import recommend
 
     cluster = build_cluster(ns)
@@ -213,6 +215,9 @@ def run(ns: argparse.Namespace) -> int:
     for text in said:
         console.print(text)
     console.print(escape(line), highlight=False)
+    note = init_module_note(desc, cluster.memory_gb, cluster.gpus_per_node)
+    if note is not None:
+        console.print(escape(note), highlight=False)
     if ns.json:
         data = {"model": asdict(desc), "cluster": asdict(cluster), "plan": _plan_dict(plan)}
         _write_json(Path(ns.json), data)
@@ -233,7 +238,8 @@ def _plan_dict(plan: Plan) -> dict[str, Any]:
     out = {k: getattr(plan, k) for k in plan.__dataclass_fields__ if k != "candidates"}
     out["candidates"] = [
         {"strategy": c.strategy, "ways": c.ways, "layout": c.recipe.layout(), "fits": c.fits,
-         "memory_bytes": c.memory.total, "parallel": c.recipe.parallel_line(),
+         "memory_bytes": c.memory.total, "prepare_bytes": c.memory.prepare,
+         "parallel": c.recipe.parallel_line(),
          "checkpointing": c.recipe.checkpointing, "activations_saved_bytes": c.activations_saved,
          "step_s": c.step.step_s if c.step else None,
          "efficiency": c.step.efficiency if c.step else None}

@@ -24,6 +24,13 @@ prefetched next, or all of them for ZeRO-2 from forward to backward).
 ``tf32`` stores everything in fp32 (only the math differs), so it counts as fp32.
 Activations are what autograd saves for backward; 16-bit halves them.
 Allocator fragmentation and workspace are not modelled (keep ~10% headroom).
+
+``prepare`` is the other peak: while ``prepare`` places the model and fills it
+(an init, or ``weights=`` read into the shards), a device holds what it keeps
+of the weights plus one module whole in flight (an init's twin, or one tensor
+read from a file), before any gradient or optimizer state exists. That is
+for a model built under ``par.init_module()``; one built with values is first
+whole in every process's host memory (:func:`init_module_note`).
 """
 
 from __future__ import annotations
@@ -97,6 +104,8 @@ class MemoryEstimate:
     gathered: float = 0.0
     """Whole copies of weights alive during a step: FSDP2's unsharded units and
     autocast's 16-bit copies kept for the backward."""
+    prepare: float = 0.0
+    """The peak while ``prepare`` places and fills the model (module docstring)."""
 
     @property
     def held(self) -> float:
@@ -107,8 +116,13 @@ class MemoryEstimate:
     def total(self) -> float:
         return self.held + self.gathered + self.activations
 
+    @property
+    def peak(self) -> float:
+        """The larger of a training step's total and ``prepare``'s peak."""
+        return max(self.total, self.prepare)
+
     def fits(self, memory_gb: float, headroom: float = 0.9) -> bool:
-        return self.total <= memory_gb * 1e9 * headroom
+        return self.peak <= memory_gb * 1e9 * headroom
 
 
 def estimate(
@@ -141,9 +155,11 @@ def estimate(
     def split(nbytes: float, how: Split) -> float:
         return nbytes / divisor[how]
 
+    params = split(p * b.weights, model.weights)
     return MemoryEstimate(
         strategy=strategy,
-        params=split(p * b.weights, model.weights),
+        params=params,
+        prepare=params + desc.largest_layer_parameters * FP32_BYTES,
         grads=split(p * b.grads, model.grads),
         optimizer=split(p * b.optimizer, model.optimizer),
         gathered=_gathered(desc, model, b, params_in_compute_dtype(strategy, precision), stages),
@@ -182,3 +198,22 @@ def _activations(
     elif model.activations == "tp_sharded":  # attention's and the MLP's split over the ways
         act -= desc.tp_sharded_activation_bytes_per_sample * scale * (1 - 1 / stages)
     return act
+
+
+def init_module_note(desc: ModelDesc, memory_gb: float, processes_per_node: int) -> str | None:
+    """Why this model must be built under ``par.init_module()``, or ``None``.
+
+    Built with values, every process first holds the whole model in fp32 in
+    host memory (and a replicating strategy on its device): past one device's
+    memory that cannot be what the job wants.
+    """
+    whole = float(desc.parameters) * FP32_BYTES
+    if whole <= memory_gb * 1e9 * 0.9:
+        return None
+    host = whole * processes_per_node
+    return (
+        f"build the model under par.init_module() (and give prepare(..., weights=PATH) "
+        f"for pretrained values): its fp32 weights ({whole / 1e9:,.1f} GB) exceed one "
+        f"device's {memory_gb:,.1f} GB, and built whole, {processes_per_node} process(es) "
+        f"per node would first hold {host / 1e9:,.1f} GB of host memory"
+    )
