@@ -73,7 +73,11 @@ def main() -> None:
         total = torch.cuda.get_device_properties(0).total_memory
         torch.cuda.set_per_process_memory_fraction(ns.cap_gb * 1e9 / total)
     row: dict[str, object] = {"device": torch.cuda.get_device_name(0) if cuda else "cpu"}
-    with Parallel(strategy=FSDP(cpu_offload=True), timeout_s=600) as par:
+    # param_dtype: FSDP2 gathers each unit in bf16. Without it, bf16 autocast would
+    # cache a bf16 copy of every weight from forward to backward: a whole model's
+    # worth (2 bytes a parameter) on the GPU, which is what the cap is there to refuse.
+    strategy = FSDP(cpu_offload=True, param_dtype="bf16" if cuda else None)
+    with Parallel(strategy=strategy, timeout_s=600) as par:
         start = time.perf_counter()
         with par.init_module():
             model = Stack(ns.blocks, ns.dim)

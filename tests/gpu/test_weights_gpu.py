@@ -19,7 +19,7 @@ from torch import nn
 
 from manygpu.weights import load_weights, save_weights
 
-pytestmark = pytest.mark.gpu
+pytestmark = [pytest.mark.gpu, pytest.mark.slow]  # slow: it starts ranks
 
 
 def _net() -> nn.Module:
