@@ -46,7 +46,7 @@ from manygpu.runtime.process_group import teardown
 from manygpu.strategies import Strategy, abilities
 from manygpu.transforms.fp8 import planned_precision
 from manygpu.transforms.materialize import empty_init
-from manygpu.weights import SavedWeights, save_weights
+from manygpu.weights import save_weights
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
@@ -165,23 +165,17 @@ class Parallel:
 
     # -- preparation -----------------------------------------------------------
     def init_module(self) -> AbstractContextManager[None]:
-        """``with par.init_module(): model = Net()``: parameters built empty (meta device).
-
-        No memory and no init work until :meth:`prepare`, where the strategy
-        shards first and each rank allocates only its part, then fills it from
-        ``weights=`` or by each module's own init (see
-        :mod:`manygpu.transforms.materialize`). Buffers stay real.
-        """
+        """``with par.init_module(): model = Net()``: parameters on the meta device, no
+        memory or init until :meth:`prepare` shards, allocates this rank's part and fills
+        it (:mod:`manygpu.transforms.materialize`)."""
         return empty_init()
 
     def prepare(self, *objects: Any, weights: str | os.PathLike[str] | None = None) -> Any:
         """Prepare models, optimizers and training loaders; returns them in the same order.
 
-        Models are prepared before optimizers whatever the order given, because
-        wrapping may move parameters. Pass evaluation loaders to
-        :meth:`prepare_loader` with ``train=False`` instead. ``weights``: a
-        ``.safetensors`` file, a Hugging Face-style directory or a manygpu
-        checkpoint, read straight into the model's shards (one model only).
+        Models first whatever the order given: wrapping may move parameters. Evaluation
+        loaders go to :meth:`prepare_loader` with ``train=False``. ``weights``: a
+        safetensors file, HF directory or manygpu checkpoint read into the shards.
         """
         models = [o for o in objects if isinstance(o, nn.Module)]
         if weights is not None and len(models) != 1:
@@ -316,21 +310,10 @@ class Parallel:
         return self.profiler.profile(steps, dir=dir)
 
     # -- utilities -------------------------------------------------------------
-    def save_weights(
-        self, model: nn.Module, path: str | os.PathLike[str], *, max_shard_bytes: int = 5 * 10**9,
-        dtype: torch.dtype | None = None,
-    ) -> SavedWeights:  # fmt: skip
-        """Write ``model``'s weights as safetensors (every rank calls it; rank 0 writes).
-
-        A ``.safetensors`` path gets one file; any other path a Hugging Face-style
-        directory, sharded above ``max_shard_bytes`` with an index, which
-        ``prepare(..., weights=path)`` and ``from_pretrained`` read. Shards are
-        gathered one tensor at a time: no rank ever holds the whole model.
-        """
-        return save_weights(
-            self.unwrap(model), path, max_shard_bytes=max_shard_bytes, dtype=dtype,
-            timeout_s=self.timeout_s,
-        )  # fmt: skip
+    def save_weights(self, model: nn.Module, path: str | os.PathLike[str], **kw: Any) -> Any:
+        """``model``'s weights as safetensors from its shards, one tensor gathered at a time
+        (every rank calls it): :func:`manygpu.weights.save_weights`'s keywords."""
+        return save_weights(self.unwrap(model), path, **{"timeout_s": self.timeout_s, **kw})
 
     def unwrap(self, model: nn.Module) -> nn.Module:
         """The user's module inside the strategy's wrapper."""
