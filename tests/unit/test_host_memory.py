@@ -17,6 +17,7 @@ from manygpu.runtime import host_memory
 from manygpu.runtime.host_memory import MMAP_THRESHOLD_BYTES, malloc_defaults
 
 OURS = {"MALLOC_MMAP_THRESHOLD_": str(MMAP_THRESHOLD_BYTES)}
+SRC = Path(host_memory.__file__).parents[2]
 GLIBC = platform.system() == "Linux" and platform.libc_ver()[0] == "glibc"
 
 
@@ -73,13 +74,17 @@ def test_release_is_false_not_an_error_without_glibc(monkeypatch: pytest.MonkeyP
     def no_libc(*_: object, **__: object) -> None:
         raise OSError("no C library here")
 
-    host_memory._malloc_trim.cache_clear()
+    clear = (host_memory._libc.cache_clear, host_memory._malloc_trim.cache_clear)
+    for c in clear:
+        c()
     monkeypatch.setattr(ctypes, "CDLL", no_libc)
     try:
         assert host_memory.release_host_memory() is False
+        assert host_memory.fix_mmap_threshold(user_set=False) is False
     finally:
         monkeypatch.undo()
-        host_memory._malloc_trim.cache_clear()
+        for c in clear:
+            c()
 
 
 @pytest.mark.skipif(not GLIBC, reason="glibc's malloc only")
@@ -87,17 +92,26 @@ def test_release_runs_on_glibc() -> None:
     assert isinstance(host_memory.release_host_memory(), bool)
 
 
+@pytest.mark.skipif(not GLIBC, reason="glibc's malloc only")
+def test_the_in_process_threshold_respects_the_user() -> None:
+    assert host_memory.fix_mmap_threshold(user_set=True) is False
+
+
+# With FIX=1 it first sets the threshold in-process (fix_mmap_threshold).
 # Frees one 16 MiB buffer (glibc then raises its mmap threshold to 16 MiB), then
 # allocates 48 blocks of 4 MiB, touches them, frees all but the last (which pins
 # the heap's top) and prints how much of them is still resident.
 _RETAIN = textwrap.dedent(
     """
-    import ctypes, re
+    import ctypes, os, re
     libc = ctypes.CDLL("libc.so.6")
     libc.malloc.restype = ctypes.c_void_p
     libc.free.argtypes = [ctypes.c_void_p]
     def rss():
         return int(re.search(r"VmRSS:\\s+(\\d+)", open("/proc/self/status").read())[1]) * 1024
+    if os.environ.get("FIX"):
+        from manygpu.runtime.host_memory import fix_mmap_threshold
+        assert fix_mmap_threshold(user_set=False)
     libc.free(libc.malloc(16 << 20))
     before = rss()
     blocks = [libc.malloc(4 << 20) for _ in range(48)]
@@ -124,3 +138,4 @@ def test_the_threshold_returns_freed_blocks_that_glibc_would_keep() -> None:
     defaults; under ours only the one still held does (tolerance: 2 blocks)."""
     assert _blocks_resident({}) > 40
     assert _blocks_resident(OURS) < 3
+    assert _blocks_resident({"FIX": "1", "PYTHONPATH": str(SRC)}) < 3

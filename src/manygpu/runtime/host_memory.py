@@ -53,14 +53,42 @@ def malloc_defaults(env: Mapping[str, str], user_set: bool) -> dict[str, str]:
     return {"MALLOC_MMAP_THRESHOLD_": str(MMAP_THRESHOLD_BYTES)}
 
 
+M_MMAP_THRESHOLD = -3
+"""``mallopt``'s parameter number for the mmap threshold (glibc's malloc.h)."""
+
+
+@functools.cache
+def _libc() -> ctypes.CDLL | None:
+    """The C library, or ``None`` where it cannot be opened."""
+    name = ctypes.util.find_library("c")
+    try:
+        return ctypes.CDLL(name) if name else ctypes.CDLL(None)
+    except OSError:
+        return None
+
+
+def fix_mmap_threshold(user_set: bool) -> bool:
+    """In this process, what :func:`malloc_defaults` does for launched workers.
+
+    For jobs started by another launcher (torchrun, ``srun`` directly): the
+    threshold then applies from this call on, so call it before the model is
+    built. Nothing when ``user_set`` (their settings stand) or without glibc's
+    ``mallopt``. Returns whether the threshold was set.
+    """
+    libc = _libc()
+    mallopt = getattr(libc, "mallopt", None) if libc is not None else None
+    if user_set or mallopt is None:
+        return False
+    mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
+    return bool(mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD_BYTES))
+
+
 @functools.cache
 def _malloc_trim() -> ctypes._CFuncPtr | None:  # type: ignore[name-defined]
     """glibc's ``malloc_trim``, or ``None`` where the C library has none (musl, macOS)."""
-    name = ctypes.util.find_library("c")
-    try:
-        libc = ctypes.CDLL(name) if name else ctypes.CDLL(None)
-        trim = libc.malloc_trim
-    except (OSError, AttributeError):
+    libc = _libc()
+    trim = getattr(libc, "malloc_trim", None) if libc is not None else None
+    if trim is None:
         return None
     trim.argtypes, trim.restype = [ctypes.c_size_t], ctypes.c_int
     return trim
