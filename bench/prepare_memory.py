@@ -28,6 +28,10 @@ Run::
     .venv/bin/python bench/prepare_memory.py --size 0.2 --mode whole meta-manual
     .venv/bin/python bench/prepare_memory.py --env MALLOC_ARENA_MAX=2  # a user's own setting
 
+``--in-process`` applies manygpu's remedy by hand in every rank (a fixed mmap
+threshold, ``malloc_trim`` after prepare: :mod:`manygpu.runtime.host_memory`)
+for runs where ``Parallel`` does not apply it itself (``meta-manual``).
+
 Results: a table on stdout and JSON (default ``bench/results/prepare_memory.json``)
 with the command line, the machine, every rank's phases and the rows.
 """
@@ -84,6 +88,7 @@ def run_one(
         cfg = {
             "mode": mode, "strategy": strategy, "size_gb": args.size, "dim": args.dim,
             "out_dir": out, "weights": weights, "trim": args.trim,
+            "in_process": args.in_process,
         }  # fmt: skip
         cmd = [
             sys.executable, "-m", "manygpu", "launch", "--nproc-per-node", str(args.nproc),
@@ -155,6 +160,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--env", action="append", default=[], metavar="KEY=VALUE",
                    help="a variable for the launch (e.g. a user's MALLOC_ARENA_MAX=2)")  # fmt: skip
     p.add_argument("--trim", action="store_true", help="malloc_trim(0) after every phase")
+    p.add_argument("--in-process", action="store_true",
+                   help="fix glibc's mmap threshold in each rank first (runtime.host_memory."
+                   "fix_mmap_threshold), then malloc_trim(0) after prepare")  # fmt: skip
     p.add_argument("--timeout", type=float, default=600.0, help="per launch, seconds")
     p.add_argument("--out", type=Path, default=HERE / "results" / "prepare_memory.json")
     args = p.parse_args(argv)

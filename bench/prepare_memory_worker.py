@@ -24,7 +24,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from manygpu.runtime.host_memory import release_host_memory
+from manygpu.runtime import env as envmod
+from manygpu.runtime.host_memory import fix_mmap_threshold, release_host_memory
 
 _STATUS = re.compile(r"^(VmRSS|VmHWM):\s+(\d+) kB", re.MULTILINE)
 
@@ -40,12 +41,19 @@ def reset_peak() -> None:
     Path("/proc/self/clear_refs").write_text("5")
 
 
+PREPARE_PHASES = {"prepare", "materialize", "prepare+load"}
+
+
 class Meter:
     """Per-phase RSS: after the phase, and the phase's peak, both above the baseline."""
 
-    def __init__(self, trim: bool = False) -> None:
-        self.trim = trim
-        """``malloc_trim(0)`` at the end of every phase (the in-process remedy)."""
+    def __init__(self, cfg: dict[str, Any] | None = None) -> None:
+        cfg = cfg or {}
+        self.trim_after = PREPARE_PHASES if cfg.get("in_process") else set()
+        """Phases ending in ``malloc_trim(0)``: all of them with ``trim``, the prepare
+        phases with ``in_process`` (what manygpu's prepare would do)."""
+        if cfg.get("trim"):
+            self.trim_after = {"*"}
         reset_peak()
         self.baseline = vm()["VmRSS"]
         self.rows: list[dict[str, Any]] = []
@@ -55,7 +63,7 @@ class Meter:
         reset_peak()
         start = time.perf_counter()
         yield
-        if self.trim:
+        if name in self.trim_after or "*" in self.trim_after:
             release_host_memory()
         now = vm()
         self.rows.append(
@@ -185,7 +193,7 @@ def run_whole(cfg: dict[str, Any]) -> tuple[Meter, int]:
     from manygpu import Parallel
 
     par = Parallel(**strategy_args(cfg["strategy"]))
-    meter = Meter(cfg.get("trim", False))
+    meter = Meter(cfg)
     with meter.phase("build"):
         torch.manual_seed(0)
         model = build(cfg)
@@ -202,7 +210,7 @@ def run_init_module(cfg: dict[str, Any]) -> tuple[Meter, int]:
     from manygpu import Parallel
 
     par = Parallel(**strategy_args(cfg["strategy"]))
-    meter = Meter(cfg.get("trim", False))
+    meter = Meter(cfg)
     with meter.phase("build"):
         with par.init_module():  # type: ignore[attr-defined]
             model = build(cfg)
@@ -228,7 +236,7 @@ def run_meta_manual(cfg: dict[str, Any]) -> tuple[Meter, int]:
         mesh = init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("dp", "fsdp"))
     else:
         mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("fsdp",))
-    meter = Meter(cfg.get("trim", False))
+    meter = Meter(cfg)
     with meter.phase("build"):
         with torch.device("meta"):
             model = build(cfg)
@@ -263,16 +271,17 @@ def run_loop(cfg: dict[str, Any]) -> tuple[Meter, int]:
     for step in range(3 + cfg["steps"]):
         if step == 3:
             dist.barrier()
-            start = time.perf_counter()
+            start, cpu = time.perf_counter(), time.process_time()
         loss = F.cross_entropy(model(x).flatten(0, 1), x.flatten())
         par.backward(loss)
         opt.step()
         opt.zero_grad()
+    cpu_s = (time.process_time() - cpu) / cfg["steps"]
     dist.barrier()
     meter.rows.append(
         {"phase": "loop", "rss_after": vm()["VmRSS"] - meter.baseline,
          "peak": vm()["VmHWM"] - meter.baseline,
-         "seconds": (time.perf_counter() - start) / cfg["steps"]}
+         "seconds": (time.perf_counter() - start) / cfg["steps"], "cpu_seconds": cpu_s}
     )  # fmt: skip
     return meter, size
 
@@ -291,6 +300,8 @@ def main() -> None:
     cfg = json.loads(parser.parse_args().config)
     if cfg.get("threads"):
         torch.set_num_threads(cfg["threads"])
+    if cfg.get("in_process"):  # what Parallel(...) does for a strategy that splits weights
+        fix_mmap_threshold(envmod.user_set_malloc(envmod.current()))
     meter, size = MODES[cfg["mode"]](cfg)
     rank = int(os.environ.get("RANK", "0"))
     out = {

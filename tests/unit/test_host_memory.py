@@ -1,4 +1,4 @@
-"""glibc's allocator settings for launched workers, and ``malloc_trim`` where there is one."""
+"""glibc's mmap threshold for sharded jobs, and ``malloc_trim`` where there is one."""
 
 from __future__ import annotations
 
@@ -11,27 +11,13 @@ from pathlib import Path
 
 import pytest
 
-from manygpu.launch.resolve import LaunchRequest, resolve
 from manygpu.runtime import env as envmod
 from manygpu.runtime import host_memory
-from manygpu.runtime.host_memory import MMAP_THRESHOLD_BYTES, malloc_defaults
+from manygpu.runtime.host_memory import MMAP_THRESHOLD_BYTES
 
 OURS = {"MALLOC_MMAP_THRESHOLD_": str(MMAP_THRESHOLD_BYTES)}
 SRC = Path(host_memory.__file__).parents[2]
 GLIBC = platform.system() == "Linux" and platform.libc_ver()[0] == "glibc"
-
-
-@pytest.fixture
-def script(tmp_path: Path) -> str:
-    path = tmp_path / "train.py"
-    path.write_text("print('hi')\n")
-    return str(path)
-
-
-def test_defaults_only_when_the_user_chose_nothing() -> None:
-    assert malloc_defaults({}, user_set=False) == OURS
-    assert malloc_defaults({}, user_set=True) == {}
-    assert malloc_defaults(OURS, user_set=False) == {}
 
 
 @pytest.mark.parametrize(
@@ -47,19 +33,6 @@ def test_defaults_only_when_the_user_chose_nothing() -> None:
 )
 def test_what_counts_as_the_users_allocator_choice(env: dict[str, str], user_set: bool) -> None:
     assert envmod.user_set_malloc(env) is user_set
-
-
-def test_launch_gives_workers_the_threshold(script: str) -> None:
-    spec = resolve(LaunchRequest(entry=script), {}, 0)
-    assert spec.extra_env["MALLOC_MMAP_THRESHOLD_"] == str(MMAP_THRESHOLD_BYTES)
-
-
-@pytest.mark.parametrize(
-    "user", [{"MALLOC_ARENA_MAX": "4"}, {"GLIBC_TUNABLES": "glibc.malloc.mmap_threshold=65536"}]
-)
-def test_a_users_own_setting_wins_whole(script: str, user: dict[str, str]) -> None:
-    spec = resolve(LaunchRequest(entry=script), user, 0)
-    assert not any(k.startswith("MALLOC_") for k in spec.extra_env)
 
 
 def test_the_users_settings_reach_other_hosts() -> None:
@@ -134,8 +107,9 @@ def _blocks_resident(env: dict[str, str]) -> float:
 @pytest.mark.slow  # starts Python processes (without torch: ~0.1 s each)
 @pytest.mark.skipif(not GLIBC, reason="glibc's malloc only")
 def test_the_threshold_returns_freed_blocks_that_glibc_would_keep() -> None:
-    """Why launch sets it: 47 freed 4 MiB blocks stay resident under glibc's
-    defaults; under ours only the one still held does (tolerance: 2 blocks)."""
+    """Why it is set: 47 freed 4 MiB blocks stay resident under glibc's defaults;
+    under our threshold (as a variable, or set in the process) only the one still
+    held does (tolerance: 2 blocks)."""
     assert _blocks_resident({}) > 40
     assert _blocks_resident(OURS) < 3
     assert _blocks_resident({"FIX": "1", "PYTHONPATH": str(SRC)}) < 3

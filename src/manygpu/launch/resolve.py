@@ -24,7 +24,6 @@ from manygpu.runtime import env as envmod
 from manygpu.runtime.cluster import DEFAULT_PORT, mpi_port, mpi_ranks, slurm_master
 from manygpu.runtime.device import cpu_count, threads_per_process
 from manygpu.runtime.env import Environ
-from manygpu.runtime.host_memory import malloc_defaults
 
 CPU_DEFAULT_PROCS = 2
 """Processes started on a machine without GPUs when the user names none."""
@@ -325,8 +324,6 @@ def _worker_env(
         extra["CUDA_VISIBLE_DEVICES"] = ",".join(gpus)
     if not envmod.user_set_threads(env):
         extra["OMP_NUM_THREADS"] = str(threads_per_process(nproc))
-    # A sharded job frees whole blocks; glibc's defaults keep them resident.
-    extra |= malloc_defaults(env, envmod.user_set_malloc(env))
     if single_node and "GLOO_SOCKET_IFNAME" not in env and os.path.exists("/sys/class/net/lo"):
         # All ranks are local: keep gloo off interfaces the hostname resolves to.
         extra["GLOO_SOCKET_IFNAME"] = "lo"
