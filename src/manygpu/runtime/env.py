@@ -166,6 +166,14 @@ def user_set_threads(env: Environ) -> bool:
     return bool(env.get("OMP_NUM_THREADS"))
 
 
+def user_set_malloc(env: Environ) -> bool:
+    """Whether the user tuned glibc's malloc (a ``MALLOC_*`` variable or a
+    ``glibc.malloc.*`` tunable in ``GLIBC_TUNABLES``); theirs then stands alone."""
+    return any(name.startswith("MALLOC_") for name in env) or "glibc.malloc." in env.get(
+        "GLIBC_TUNABLES", ""
+    )
+
+
 def agent_store_attempt(env: Environ) -> int | None:
     """The restart count when torch elastic's agent hosts the store, else ``None``."""
     if env.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() != "true":
@@ -193,10 +201,10 @@ def drop_job_secret() -> None:
 VARIABLE_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 """What a shell accepts as a variable name; nothing else is forwarded to a host."""
 
-FORWARD_PREFIXES = ("NCCL_", "GLOO_", "MANYGPU_")
+FORWARD_PREFIXES = ("NCCL_", "GLOO_", "MANYGPU_", "MALLOC_")
 """Variables a launch over several hosts hands to every host: the collectives'
-settings and ours. Everything else stays here unless ``-x`` names it."""
-FORWARD_NAMES = ("PYTHONPATH", "CUDA_DEVICE_ORDER")
+settings, glibc's allocator's and ours. Everything else stays here unless ``-x`` names it."""
+FORWARD_NAMES = ("PYTHONPATH", "CUDA_DEVICE_ORDER", "GLIBC_TUNABLES")
 FORWARD_SUFFIX = "_VISIBLE_DEVICES"
 """CUDA_VISIBLE_DEVICES and its kin (HIP_, ROCR_, NVIDIA_...)."""
 
