@@ -110,7 +110,9 @@ def main() -> None:
             row["whole_model_fits_cap"] = True
         except torch.OutOfMemoryError:
             row["whole_model_fits_cap"] = False
-    print(" | ".join(f"{k}={v:.3g}" if isinstance(v, float) else f"{k}={v}" for k, v in row.items()))
+    print(
+        " | ".join(f"{k}={v:.3g}" if isinstance(v, float) else f"{k}={v}" for k, v in row.items())
+    )
     Path(ns.out).parent.mkdir(parents=True, exist_ok=True)
     Path(ns.out).write_text(json.dumps(row, indent=2))
 

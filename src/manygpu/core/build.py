@@ -19,6 +19,7 @@ import torch
 from manygpu.core.config import ParallelConfig, served_class
 from manygpu.core.precision import PrecisionChoice, cuda_facts, resolve_precision
 from manygpu.runtime import env as envmod
+from manygpu.runtime import host_memory
 from manygpu.runtime.cluster import ClusterInfo
 from manygpu.runtime.device import choose_backend, choose_device, set_cpu_threads
 from manygpu.runtime.process_group import DistContext, init_distributed
@@ -105,7 +106,9 @@ def rebuilt(
             ctx.cluster, device=ctx.device, backend=ctx.backend, timeout_s=timeout_s,
             force=True,
         )  # fmt: skip
-    return ctx, chosen.cls(ctx, chosen.options, job)
+    strategy = chosen.cls(ctx, chosen.options, job)
+    keep_host_memory_low(strategy, envmod.current())
+    return ctx, strategy
 
 
 @dataclass(frozen=True)
@@ -132,4 +135,14 @@ def started(config: ParallelConfig, cluster: ClusterInfo, environ: envmod.Enviro
     timeout_s = config.timeout_s or envmod.timeout_s(environ)
     ctx = joined(chosen, cluster, job, device, config, timeout_s, environ)
     strategy = chosen.cls(ctx, chosen.options, job)
+    keep_host_memory_low(strategy, environ)
     return Started(chosen, strategy, ctx, choice, device_name, timeout_s)
+
+
+def keep_host_memory_low(strategy: Strategy[Any], environ: envmod.Environ) -> None:
+    """A strategy that splits the weights gets a fixed glibc mmap threshold, before the
+    model is built: freed blocks then leave the resident set (the user's own malloc
+    settings win). It costs a CPU step 20-50% more CPU time (BENCHMARKS.md), so the
+    replicating strategies, whose memory it would not change, keep glibc's defaults."""
+    if strategy.card.memory.weights != "whole":
+        host_memory.fix_mmap_threshold(envmod.user_set_malloc(environ))

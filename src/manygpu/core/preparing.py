@@ -36,6 +36,7 @@ from manygpu.core.streams import prepare_stream
 from manygpu.errors import UsageError
 from manygpu.observe.job_log import JobLog
 from manygpu.observe.straggler_board import StepReports
+from manygpu.runtime.host_memory import release_host_memory
 from manygpu.strategies import Strategy, abilities
 from manygpu.transforms.channels_last import ChannelsLast
 from manygpu.transforms.checkpointing import CheckpointBlocks
@@ -106,6 +107,7 @@ class Preparer:
             compile=None if config.compile_options is None else self._compile,
         )
         wrapped = prepare_module(model, transforms, around, self._say)
+        release_host_memory()  # what placing and filling freed goes back to the system
         self._channels_last = self._channels_last or layout.chosen
         self.models.append(wrapped)
         self._model_inputs.append(model)

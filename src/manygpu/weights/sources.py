@@ -21,6 +21,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import json
+import os
 from abc import ABC, abstractmethod
 from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path, PurePosixPath
@@ -99,6 +100,7 @@ class SafetensorsSource(SlicedSource):
     def __init__(self, where: str, files: Mapping[str, Path]) -> None:
         self.where, self.files = where, dict(files)
         self.handles: dict[Path, Any] = {}
+        self._layouts: dict[Path, dict[str, tuple[Spec, int]]] = {}
         self.entries = {}
         for path in sorted(set(self.files.values())):
             handle = self._open(path)
@@ -125,10 +127,43 @@ class SafetensorsSource(SlicedSource):
         return handle
 
     def read(self, name: str, index: tuple[slice, ...] | None) -> torch.Tensor:
+        rows = _row_block(self.entries[name].shape, index)
+        if rows is not None:
+            return self._pread(name, *rows)
         handle = self._open(self.files[name])
         if index is None or not self.entries[name].shape:  # all of it; a 0-d has no slice
             return handle.get_tensor(name)
         return handle.get_slice(name)[index]
+
+    def _pread(self, name: str, start: int, stop: int) -> torch.Tensor:
+        """Rows ``start:stop`` of ``name`` read with ``pread`` into fresh memory.
+
+        Not through safetensors' memory map: pages of a mapped file count in the
+        process's resident set while it is open, so each rank's share of the file
+        would show twice (mapped, then copied). One block of rows is one byte range.
+        """
+        path = self.files[name]
+        spec, begin = self._layout(path)[name]
+        out = torch.empty((stop - start, *spec.shape[1:]), dtype=spec.dtype)
+        row = out[0].numel() * out.element_size() if out.dim() and len(out) else 0
+        raw = out.view(torch.uint8).numpy() if out.numel() else None
+        view = memoryview(raw).cast("B") if raw is not None else None  # type: ignore[arg-type]
+        if view is not None:
+            fd = os.open(path, os.O_RDONLY)
+            try:
+                got = os.preadv(fd, [view], begin + start * row)
+            finally:
+                os.close(fd)
+            if got != len(view):
+                raise CheckpointError(f"{path} is truncated at {name}; re-save the weights")
+        return out
+
+    def _layout(self, path: Path) -> dict[str, tuple[Spec, int]]:
+        """Each tensor's spec and the absolute offset of its bytes, from the header."""
+        cached = self._layouts.get(path)
+        if cached is None:
+            cached = self._layouts[path] = _header_offsets(path, self.entries)
+        return cached
 
 
 class MappedSource(SlicedSource):
@@ -305,3 +340,30 @@ def _dtype(piece: Any, path: Path) -> torch.dtype:
 def _first(exc: BaseException) -> str:
     lines = [ln.strip() for ln in str(exc).splitlines() if ln.strip()]
     return (lines or [type(exc).__name__])[0][:200]
+
+
+def _row_block(shape: tuple[int, ...], index: tuple[slice, ...] | None) -> tuple[int, int] | None:
+    """``(start, stop)`` when ``index`` is whole rows (all of it, or a dim-0 block)."""
+    if not shape:
+        return None
+    if index is None:
+        return 0, shape[0]
+    first, *rest = index
+    whole = all(s.start in (0, None) and s.stop in (n, None) and s.step in (1, None)
+                for s, n in zip(rest, shape[1:], strict=True))  # fmt: skip
+    if not whole or first.step not in (1, None):
+        return None
+    return first.start or 0, shape[0] if first.stop is None else first.stop
+
+
+def _header_offsets(path: Path, entries: Mapping[str, Spec]) -> dict[str, tuple[Spec, int]]:
+    """Name -> (spec, absolute byte offset) for the tensors of ``path`` in ``entries``."""
+    with open(path, "rb") as fh:
+        size = int.from_bytes(fh.read(8), "little")
+        header = json.loads(fh.read(size))
+    base = 8 + size
+    return {
+        name: (entries[name], base + int(meta["data_offsets"][0]))
+        for name, meta in header.items()
+        if name != "__metadata__" and name in entries
+    }
