@@ -127,13 +127,18 @@ class SafetensorsSource(SlicedSource):
         return handle
 
     def read(self, name: str, index: tuple[slice, ...] | None) -> torch.Tensor:
-        rows = _row_block(self.entries[name].shape, index)
+        shape = self.entries[name].shape
+        if not shape:  # a 0-d tensor has no rows
+            return self._open(self.files[name]).get_tensor(name)
+        rows = _row_block(shape, index)
         if rows is not None:
             return self._pread(name, *rows)
-        handle = self._open(self.files[name])
-        if index is None or not self.entries[name].shape:  # all of it; a 0-d has no slice
-            return handle.get_tensor(name)
-        return handle.get_slice(name)[index]
+        # Columns (a row-parallel weight's share): the tensor's rows read whole, one
+        # tensor in flight, and this rank's block copied out of them.
+        assert index is not None
+        first = index[0]
+        whole = self._pread(name, first.start or 0, shape[0] if first.stop is None else first.stop)
+        return whole[(slice(None),) + tuple(index[1:])].clone()
 
     def _pread(self, name: str, start: int, stop: int) -> torch.Tensor:
         """Rows ``start:stop`` of ``name`` read with ``pread`` into fresh memory.
