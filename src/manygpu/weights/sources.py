@@ -138,7 +138,8 @@ class SafetensorsSource(SlicedSource):
         assert index is not None
         first = index[0]
         whole = self._pread(name, first.start or 0, shape[0] if first.stop is None else first.stop)
-        return whole[(slice(None),) + tuple(index[1:])].clone()
+        block = [slice(None), *index[1:]]
+        return whole[tuple(block)].clone()
 
     def _pread(self, name: str, start: int, stop: int) -> torch.Tensor:
         """Rows ``start:stop`` of ``name`` read with ``pread`` into fresh memory.
