@@ -30,12 +30,13 @@ Tolerances (fp32, CPU), per step and at the end:
 from __future__ import annotations
 
 import shutil
+from dataclasses import replace
 from typing import Any
 
 import pytest
 import torch
 from dist_harness import preload, run_ranks
-from recipes import INIT_SEED, Recipe, full_params, global_batches, max_diff
+from recipes import INIT_SEED, Recipe, full_params, global_batches, max_diff, weights_file
 from torch.utils.data import DataLoader
 from zoo import OPTIMIZERS, ZOO, dataset, warmup_cosine
 
@@ -94,7 +95,12 @@ def train_rank(recipe: Recipe, parallel: dict[str, Any]) -> dict[str, Any]:
     ddp_splits = _spy_ddp_optimizer()
     with Parallel(precision="fp32", **parallel) as par:
         torch.manual_seed(INIT_SEED + par.rank)  # replicas start different: prepare must fix it
-        model = par.prepare(entry.build())
+        if recipe.weights:  # built empty, read from the reference's start, then compiled
+            path = weights_file(recipe, par.rank)
+            with par.init_module():
+                model = par.prepare(entry.build(), weights=path)
+        else:
+            model = par.prepare(entry.build())
         opt = par.prepare(OPTIMIZERS[recipe.optimizer](model))
         loader = par.prepare(DataLoader(dataset(recipe.model, recipe.samples), batch_size=4))
         sched = warmup_cosine(opt, len(loader))
@@ -180,8 +186,10 @@ def test_compile_matches_one_plain_process(strategy: str, fullgraph: bool) -> No
         "strategy": strategy,
         "compile": CompileOptions(fullgraph=True) if fullgraph else True,
     }
-    outs = run_ranks(train_rank, WORLD, GPT, parallel, timeout=480)
-    _matches_reference(outs, GPT)
+    # fsdp fullgraph: the model built empty (init_module) and loaded with weights=.
+    recipe = replace(GPT, weights=True) if (strategy, fullgraph) == ("fsdp", True) else GPT
+    outs = run_ranks(train_rank, WORLD, recipe, parallel, timeout=480)
+    _matches_reference(outs, recipe)
     for out in outs:
         assert out["graphs"] > 0 and not out["batches_channels_last"]
         if strategy == "ddp":

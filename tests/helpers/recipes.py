@@ -98,7 +98,7 @@ def _run(par: Any, recipe: Recipe) -> dict[str, Any]:
     torch.manual_seed(INIT_SEED + par.rank)  # different on purpose: prepare must fix it
     steps = _optimizer_steps(recipe, par.strategy.data_shard()[1])
     loader = DataLoader(dataset(recipe.model, recipe.samples), batch_size=recipe.batch)
-    weights = _weights_file(recipe, par.rank) if recipe.weights else None
+    weights = weights_file(recipe, par.rank) if recipe.weights else None
     with par.init_module() if recipe.empty or recipe.weights else contextlib.nullcontext():
         model = entry.build()
     if recipe.five_lines:
@@ -139,7 +139,7 @@ def _run(par: Any, recipe: Recipe) -> dict[str, Any]:
     }
 
 
-def _weights_file(recipe: Recipe, rank: int) -> str:
+def weights_file(recipe: Recipe, rank: int) -> str:
     """The reference's starting model as a safetensors file (this rank's own copy)."""
     from safetensors.torch import save_model
 

@@ -64,8 +64,14 @@ class TensorParallelStrategy(MeshStrategy[Tensor]):
         check_divisible(module, plan, self.shape.tp)
         parallelize_module(module, mesh["tp"], plan)
         if self.data_names:
-            kwargs = fsdp_kwargs(self.options.fsdp, self.ctx.device, reshard_after_forward=True)
-            shard_data_dims(module, mesh[self.data_names], kwargs, children=False)
+            fsdp = self.options.fsdp
+            kwargs = fsdp_kwargs(fsdp, self.ctx.device, reshard_after_forward=True)
+            # Each block its own unit over the data dims (torchtitan's TP then FSDP):
+            # one unit for the whole model would gather all of it for the forward.
+            shard_data_dims(
+                module, mesh[self.data_names], kwargs, children=fsdp.shard_children,
+                block_classes=tuple(fsdp.block_classes),  # type: ignore[arg-type]
+            )  # fmt: skip
         # Split (and sharded) first, then each rank's slices allocated: the whole
         # model is never on the device. Layers left whole (embeddings, norms) move.
         return place(module, self.ctx.device)
