@@ -111,6 +111,22 @@ class Cap:
         else:
             (self.cgroup / "cgroup.procs").write_text(str(os.getpid()))
 
+    def enter_above_own(self, extra_bytes: int) -> int:
+        """Cap the calling process at what it holds now plus ``extra_bytes``, then enter.
+
+        A cgroup charges the pages a process touches after it enters, copy-on-write
+        copies of its parent's pages included (a rank forked from a server that
+        imported much): counting the process's own resident set into the cap keeps
+        the cap about the work, not about what the fork shared. Returns the limit.
+        """
+        own = _rss_bytes()
+        limit = own + extra_bytes
+        if self.cgroup is not None:
+            name = "memory.max" if self.kind == "cgroup2" else "memory.limit_in_bytes"
+            (self.cgroup / name).write_text(str(limit))
+        self.enter()
+        return limit
+
     def peak_bytes(self) -> int | None:
         """The cgroup's peak usage (``None`` under RLIMIT_AS or an old v2 kernel)."""
         if self.cgroup is None:
@@ -180,3 +196,11 @@ def run_capped(
         # preexec_fn: the child enters the cap before exec, so nothing escapes it.
         done = subprocess.run(list(cmd), preexec_fn=cap.enter, capture_output=True, text=True, **kw)
         return CappedRun(done, cap.kind, cap.peak_bytes())
+
+
+def _rss_bytes() -> int:
+    """This process's resident set now (VmRSS)."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) * 1024
+    return 0

@@ -58,5 +58,7 @@ def _unviewed(module: nn.Module, inputs: Any, output: Any) -> Any:
 
 
 def unview_outputs(unit: nn.Module) -> None:
-    """Before FSDP2's own post-forward hook (``prepend``): ``unit``'s outputs unviewed."""
-    unit.register_forward_hook(_unviewed, prepend=True)
+    """``unit``'s outputs unviewed, called before ``fully_shard``: after the hooks the
+    unit already has (a tensor-parallel layer's ``to_local``, the alias to undo) and
+    before the post-forward hook FSDP2 adds next."""
+    unit.register_forward_hook(_unviewed)
