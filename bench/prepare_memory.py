@@ -55,7 +55,7 @@ from rich.table import Table
 HERE = Path(__file__).resolve().parent
 WORKER = HERE / "prepare_memory_worker.py"
 MODES = ("whole", "meta-manual", "init_module")
-STRATEGIES = ("fsdp", "hsdp", "tensor", "dp2xtp2")
+STRATEGIES = ("fsdp", "hsdp", "tensor", "dp2xtp2", "pipeline")
 MANUAL = ("fsdp", "hsdp")
 """What ``meta-manual`` writes by hand: FSDP2 over a 1-D or a 2-D mesh."""
 
@@ -67,15 +67,20 @@ def has_init_module() -> bool:
     return hasattr(Parallel, "init_module")
 
 
-def write_weights(args: argparse.Namespace, folder: Path) -> str:
-    """The model's weights as one safetensors file, written in a child process."""
-    path = folder / "model.safetensors"
+def write_weights(args: argparse.Namespace, folder: Path, strategy: str) -> str:
+    """The model's weights as one safetensors file, written in a child process (the
+    pipeline's ``nn.Sequential`` layout has its own names)."""
+    kind = "pipeline" if strategy == "pipeline" else "gpt"
+    path = folder / f"{kind}.safetensors"
+    if path.exists():
+        return str(path)
     code = (
         "import sys, torch; sys.path.insert(0, sys.argv[1]); import prepare_memory_worker as w;"
         "from safetensors.torch import save_model; torch.manual_seed(0);"
-        "save_model(w.build({'size_gb': float(sys.argv[2]), 'dim': int(sys.argv[3])}), sys.argv[4])"
+        "save_model(w.build({'size_gb': float(sys.argv[2]), 'dim': int(sys.argv[3]),"
+        " 'strategy': sys.argv[5]}), sys.argv[4])"
     )
-    cmd = [sys.executable, "-c", code, str(HERE), str(args.size), str(args.dim), str(path)]
+    cmd = [sys.executable, "-c", code, str(HERE), str(args.size), str(args.dim), str(path), kind]
     subprocess.run(cmd, check=True)
     return str(path)
 
@@ -175,7 +180,6 @@ def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     rows = []
     with tempfile.TemporaryDirectory(prefix="prepare-memory-weights-") as folder:
-        weights = None
         for mode in args.mode:
             for strategy in args.strategies:
                 if mode == "meta-manual" and strategy not in MANUAL:
@@ -183,8 +187,9 @@ def main(argv: list[str] | None = None) -> None:
                 elif mode == "init_module" and not has_init_module():
                     result = {"note": "skipped: this Parallel has no init_module yet"}
                 else:
-                    if mode == "init_module" and weights is None:
-                        weights = write_weights(args, Path(folder))
+                    weights = None
+                    if mode == "init_module":
+                        weights = write_weights(args, Path(folder), strategy)
                     result = run_one(args, mode, strategy, weights)
                 rows.append(summarize(mode, strategy, result))
                 if "output_tail" in result:

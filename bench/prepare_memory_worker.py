@@ -139,8 +139,28 @@ def layers_for(size_gb: float, dim: int) -> int:
     return max(1, round((size_gb * 1e9 / 4 - fixed) / per_block))
 
 
+class Embed(nn.Module):
+    def __init__(self, vocab: int, context: int, dim: int) -> None:
+        super().__init__()
+        self.wte, self.wpe = nn.Embedding(vocab, dim), nn.Embedding(context, dim)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        return self.wte(idx) + self.wpe(torch.arange(idx.shape[1], device=idx.device))
+
+
 def build(cfg: dict[str, Any]) -> nn.Module:
-    return GPT(VOCAB, CONTEXT, cfg["dim"], HEADS, layers_for(cfg["size_gb"], cfg["dim"]))
+    """The GPT; for ``pipeline`` the same layers as an ``nn.Sequential`` (head untied:
+    its stages hold different layers)."""
+    dim, layers = cfg["dim"], layers_for(cfg["size_gb"], cfg["dim"])
+    if cfg.get("strategy") != "pipeline":
+        return GPT(VOCAB, CONTEXT, dim, HEADS, layers)
+    blocks = [Block(dim, HEADS) for _ in range(layers)]
+    head = nn.Linear(dim, VOCAB, bias=False)
+    return nn.Sequential(Embed(VOCAB, CONTEXT, dim), *blocks, nn.LayerNorm(dim), head)
+
+
+def _lm_loss(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(out.flatten(0, 1), y.flatten())
 
 
 def model_bytes(model: nn.Module) -> int:
@@ -157,10 +177,10 @@ def init_local(model: nn.Module) -> None:
             local.normal_(0.0, 0.02, generator=g)
 
 
-def batch() -> tuple[torch.Tensor, torch.Tensor]:
+def batch(rows: int = 2) -> tuple[torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(0)
-    x = torch.randint(VOCAB, (2, 16), generator=g)
-    return x, torch.randint(VOCAB, (2, 16), generator=g)
+    x = torch.randint(VOCAB, (rows, 16), generator=g)
+    return x, torch.randint(VOCAB, (rows, 16), generator=g)
 
 
 # --- the modes ------------------------------------------------------------------
@@ -175,10 +195,21 @@ def strategy_args(name: str) -> dict[str, Any]:
         "tensor": {"strategy": "tensor", "mesh": {"tp": 4}},
         "dp2xtp2": {"strategy": "tensor", "mesh": {"dp": 2, "tp": 2}},
     }
+    if name == "pipeline":  # one stage per rank, balanced by parameters
+        from manygpu import Pipeline
+
+        return {"strategy": Pipeline(loss_fn=_lm_loss, microbatches=4)}
     return rows[name]
 
 
 def train_step(meter: Meter, model: nn.Module, opt: Any, backward: Any) -> None:
+    if hasattr(model, "is_last"):  # a pipeline runs forward and backward in one call
+        x, y = batch(rows=4)  # one row per micro-batch, one micro-batch per stage
+        with meter.phase("forward+backward"):
+            backward(model(x, target=y))
+        with meter.phase("step"):
+            opt.step()
+        return
     x, y = batch()
     with meter.phase("forward"):
         loss = F.cross_entropy(model(x).flatten(0, 1), y.flatten())
