@@ -37,6 +37,7 @@ from manygpu.core.config import ParallelConfig
 from manygpu.core.data import PreparedLoader
 from manygpu.core.optimizer import PreparedOptimizer
 from manygpu.core.precision import PrecisionPlugin, announcement, apply_tf32
+from manygpu.core.token_weights import TokenWeights
 from manygpu.errors import UsageError
 from manygpu.observe import straggler_board
 from manygpu.observe.profiling import ProfileWindow
@@ -104,6 +105,7 @@ class Parallel:
                     self.precision, self.precision_choice)  # fmt: skip
         parts = assemble(self._current, facts, environ)
         self._accumulator, self._reports, self._prep = parts.accumulator, parts.reports, parts.prep
+        self._tokens = TokenWeights(self.timeout_s, device)
         self.console, self.collectives = parts.console, parts.collectives
         self.job_log, self.profiler = parts.job_log, parts.profiler
         self.events = parts.events
@@ -177,9 +179,8 @@ class Parallel:
         loaders go to :meth:`prepare_loader` with ``train=False``. ``weights``: a
         safetensors file, HF directory or manygpu checkpoint read into the shards.
         """
-        models = [o for o in objects if isinstance(o, nn.Module)]
-        if weights is not None and len(models) != 1:
-            raise UsageError(f"weights= loads one model; prepare() got {len(models)}")
+        if weights is not None and sum(isinstance(o, nn.Module) for o in objects) != 1:
+            raise UsageError("weights= loads one model; give prepare() exactly one")
         prepared: list[Any] = list(objects)
         loaders = [o for o in objects if isinstance(o, DataLoader) and o.batch_size]
         self._auto_batch = int(loaders[0].batch_size or 1) if loaders else self._auto_batch
@@ -227,9 +228,10 @@ class Parallel:
         return self._prep.loader(loader, train=train)
 
     # -- the training step -----------------------------------------------------
-    def backward(self, loss: torch.Tensor) -> None:
-        """Backward with loss scaling and accumulation; gradients sync on the last micro-step."""
-        if self.config.grad_accum_steps > 1:
+    def backward(self, loss: torch.Tensor, *, tokens: int | torch.Tensor | None = None) -> None:
+        """Backward, scaled and accumulated (``tokens``: :mod:`manygpu.core.token_weights`)."""
+        self._tokens.note(loss, tokens, self.strategy)
+        if self.config.grad_accum_steps > 1 and tokens is None:
             loss = loss / self.config.grad_accum_steps
         try:
             self.strategy.backward(self.precision.scale(loss))
@@ -239,9 +241,9 @@ class Parallel:
                 operation="gradient all-reduce in backward",
             )  # fmt: skip
             raise
-        if self._accumulator.advance():
-            steps, had = self.config.grad_accum_steps, self._accumulator.last_cycle
-            reweight_short_cycle(self._prep.models, steps, had)
+        models, data_world = self._prep.models, self.strategy.data_shard()[1]
+        if self._accumulator.advance() and not self._tokens.end_cycle(models, data_world):
+            reweight_short_cycle(models, self.config.grad_accum_steps, self._accumulator.last_cycle)
         self._prep.set_grad_sync(self._accumulator.next_is_boundary)
 
     def clip_grad_norm_(

@@ -1,0 +1,112 @@
+"""``par.backward(loss, tokens=n)``: one mean over every token of the step, as one process.
+
+A language model's loss is a mean over its tokens, and ranks and micro-steps
+hold different numbers of them (padding, packing). DDP / FSDP average the
+ranks and accumulation averages the micro-steps, so a token on a rank with
+few tokens weighs more than one on a rank with many. With ``tokens=`` the
+loss is the *sum* over this micro-step's tokens on this rank: it is
+backpropagated as it is (not divided by the accumulation steps), and at the
+cycle's last backward one all-reduce of the token counts gives the step's
+total ``N``; every gradient is then multiplied by ``D / N``, ``D`` being the
+number of data shards the strategy averaged over. The result is the gradient
+of (every rank's and micro-step's loss sums) / N, before any clipping.
+
+Ranks that read the same data (tensor-parallel peers) count the same tokens:
+the all-reduce over every rank counts each shard ``world / D`` times, which is
+divided out.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from manygpu.comm.common import describe, wait
+from manygpu.errors import UsageError
+
+
+def count_of(tokens: int | torch.Tensor) -> int:
+    """``tokens`` as a count, or one line saying what it must be."""
+    if isinstance(tokens, torch.Tensor):
+        if tokens.dim() != 0 or tokens.is_floating_point() or tokens.is_complex():
+            raise UsageError(
+                f"tokens= takes an int or a 0-d integer tensor, not a {tuple(tokens.shape)} "
+                f"{tokens.dtype} tensor: the number of tokens this loss sums over"
+            )
+        tokens = int(tokens.item())
+    if isinstance(tokens, bool) or not isinstance(tokens, int) or tokens < 0:
+        raise UsageError(
+            f"tokens={tokens!r}: give the number of tokens the loss sums over, an int >= 0"
+        )
+    return tokens
+
+
+class TokenWeights:
+    """The token counts of the accumulation cycle under way, and the rescale at its end."""
+
+    def __init__(self, timeout_s: float, device: torch.device) -> None:
+        self._timeout_s, self._device = timeout_s, device
+        self._tokens = 0
+        self._with = 0  # micro-steps of this cycle given tokens= ...
+        self._without = 0  # ... and not
+
+    def note(self, loss: torch.Tensor, tokens: int | torch.Tensor | None, strategy: Any) -> None:
+        """One micro-step's backward: its count (``None``: plain ``backward(loss)``)."""
+        if tokens is None:
+            self._without += 1
+            return
+        if not loss.requires_grad:  # a pipeline's: the schedule already ran the backward
+            raise UsageError(
+                f"tokens= needs the loss to backpropagate, and strategy {strategy.name!r} "
+                "returned one its schedule already did (a mean over its micro-batches): "
+                "call par.backward(loss) there"
+            )
+        if loss.dim() != 0:
+            raise UsageError(
+                f"par.backward(loss, tokens=...) takes a scalar loss (a sum over tokens), "
+                f"not a {tuple(loss.shape)} tensor: sum it first"
+            )
+        self._tokens += count_of(tokens)
+        self._with += 1
+
+    def end_cycle(self, models: Iterable[nn.Module], data_world: int) -> bool:
+        """The cycle's last backward: when it was given ``tokens=``, every gradient scaled
+        by ``data_world / N`` (then True); else nothing to do (False)."""
+        tokens, given, plain = self._tokens, self._with, self._without
+        self._tokens = self._with = self._without = 0
+        if not given:
+            return False
+        world = dist.get_world_size() if dist.is_initialized() else 1
+        counts = torch.tensor([tokens, given, plain], dtype=torch.float64, device=self._device)
+        if world > 1:
+            work = dist.all_reduce(counts, async_op=True)
+            wait(work, describe("token count all-reduce of par.backward(loss, tokens=)", counts),
+                 self._timeout_s)  # fmt: skip
+        total, given_all, plain_all = (float(v) for v in counts.tolist())
+        if plain_all and given_all:
+            raise UsageError(
+                "par.backward(loss, tokens=...) was given on some micro-steps or ranks and "
+                "not others in this step: give tokens= on every backward, or on none"
+            )
+        total /= world / data_world  # ranks reading the same data counted them alike
+        if total <= 0:
+            raise UsageError(
+                "no rank counted any token in this step (tokens=0 everywhere): the mean loss "
+                "over no tokens has no gradient; skip such a step"
+            )
+        _scale_grads(models, data_world / total)
+        return True
+
+
+@torch.no_grad()
+def _scale_grads(models: Iterable[nn.Module], factor: float) -> None:
+    seen: set[int] = set()
+    for model in models:
+        for p in model.parameters():
+            if p.grad is not None and id(p) not in seen:
+                seen.add(id(p))
+                p.grad.mul_(factor)
