@@ -18,6 +18,7 @@ _excepthook.install()  # a configuration error is one line, not a traceback
 if TYPE_CHECKING:  # the names for type checkers; a test keeps them equal to _WHERE
     from manygpu.core import Parallel as Parallel
     from manygpu.core import ParallelConfig as ParallelConfig
+    from manygpu.core.losses import token_cross_entropy as token_cross_entropy
     from manygpu.errors import CollectiveTimeoutError as CollectiveTimeoutError
     from manygpu.errors import LaunchError as LaunchError
     from manygpu.errors import ManyGPUError as ManyGPUError
@@ -41,6 +42,7 @@ if TYPE_CHECKING:  # the names for type checkers; a test keeps them equal to _WH
 _WHERE = {
     "Parallel": "manygpu.core.parallel",
     "ParallelConfig": "manygpu.core.config",
+    "token_cross_entropy": "manygpu.core.losses",
     "CollectiveTimeoutError": "manygpu.errors",
     "LaunchError": "manygpu.errors",
     "ManyGPUError": "manygpu.errors",

@@ -56,3 +56,22 @@ def test_a_step_without_any_token_says_so() -> None:
         model = par.prepare(_model())
         with pytest.raises(UsageError, match="no rank counted any token"):
             par.backward(model(torch.randn(2, 4)).sum() * 0, tokens=0)
+
+
+def test_token_cross_entropy_is_a_hf_causal_lm_loss_times_its_tokens() -> None:
+    """With ``shift=True`` the pair divides to the loss a HF causal LM computes itself."""
+    pytest.importorskip("transformers")
+    from zoo import hf_llama
+
+    from manygpu import token_cross_entropy
+
+    torch.manual_seed(0)
+    model = hf_llama()
+    ids = torch.randint(0, 64, (3, 8))
+    labels = ids.clone()
+    labels[0, 5:] = -100  # padding
+    labels[2, :] = -100  # a sequence with no counted token
+    out = model(input_ids=ids, labels=labels)
+    total, tokens = token_cross_entropy(out.logits, labels, shift=True)
+    assert int(tokens) == 4 + 7  # row 0: labels 1-4 count; row 1: 7; row 2: none
+    assert torch.allclose(total / tokens, out.loss, atol=1e-6)
