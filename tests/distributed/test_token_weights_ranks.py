@@ -61,18 +61,26 @@ def _ranks(strategies: dict[str, dict[str, Any]]) -> dict[str, Any]:
             model = par.prepare(GPT())
             opt = par.prepare(_opt(model))
             shard, shards = par.strategy.data_shard()
+            logged = []
             for step in range(STEPS):
+                summed, counted = 0.0, 0
                 for micro in range(MICRO):
                     x, y = _batch(step, micro, shard)
-                    par.backward(_loss_sum(model, x, y), tokens=(y != -100).sum())
+                    loss, tokens = _loss_sum(model, x, y), (y != -100).sum()
+                    par.backward(loss, tokens=tokens)
+                    summed, counted = summed + float(loss.detach()), counted + int(tokens)
+                # The step's loss as one process sees it: every rank's sums over its tokens.
+                pair = (summed, counted)
+                logged.append(par.log({"loss": pair}, reduce={"loss": "ratio"})["loss"])
                 par.clip_grad_norm_(model, CLIP)
                 opt.step()
                 opt.zero_grad()
-            out[name] = {"params": full_params(par.unwrap(model)), "shards": shards}
+            out[name] = {"params": full_params(par.unwrap(model)), "shards": shards,
+                         "logged": logged}  # fmt: skip
     return out
 
 
-def _reference(shards: int, token_mean: bool = True) -> dict[str, torch.Tensor]:
+def _reference(shards: int, token_mean: bool = True, losses: list[float] | None = None) -> Any:
     torch.manual_seed(0)
     model = GPT()
     opt = _opt(model)
@@ -84,6 +92,8 @@ def _reference(shards: int, token_mean: bool = True) -> dict[str, torch.Tensor]:
         else:  # each piece's own mean, averaged: what weighting by pieces gives
             loss = sum(_loss_sum(model, x, y) / max(int((y != -100).sum()), 1)
                        for x, y in pieces) / len(pieces)  # fmt: skip
+        if losses is not None:
+            losses.append(float(loss))  # type: ignore[arg-type]
         loss.backward()  # type: ignore[union-attr]
         torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
         opt.step()
@@ -104,9 +114,12 @@ CASES = {
 def test_token_weighted_backward_equals_one_mean_over_the_steps_tokens(world: int) -> None:
     ranks = run_ranks(_ranks, world, CASES[world], timeout=300)
     for name in CASES[world]:
-        want = _reference(ranks[0][name]["shards"])
+        losses: list[float] = []
+        want = _reference(ranks[0][name]["shards"], losses=losses)
         for rank in ranks:
             diff = max_diff(rank[name]["params"], want)
             assert diff < TOL, f"{name}: max |param - one process| = {diff:.2e}"
+            # par.log's "ratio": every rank's sums over every rank's tokens, as one process.
+            assert rank[name]["logged"] == pytest.approx(losses, rel=1e-5)
     # The bug the weighting fixes is visible at this tolerance: means of means differ.
     assert max_diff(_reference(2, token_mean=False), _reference(2)) > 100 * TOL

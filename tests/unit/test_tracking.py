@@ -74,3 +74,21 @@ def test_a_missing_mlflow_file_store_permission_fails_when_parallel_is_built(
     monkeypatch.delenv("MLFLOW_ALLOW_FILE_STORE", raising=False)
     with pytest.raises(UsageError, match="MLFLOW_ALLOW_FILE_STORE=true"):
         Parallel(log_with="mlflow", run_dir=str(tmp_path)).close()  # not at the first log
+
+
+def test_a_ratio_is_every_ranks_sums_over_every_ranks_counts() -> None:
+    """``{"loss": (sum, count)}`` with ``ratio``: one process's token mean; a count of 0
+    is not a number; a pair without ``ratio`` (or ``ratio`` without a pair) is one line."""
+    from manygpu.tracking.reducer import reduce_values
+
+    # Two ranks' columns (sorted: the count, the sum, then lr): 10 over 4 tokens, 2 over 0.
+    rows = [torch.tensor([[4.0, 10.0, 0.5]]), torch.tensor([[0.0, 2.0, 0.7]])]
+
+    def gather(t: torch.Tensor) -> torch.Tensor:  # the header, then the values' rows
+        return torch.cat([t, t]) if t.shape[1] == 3 and t[0, 2] == 1 else torch.cat(rows)
+
+    got = reduce_values({"loss": (10.0, 4), "lr": 0.5}, {"loss": "ratio"}, gather,
+                        lambda x: [x], torch.device("cpu"))  # fmt: skip
+    assert got == {"loss": 12.0 / 4.0, "lr": pytest.approx(0.6)}
+    with pytest.raises(UsageError, match="ratio"):
+        reduce_values({"loss": (1.0, 2)}, None, lambda t: t, lambda x: [x], torch.device("cpu"))

@@ -25,7 +25,9 @@ import torch
 
 from manygpu.errors import UsageError
 
-OPS = ("mean", "sum", "max", "min")
+OPS = ("mean", "sum", "max", "min", "ratio")
+"""``ratio``: the value is a pair ``(sum, count)`` and the result every rank's sums over
+every rank's counts: a token-weighted mean loss is ``{"loss": (loss_sum, tokens)}``."""
 
 Gather = Callable[[torch.Tensor], torch.Tensor]
 """Every rank's 1-D tensor stacked as rows, in rank order (``Parallel.gather`` of a row)."""
@@ -78,10 +80,14 @@ def reduce_values(
 ) -> dict[str, float]:
     """``values`` reduced over the ranks; bad input anywhere is the same line on every rank."""
     keys, problem = _names(values), None
+    ops: dict[str, str] = {}
+    flat: dict[str, Any] = {}
+    flat_ops: dict[str, str] = {}
     try:
         _check_values(values)
         ops = check_reduce(reduce, keys)
-        row = as_vector(values, device)
+        flat, flat_ops = _split_ratios(values, ops)
+        row = as_vector(flat, device)
     except UsageError as exc:
         problem = str(exc)
     header = [float(len(keys)), float(keys_checksum(keys)), 0.0 if problem else 1.0]
@@ -89,7 +95,40 @@ def reduce_values(
     if bool((heads[:, 2] == 0).any()) or bool((heads[:, :2] != heads[0, :2]).any()):
         raise UsageError(disagreement(exchange({"keys": keys, "error": problem})))
     rows = gather(row[None, :]).to("cpu")
-    return reduce_rows(rows, keys, ops)
+    reduced = reduce_rows(rows, sorted(flat), flat_ops)
+    return {key: _joined(reduced, key, op) for key, op in ops.items()}
+
+
+_NUM, _DEN = "\0sum", "\0count"  # a ratio's two columns: never a name users log
+
+
+def _split_ratios(
+    values: Mapping[str, Any], ops: Mapping[str, str]
+) -> tuple[dict[str, Any], dict[str, str]]:
+    """Values and ops with each ``ratio`` key split into its summed sum and count."""
+    flat: dict[str, Any] = {}
+    flat_ops: dict[str, str] = {}
+    for key, op in ops.items():
+        value = values[key]
+        pair = isinstance(value, tuple | list) and len(value) == 2
+        if (op == "ratio") != pair:
+            raise UsageError(
+                f"par.log: {key!r} takes reduce 'ratio' with a (sum, count) pair, and only "
+                "then: log {'loss': (loss_sum, tokens)} with reduce={'loss': 'ratio'}"
+            )
+        if pair:
+            flat[key + _NUM], flat[key + _DEN] = value
+            flat_ops[key + _NUM] = flat_ops[key + _DEN] = "sum"
+        else:
+            flat[key], flat_ops[key] = value, op
+    return flat, flat_ops
+
+
+def _joined(reduced: Mapping[str, float], key: str, op: str) -> float:
+    if op != "ratio":
+        return reduced[key]
+    count = reduced[key + _DEN]
+    return reduced[key + _NUM] / count if count else float("nan")
 
 
 def disagreement(sent: list[Any]) -> str:
