@@ -7,6 +7,8 @@ the *sum* of its token losses with the count; the reference, in one process, tak
 one mean over all the step's tokens. Tolerance 1e-5 (AdamW: 1e-4, as the other
 equivalence tests: only summation order differs). The mean of means, what a plain
 ``par.backward(mean)`` gives, is checked to be far from it: the test would see the bug.
+A Hugging Face causal LM (tiny Llama) runs the same in the five-line form, its loss from
+``manygpu.token_cross_entropy``; ``par.log``'s ``ratio`` must log one process's step loss.
 """
 
 from __future__ import annotations
@@ -19,9 +21,11 @@ import torch
 import torch.nn.functional as F
 from dist_harness import preload, run_ranks
 from recipes import full_params, max_diff
-from zoo import GPT, SEQ, VOCAB
+from zoo import GPT, SEQ, VOCAB, hf_llama
 
-preload("recipes", "zoo")
+from manygpu import token_cross_entropy
+
+preload("recipes", "zoo", "transformers.models.llama.modeling_llama")
 
 STEPS, MICRO, CLIP, TOL = 2, 3, 0.5, 1e-4
 # Tokens each (step, micro-step, data shard) keeps of its 2 x 8 labels, zeros included.
@@ -41,7 +45,14 @@ def _batch(step: int, micro: int, shard: int) -> tuple[torch.Tensor, torch.Tenso
 
 
 def _loss_sum(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-    return F.cross_entropy(model(x).flatten(0, 1), y.flatten(), ignore_index=-100, reduction="sum")
+    """The GPT's: a plain token-summed cross-entropy; a HF model's: manygpu's helper."""
+    out = model(x)
+    if hasattr(out, "logits"):
+        return token_cross_entropy(out.logits, y)[0]
+    return F.cross_entropy(out.flatten(0, 1), y.flatten(), ignore_index=-100, reduction="sum")
+
+
+BUILD = {"gpt": GPT, "hf_llama": hf_llama}
 
 
 def _opt(model: torch.nn.Module) -> torch.optim.Optimizer:
@@ -55,11 +66,12 @@ def _ranks(strategies: dict[str, dict[str, Any]]) -> dict[str, Any]:
 
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
     out: dict[str, Any] = {}
-    for name, kwargs in strategies.items():
+    for name, case in strategies.items():
+        kwargs = {k: v for k, v in case.items() if k != "model"}
         with Parallel(**kwargs, grad_accum_steps=MICRO, timeout_s=60) as par:
             torch.manual_seed(0)
-            model = par.prepare(GPT())
-            opt = par.prepare(_opt(model))
+            model = BUILD[case.get("model", "gpt")]()
+            model, opt = par.prepare(model, _opt(model))  # the five lines: opt built first
             shard, shards = par.strategy.data_shard()
             logged = []
             for step in range(STEPS):
@@ -80,9 +92,11 @@ def _ranks(strategies: dict[str, dict[str, Any]]) -> dict[str, Any]:
     return out
 
 
-def _reference(shards: int, token_mean: bool = True, losses: list[float] | None = None) -> Any:
+def _reference(
+    shards: int, token_mean: bool = True, losses: list[float] | None = None, name: str = "gpt"
+) -> Any:
     torch.manual_seed(0)
-    model = GPT()
+    model = BUILD[name]()
     opt = _opt(model)
     for step in range(STEPS):
         pieces = [_batch(step, m, s) for m in range(MICRO) for s in range(shards)]
@@ -102,7 +116,11 @@ def _reference(shards: int, token_mean: bool = True, losses: list[float] | None 
 
 
 CASES = {
-    2: {s: {"strategy": s} for s in ("ddp", "zero1", "fsdp", "zero2", "tensor")},
+    2: {
+        **{s: {"strategy": s} for s in ("ddp", "zero1", "fsdp", "zero2", "tensor")},
+        # A Hugging Face causal LM (tiny Llama), its labels with -100, manygpu's loss helper.
+        **{f"{s}-llama": {"strategy": s, "model": "hf_llama"} for s in ("ddp", "fsdp", "tensor")},
+    },
     4: {
         "hsdp": {"strategy": "fsdp", "mesh": {"dp": 2, "fsdp": 2}},
         "dp2xtp2": {"mesh": {"dp": 2, "tp": 2}},
@@ -115,7 +133,8 @@ def test_token_weighted_backward_equals_one_mean_over_the_steps_tokens(world: in
     ranks = run_ranks(_ranks, world, CASES[world], timeout=300)
     for name in CASES[world]:
         losses: list[float] = []
-        want = _reference(ranks[0][name]["shards"], losses=losses)
+        model = CASES[world][name].get("model", "gpt")
+        want = _reference(ranks[0][name]["shards"], losses=losses, name=model)
         for rank in ranks:
             diff = max_diff(rank[name]["params"], want)
             assert diff < TOL, f"{name}: max |param - one process| = {diff:.2e}"
