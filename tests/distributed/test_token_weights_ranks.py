@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 from dist_harness import preload, run_ranks
 from recipes import full_params, max_diff
-from zoo import GPT, SEQ, VOCAB, hf_llama
+from zoo import GPT, SEQ, VOCAB, gpt_sequential, hf_llama
 
 from manygpu import token_cross_entropy
 
@@ -142,3 +142,64 @@ def test_token_weighted_backward_equals_one_mean_over_the_steps_tokens(world: in
             assert rank[name]["logged"] == pytest.approx(losses, rel=1e-5)
     # The bug the weighting fixes is visible at this tolerance: means of means differ.
     assert max_diff(_reference(2, token_mean=False), _reference(2)) > 100 * TOL
+
+
+def _pipe_loss(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """A pipeline's ``loss_fn``: its micro-batch's token sum (the schedule runs it)."""
+    return F.cross_entropy(out.flatten(0, 1), y.flatten(), ignore_index=-100, reduction="sum")
+
+
+def _pipe_batch(step: int, shard: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Two sequences (one a micro-batch) keeping 0 to 8 tokens each."""
+    g = torch.Generator().manual_seed(1000 + 10 * step + shard)
+    x = torch.randint(0, VOCAB, (2, SEQ), generator=g)
+    y = torch.randint(0, VOCAB, (2, SEQ), generator=g)
+    for row in range(2):
+        y[row, _kept(step, row, shard) % (SEQ + 1) :] = -100
+    return x, y
+
+
+def _pipeline_ranks(mesh: dict[str, int]) -> dict[str, Any]:
+    from manygpu import Parallel, Pipeline
+
+    strategy = Pipeline(loss_fn=_pipe_loss, microbatches=2)
+    with Parallel(strategy=strategy, mesh=mesh, timeout_s=60) as par:
+        torch.manual_seed(0)
+        model = gpt_sequential()
+        model, opt = par.prepare(model, _opt(model))
+        shard, shards = par.strategy.data_shard()
+        for step in range(STEPS):
+            x, y = _pipe_batch(step, shard)
+            par.backward(model(x, target=y), tokens=(y != -100).sum())
+            par.clip_grad_norm_(model, CLIP)
+            opt.step()
+            opt.zero_grad()
+        return {"params": full_params(par.unwrap(model)), "shards": shards}
+
+
+def _pipe_reference(shards: int) -> dict[str, torch.Tensor]:
+    torch.manual_seed(0)
+    model = gpt_sequential()
+    opt = _opt(model)
+    for step in range(STEPS):
+        pieces = [_pipe_batch(step, s) for s in range(shards)]
+        total = sum(int((y != -100).sum()) for _, y in pieces)
+        (sum(_pipe_loss(model(x), y) for x, y in pieces) / total).backward()  # type: ignore[union-attr]
+        torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
+        opt.step()
+        opt.zero_grad()
+    return full_params(model)
+
+
+@pytest.mark.parametrize("mesh", [{"pp": 2}, {"pp": 2, "dp": 2}], ids=["pp2", "pp2-dp2"])
+def test_a_pipelines_token_sums_weigh_by_tokens_too(mesh: dict[str, int]) -> None:
+    """``loss_fn`` returns each micro-batch's token sum; ``par.backward(loss, tokens=n)``
+    with the batch's count undoes the schedule's 1/micro-batches: one process's mean."""
+    world = 2 if len(mesh) == 1 else 4
+    ranks = run_ranks(_pipeline_ranks, world, mesh, timeout=300)
+    want = _pipe_reference(ranks[0]["shards"])
+    merged: dict[str, torch.Tensor] = {}
+    for rank in ranks:  # each stage holds some layers; its dp replicas the same ones
+        merged |= rank["params"]
+    diff = max_diff(merged, want)
+    assert diff < TOL, f"max |param - one process| = {diff:.2e}"

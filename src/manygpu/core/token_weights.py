@@ -11,9 +11,12 @@ total ``N``; every gradient is then multiplied by ``D / N``, ``D`` being the
 number of data shards the strategy averaged over. The result is the gradient
 of (every rank's and micro-step's loss sums) / N, before any clipping.
 
-Ranks that read the same data (tensor-parallel peers) count the same tokens:
-the all-reduce over every rank counts each shard ``world / D`` times, which is
-divided out.
+Ranks that read the same data (tensor-parallel peers, a pipeline's stages) count
+the same tokens: the all-reduce over every rank counts each shard ``world / D``
+times, which is divided out. A pipeline's ``loss_fn`` returns the sum over its
+micro-batch's tokens; its schedule backpropagated those sums divided by the
+micro-batches (:func:`~manygpu.strategies.abilities.backpropagated_loss_scale`),
+which the rescale undoes.
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ from torch import nn
 
 from manygpu.comm.common import describe, wait
 from manygpu.errors import UsageError
+from manygpu.strategies import abilities
 
 
 def count_of(tokens: int | torch.Tensor) -> int:
@@ -50,6 +54,7 @@ class TokenWeights:
 
     def __init__(self, timeout_s: float, device: torch.device) -> None:
         self._timeout_s, self._device = timeout_s, device
+        self._already = 1.0  # what a schedule's own backward divided the sums by
         self._tokens = 0
         self._with = 0  # micro-steps of this cycle given tokens= ...
         self._without = 0  # ... and not
@@ -59,12 +64,14 @@ class TokenWeights:
         if tokens is None:
             self._without += 1
             return
-        if not loss.requires_grad:  # a pipeline's: the schedule already ran the backward
-            raise UsageError(
-                f"tokens= needs the loss to backpropagate, and strategy {strategy.name!r} "
-                "returned one its schedule already did (a mean over its micro-batches): "
-                "call par.backward(loss) there"
-            )
+        if not loss.requires_grad:  # backpropagated already, by a pipeline's schedule
+            scale = abilities.backpropagated_loss_scale(strategy)
+            if scale is None:
+                raise UsageError(
+                    "par.backward(loss, tokens=...) got a loss that does not require grad: "
+                    "give the loss summed over tokens, as computed from the model's output"
+                )
+            self._already = scale
         if loss.dim() != 0:
             raise UsageError(
                 f"par.backward(loss, tokens=...) takes a scalar loss (a sum over tokens), "
@@ -98,7 +105,8 @@ class TokenWeights:
                 "no rank counted any token in this step (tokens=0 everywhere): the mean loss "
                 "over no tokens has no gradient; skip such a step"
             )
-        _scale_grads(models, data_world / total)
+        _scale_grads(models, data_world * self._already / total)
+        self._already = 1.0
         return True
 
 

@@ -144,6 +144,14 @@ def is_server(strategy: object) -> bool:
     return bool(getattr(strategy, "is_server", False))
 
 
+def backpropagated_loss_scale(strategy: object) -> float | None:
+    """For a strategy whose model runs its own backward (a pipeline's schedule): what that
+    backward divided the summed losses by, so ``par.backward(loss, tokens=n)`` can undo
+    it; ``None`` for a strategy that backpropagates the loss ``par.backward`` is given."""
+    scale = getattr(strategy, "backpropagated_loss_scale", None)
+    return float(scale()) if callable(scale) else None
+
+
 def combined_clip(
     strategy: object, parameters: list[torch.Tensor], max_norm: float, norm_type: float
 ) -> torch.Tensor | None:

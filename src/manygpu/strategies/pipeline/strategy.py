@@ -147,6 +147,11 @@ class PipelineStrategy(MeshStrategy[Pipeline]):
         times = comm.all_reduce(times.to(self.ctx.device), "mean", timeout_s=self.ctx.timeout_s)
         return balanced_cuts(times.cpu().tolist(), stages)
 
+    def backpropagated_loss_scale(self) -> float:
+        """torch's schedules divide the gradients by the micro-batches (``scale_grads``):
+        a ``loss_fn`` returning a sum over tokens is backpropagated as sum / M."""
+        return float(self.options.microbatches)
+
     def compile_module(self, module: nn.Module, options: CompileOptions) -> None:
         """Compile this rank's stage: the schedule, sends and receives stay eager."""
         stage = module.stage if isinstance(module, PipelinedModel) else module
