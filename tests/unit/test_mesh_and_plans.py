@@ -83,6 +83,10 @@ _LOSS = Pipeline(loss_fn=sum)
             {"strategy": Pipeline(loss_fn=sum, split_points=(1, 2))},
             r"gives 3 stages but the pipeline has 2 \(mesh pp=2\)",
         ),
+        (
+            {"strategy": Pipeline(loss_fn=sum, microbatches=1)},
+            r"microbatches=1 < 2 stages; raise microbatches or use schedule='gpipe'",
+        ),
     ],
 )
 def test_bad_job_shapes_fail_before_any_group(fields: dict[str, object], match: str) -> None:

@@ -77,6 +77,12 @@ class PipelineStrategy(MeshStrategy[Pipeline]):
         super().validate_world(cluster, options, job)
         points = options.split_points
         stages = cls.resolve_mesh(cluster.world_size, job).pp
+        if options.schedule == "1f1b" and options.microbatches < stages:
+            raise UsageError(
+                f"Pipeline(schedule='1f1b') needs at least one micro-batch per stage: "
+                f"microbatches={options.microbatches} < {stages} stages; raise microbatches "
+                "or use schedule='gpipe'"
+            )
         if points is not None and len(points) != stages - 1:
             raise UsageError(
                 f"split_points {list(points)} gives {len(points) + 1} stages but the "
