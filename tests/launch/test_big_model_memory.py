@@ -51,7 +51,7 @@ def _bench(tmp_path: Path, *extra: str) -> dict[str, object]:
     return dict(row)
 
 
-def test_each_rank_peaks_under_0_7x_the_model_through_prepare_load_and_a_step(
+def test_each_rank_peaks_under_0_8x_the_model_through_prepare_load_and_a_step(
     tmp_path: Path,
 ) -> None:
     row = _bench(tmp_path)
