@@ -62,7 +62,8 @@ class ModelValues:
 
     def record(self, model: nn.Module) -> None:
         """Before the strategy: the whole model's names, and what was built empty."""
-        self._names = state_names(model)
+        if self.weights is not None:  # what a weights file is checked against
+            self._names = state_names(model)
         if self.empty:
             self._modules = EmptyModules.of(model)
             if self.weights is None or self._lost:

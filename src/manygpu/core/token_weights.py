@@ -28,7 +28,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from manygpu.comm.common import describe, wait
+from manygpu.comm.collectives import all_reduce
 from manygpu.errors import UsageError
 from manygpu.strategies import abilities
 
@@ -89,10 +89,7 @@ class TokenWeights:
             return False
         world = dist.get_world_size() if dist.is_initialized() else 1
         counts = torch.tensor([tokens, given, plain], dtype=torch.float64, device=self._device)
-        if world > 1:
-            work = dist.all_reduce(counts, async_op=True)
-            wait(work, describe("token count all-reduce of par.backward(loss, tokens=)", counts),
-                 self._timeout_s)  # fmt: skip
+        all_reduce(counts, "sum", timeout_s=self._timeout_s)
         total, given_all, plain_all = (float(v) for v in counts.tolist())
         if plain_all and given_all:
             raise UsageError(

@@ -27,6 +27,7 @@ Three moments, so no rank ever holds the whole model:
 
 from __future__ import annotations
 
+import functools
 import hashlib
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -34,9 +35,9 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
-from torch.distributed.tensor import DTensor, distribute_tensor
 
 from manygpu.errors import UsageError
+from manygpu.weights.shards import fill_one
 
 Place = Callable[[nn.Module, torch.device], nn.Module]
 """What a strategy calls on each part of the model it keeps: that part, real, on the device."""
@@ -221,19 +222,10 @@ def _init_one(
     for name, p in module._parameters.items():
         full = twin._parameters[name]
         if p is not None and full is not None and id(p) not in done:
-            local_part(p).copy_(share(full, p))
+            # This rank's part, as a weights file's tensor would be read into it.
+            fill_one(p, functools.partial(_block_of, full))
             done.add(id(p))
 
 
-def local_part(param: torch.Tensor) -> torch.Tensor:
-    """The tensor holding this rank's values of ``param`` (a DTensor's local shard)."""
-    return param.to_local() if isinstance(param, DTensor) else param.data
-
-
-def share(full: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
-    """This rank's part of the whole tensor ``full``, laid out as ``like``."""
-    if not isinstance(like, DTensor):
-        return full
-    mesh = like.device_mesh
-    part = distribute_tensor(full, mesh, like.placements, src_data_rank=None)
-    return part.to_local()
+def _block_of(full: torch.Tensor, index: tuple[slice, ...] | None) -> torch.Tensor:
+    return full if index is None else full[index]
