@@ -116,6 +116,28 @@ def test_two_stages_match_no_pipeline(schedule: str) -> None:
     _check(results, reference(1))
 
 
+SEVERAL = ["interleaved-1f1b", "interleaved-zero-bubble", "zbv", "dualpipev"]
+
+
+def _train_each(mesh: dict[str, int], schedules: list[str]) -> list[dict[str, object]]:
+    """One job after another on the same ranks: each schedule's own Parallel."""
+    return [_train(mesh, schedule, {}) for schedule in schedules]
+
+
+def test_two_stages_per_rank_match_no_pipeline_in_every_schedule() -> None:
+    """7 layers cut into 4 stages, 2 per rank: looped (interleaved 1F1B, interleaved
+    zero bubble) or in a V (ZBV, DualPipeV: rank 0 holds the first and last stage)."""
+    ranks = run_ranks(_train_each, 2, {"pp": -1}, SEVERAL, timeout=240)
+    ref = reference(1)
+    for i, _schedule in enumerate(SEVERAL):
+        _check([ranks[0][i], ranks[1][i]], ref)
+
+
+def test_interleaved_stages_over_dp2_x_pp2_match_the_global_batch() -> None:
+    results = run_ranks(_train, 4, {"dp": 2, "pp": 2}, "interleaved-1f1b", {}, timeout=150)
+    _check(results, reference(2))
+
+
 def test_four_stages_with_user_split_points() -> None:
     results = run_ranks(_train, 4, {"pp": 4}, "1f1b", {"split_points": (2, 4, 6)}, timeout=150)
     _check(results, reference(1))

@@ -34,6 +34,7 @@ from manygpu.plan.devices import resolve_precision
 from manygpu.plan.hardware import Cluster
 from manygpu.plan.memory import bytes_per_param, element_bytes
 from manygpu.strategies.costs import CommModel
+from manygpu.strategies.pipeline.schedules import bubble_fraction
 from manygpu.strategies.registry import card
 
 BACKWARD_FRACTION = 2.0 / 3.0
@@ -129,6 +130,8 @@ def estimate(
     world: int | None = None,
     stages: int = 1,
     microbatches: int = 0,
+    schedule: str = "1f1b",
+    virtual_stages: int = 0,
     mfu: float | None = None,
     bucket_mb: float = 25.0,
     grad_bytes: float | None = None,
@@ -143,7 +146,8 @@ def estimate(
     achievable rates. ``grad_bytes`` per parameter on the wire defaults to the
     precision's (4 in fp32 / tf32; 2 when gradients are 16-bit); torch's
     autocast keeps fp32 gradients, so pass 4 for it. ``stages``: pipeline or
-    tensor ways.
+    tensor ways; ``schedule`` and ``virtual_stages``: a pipeline's (its bubble,
+    :func:`manygpu.strategies.pipeline.schedules.bubble_fraction`).
     """
     n = cluster.world_size if world is None else world
     if card(strategy).comm.grads == "push_pull":  # `stages` counts the servers
@@ -165,7 +169,9 @@ def estimate(
             comm_s=0.0, exposed_s=0.0, ideal_s=one / n,
         )  # fmt: skip
     if model.split != "none":
-        return _model_parallel(desc, cluster, strategy, one, n, stages, replica, microbatches,
+        m = microbatches or min(4 * stages, replica)  # micro-batches of at least one sample
+        bubble = bubble_fraction(schedule, stages, m, virtual_stages)
+        return _model_parallel(desc, cluster, strategy, one, n, stages, replica, bubble,
                                grad / stages, bucket_mb, precision)  # fmt: skip
     comm, exposed = _data_parallel(model, cluster, n, one, grad, desc.parameters * gb.compute,
                                    bucket_mb)  # fmt: skip
@@ -213,16 +219,16 @@ def _model_parallel(
     n: int,
     ways: int,
     batch: int,
-    microbatches: int,
+    bubble: float,
     stage_grad: float,
     bucket_mb: float,
     precision: str,
 ) -> StepEstimate:
-    """Pipeline (1F1B bubble) or tensor (Megatron's 4 all-reduces per layer), then DP."""
+    """Pipeline (its schedule's ``bubble``, idle over busy) or tensor (Megatron's 4
+    all-reduces per layer), then DP."""
     dp = n // ways
     if card(strategy).comm.split == "stages":
-        m = microbatches or min(4 * ways, batch)  # micro-batches of at least one sample
-        compute = one / ways * (m + ways - 1) / m  # the bubble: (P - 1) idle slots of M + P - 1
+        compute = one / ways * (1 + bubble)
         inner = 0.0  # point-to-point activations between stages: small, not modelled
     else:
         if not (desc.layers and desc.hidden and desc.seq_len):

@@ -1,7 +1,8 @@
-"""``"pipeline"``: one stage of an ``nn.Sequential`` per rank, micro-batches streamed.
+"""``"pipeline"``: stages of an ``nn.Sequential`` over ranks, micro-batches streamed.
 
-Built on ``torch.distributed.pipelining``: a :class:`PipelineStage` per rank
-and a GPipe or 1F1B schedule. A schedule runs forward *and* backward for all
+Built on ``torch.distributed.pipelining``: a :class:`PipelineStage` per stage
+a rank holds (one, or several for the interleaved and V schedules: see
+:mod:`.schedules`) and torch's schedule of that name. A schedule runs forward *and* backward for all
 micro-batches in one call, so the prepared model does too::
 
     loss = model(x, target=y)   # every rank: the mean loss, from the last stage
@@ -26,7 +27,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+from torch.distributed.pipelining import PipelineStage, schedules
 
 from manygpu import comm
 from manygpu.comm.common import describe, wait
@@ -38,6 +39,13 @@ from manygpu.strategies.fsdp.sharding import fsdp_kwargs, set_fsdp_grad_sync, sh
 from manygpu.strategies.mesh import job_mesh
 from manygpu.strategies.options import CompileOptions, compile_in_place
 from manygpu.strategies.pipeline import Pipeline
+from manygpu.strategies.pipeline.schedules import (
+    info,
+    last_stage_rank,
+    microbatch_refusal,
+    stages_of_rank,
+    virtual_stages,
+)
 from manygpu.strategies.sharded import MeshStrategy
 from manygpu.strategies.splitting import (
     balanced_cuts,
@@ -46,8 +54,6 @@ from manygpu.strategies.splitting import (
     starts_from_split_points,
 )
 from manygpu.transforms.materialize import Place, has_meta
-
-_SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}
 
 
 class PipelineStrategy(MeshStrategy[Pipeline]):
@@ -76,17 +82,17 @@ class PipelineStrategy(MeshStrategy[Pipeline]):
     def validate_world(cls, cluster: Any, options: Pipeline, job: JobOptions) -> None:
         super().validate_world(cluster, options, job)
         points = options.split_points
-        stages = cls.resolve_mesh(cluster.world_size, job).pp
-        if options.schedule == "1f1b" and options.microbatches < stages:
-            raise UsageError(
-                f"Pipeline(schedule='1f1b') needs at least one micro-batch per stage: "
-                f"microbatches={options.microbatches} < {stages} stages; raise microbatches "
-                "or use schedule='gpipe'"
-            )
+        pp = cls.resolve_mesh(cluster.world_size, job).pp
+        virtual = virtual_stages(options.schedule, options.virtual_stages)
+        refusal = microbatch_refusal(options.schedule, pp, virtual, options.microbatches)
+        if refusal:
+            raise UsageError(refusal)
+        stages = pp * virtual
         if points is not None and len(points) != stages - 1:
+            per = f" x {virtual} virtual stages" if virtual > 1 else ""
             raise UsageError(
                 f"split_points {list(points)} gives {len(points) + 1} stages but the "
-                f"pipeline has {stages} (mesh pp={stages}); give {stages - 1} split point(s)"
+                f"pipeline has {stages} (mesh pp={pp}{per}); give {stages - 1} split point(s)"
             )
 
     @classmethod
@@ -96,6 +102,12 @@ class PipelineStrategy(MeshStrategy[Pipeline]):
             raise UsageError(
                 "strategy 'pipeline' computes the loss on the last stage: give "
                 "strategy=Pipeline(loss_fn=...), e.g. torch.nn.functional.cross_entropy"
+            )
+        if job.compile is not None and info(options.schedule).weight_split:
+            raise UsageError(
+                f"Pipeline(schedule={options.schedule!r}) splits each backward in two, which "
+                "torch.compile does not support: use schedule='interleaved-1f1b', or do not "
+                "compile"
             )
         if job.grad_accum_steps != 1:
             raise UsageError(
@@ -119,24 +131,45 @@ class PipelineStrategy(MeshStrategy[Pipeline]):
                 "Pipeline(balance='time') times each layer on real values, and this model "
                 "was built empty (init_module()): use balance='params' or give split_points"
             )
-        bounds = [*self._stage_starts(module, stages), len(module)]
-        part = nn.Sequential(
-            OrderedDict((str(i), module[i]) for i in range(bounds[index], bounds[index + 1]))
-        )
+        sched = info(opts.schedule)
+        virtual = virtual_stages(opts.schedule, opts.virtual_stages)
+        if virtual > 1 and len(module) < stages * virtual:
+            raise UsageError(
+                f"cannot split {len(module)} layers into {stages} ranks x {virtual} virtual "
+                f"stages = {stages * virtual} stages; lower virtual_stages or use "
+                "schedule='1f1b'"
+            )
+        bounds = [*self._stage_starts(module, stages * virtual), len(module)]
+        held = stages_of_rank(index, stages, virtual, sched.style)
+        chunks = [_layers(module, range(bounds[i], bounds[i + 1])) for i in held]
+        # Several stages: one module of every layer this rank holds, named as in the
+        # whole model, is what checkpoints and the optimizer see; the stages (each its
+        # own FSDP root over the data dims) share its layers.
+        part = chunks[0] if len(chunks) == 1 else _layers(module, _held_layers(chunks))
         if self.data_names:
             kwargs = fsdp_kwargs(self.options.fsdp, self.ctx.device, reshard_after_forward=False)
-            shard_data_dims(part, mesh[self.data_names], kwargs, children=False)
-        place(part, device)  # this stage only, (sharded and) then allocated in place
+            for chunk in chunks:
+                shard_data_dims(chunk, mesh[self.data_names], kwargs, children=False)
+        place(part, device)  # this rank's stages only, (sharded and) then allocated in place
         pp_group = mesh["pp"].get_group()
         self._pp_group = pp_group
-        last_rank = dist.get_global_rank(pp_group, stages - 1)
+        last_rank = dist.get_global_rank(pp_group, last_stage_rank(stages, sched.style))
+        total = stages * virtual
         wrapped = PipelinedModel(part, index, stages, last_rank, pp_group)
+        wrapped.holds(chunks, first=0 in held, last=total - 1 in held)
+
+        def make_stages() -> Any:
+            made = [
+                PipelineStage(chunk, i, total, device, group=pp_group)
+                for i, chunk in zip(held, chunks, strict=True)
+            ]
+            return made if sched.multi else made[0]
+
         wrapped.attach(
-            _SCHEDULES[opts.schedule],
-            lambda: PipelineStage(part, index, stages, device, group=pp_group),
-            opts.microbatches,
-            opts.loss_fn,
+            getattr(schedules, sched.torch_name), make_stages, opts.microbatches, opts.loss_fn
         )
+        if sched.style == "v":
+            wrapped.evaluate_with(_forward_only)
         wrapped.timeout_s = self.ctx.timeout_s
         self._pipelines.append(wrapped)
         return wrapped
@@ -160,8 +193,8 @@ class PipelineStrategy(MeshStrategy[Pipeline]):
 
     def compile_module(self, module: nn.Module, options: CompileOptions) -> None:
         """Compile this rank's stage: the schedule, sends and receives stay eager."""
-        stage = module.stage if isinstance(module, PipelinedModel) else module
-        compile_in_place(stage, options)
+        for stage in module.chunks if isinstance(module, PipelinedModel) else [module]:
+            compile_in_place(stage, options)
 
     def timing_peers(self) -> int:
         # Stages do different work: a rank's step compares with its stage's replicas.
@@ -173,7 +206,8 @@ class PipelineStrategy(MeshStrategy[Pipeline]):
 
     def set_grad_sync(self, module: nn.Module, enabled: bool) -> None:
         if isinstance(module, PipelinedModel):
-            set_fsdp_grad_sync(module.stage, enabled)
+            for stage in module.chunks:
+                set_fsdp_grad_sync(stage, enabled)
 
     def unwrap(self, module: nn.Module) -> nn.Module:
         return module.stage if isinstance(module, PipelinedModel) else module
@@ -184,6 +218,43 @@ class PipelineStrategy(MeshStrategy[Pipeline]):
                 "with strategy 'pipeline' the model runs forward and backward together: "
                 "loss = model(x, target=y); then par.backward(loss)"
             )
+
+
+_BACKWARD_ACTIONS = frozenset({"B", "I", "W", "SEND_B", "RECV_B", "REDUCE_GRAD"})
+
+
+def _forward_only(schedule: Any) -> Any:
+    """``schedule`` with its backward actions taken out of its plan (an evaluation).
+
+    torch 2.13's V schedules (ZBV, DualPipeV) run their backward actions in
+    ``eval()`` too, and fail where two adjacent stages share a rank. Their
+    lowered plan (``pipeline_order_with_comms``, the one private name used
+    here) with only the forwards, their sends and receives left keeps each
+    rank's forwards in the order that already ran without deadlock: nothing a
+    forward waits for was removed.
+    """
+
+    def forwards(action: Any) -> list[Any]:
+        kind = action.computation_type.value
+        if kind == "OVERLAP_F_B":  # DualPipeV's overlapped pair: its forward only
+            return [a for a in action.sub_actions if a.computation_type.value == "F"]
+        return [] if kind in _BACKWARD_ACTIONS else [action]
+
+    plan = schedule.pipeline_order_with_comms
+    schedule.pipeline_order_with_comms = {
+        rank: [kept for action in actions for kept in forwards(action)]
+        for rank, actions in plan.items()
+    }
+    return schedule
+
+
+def _held_layers(chunks: list[nn.Sequential]) -> list[int]:
+    return [int(name) for chunk in chunks for name in chunk._modules]
+
+
+def _layers(module: nn.Sequential, indices: Any) -> nn.Sequential:
+    """The layers of ``module`` at ``indices``, keeping their names ("3", "7")."""
+    return nn.Sequential(OrderedDict((str(i), module[i]) for i in indices))
 
 
 class PipelinedModel(nn.Module):
@@ -204,13 +275,23 @@ class PipelinedModel(nn.Module):
         super().__init__()
         self.stage = stage
         self._index, self._stages = index, stages
+        self._first, self._last = index == 0, index == stages - 1
+        self.chunks = [stage]
         self._last_rank, self._group = last_rank, group
         self._outputs_only = False
         self._schedule: Any = None
         self._make_schedule: Callable[[], Any] = lambda: None
+        self._make_eval: Callable[[], Any] | None = None
+        self._eval_schedule: Any = None
         self._shape: tuple[Any, ...] | None = None
         self._loss_fn: Any = None
         self._trained: weakref.ref[torch.Tensor] | None = None
+
+    def holds(self, chunks: list[nn.Sequential], *, first: bool, last: bool) -> None:
+        """The stages this rank runs (their layers are :attr:`stage`'s), and whether it
+        holds the first (feeds inputs) and the last (the loss): in a V, rank 0 holds both."""
+        self.chunks = chunks
+        self._first, self._last = first, last
 
     def ran_backward_for(self, loss: torch.Tensor) -> bool:
         """Whether ``loss`` is the one our last training step returned (its backward is done)."""
@@ -219,7 +300,7 @@ class PipelinedModel(nn.Module):
     def attach(
         self,
         schedule_cls: Any,
-        make_stage: Callable[[], PipelineStage],
+        make_stage: Callable[[], PipelineStage | list[PipelineStage]],
         microbatches: int,
         loss: Any,
     ) -> None:
@@ -228,6 +309,12 @@ class PipelinedModel(nn.Module):
         self.microbatches = microbatches
         self._make_schedule = lambda: schedule_cls(make_stage(), microbatches, loss_fn=self._loss)
         self._schedule = self._make_schedule()
+        self._eval_schedule = self._schedule
+
+    def evaluate_with(self, replan: Callable[[Any], Any]) -> None:
+        """Evaluate with a schedule of its own: ``replan`` of a fresh one (made on first use)."""
+        self._make_eval = lambda: replan(self._make_schedule())
+        self._eval_schedule = None
 
     def _fit_schedule(self, args: tuple[Any, ...]) -> None:
         """A new stage and schedule when the batch shape changes (a smaller last batch).
@@ -239,6 +326,7 @@ class PipelinedModel(nn.Module):
         shape = tuple(tuple(a.shape) for a in args if isinstance(a, torch.Tensor))
         if self._shape is not None and shape != self._shape:
             self._schedule = self._make_schedule()
+            self._eval_schedule = None if self._make_eval else self._schedule
         self._shape = shape
 
     def _loss(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
@@ -251,12 +339,12 @@ class PipelinedModel(nn.Module):
     @property
     def is_first(self) -> bool:
         """Whether this rank feeds the pipeline's inputs."""
-        return self._index == 0
+        return self._first
 
     @property
     def is_last(self) -> bool:
         """Whether this rank computes outputs and losses."""
-        return self._index == self._stages - 1
+        return self._last
 
     def forward(self, *args: Any, target: torch.Tensor | None = None) -> torch.Tensor:
         self._check_batch(args)
@@ -277,8 +365,10 @@ class PipelinedModel(nn.Module):
         if self._outputs_only and self.is_last:
             label = torch.zeros(args[0].shape[0] if args else self.microbatches)
         try:
+            if self._eval_schedule is None:
+                self._eval_schedule = self._make_eval() if self._make_eval else self._schedule
             with torch.no_grad():
-                output = self._schedule.eval(*inputs, target=label, losses=losses)
+                output = self._eval_schedule.eval(*inputs, target=label, losses=losses)
         finally:
             self._outputs_only = False
         if target is not None:
