@@ -22,6 +22,7 @@ Errors that no retry mends (no permission, no bucket) fail at once.
 
 from __future__ import annotations
 
+import contextlib
 import io
 import posixpath
 import time
@@ -197,6 +198,8 @@ class ObjectFile:
             discard = getattr(self._fh, "discard", None)
             if discard is not None:
                 discard()  # an unfinished multipart upload is aborted, nothing lands
+                with contextlib.suppress(Exception):  # and the file's finaliser uploads nothing
+                    self._fh.closed = True
             else:
                 self._fh.close()
             if self.target.fs.exists(self.target.path):
