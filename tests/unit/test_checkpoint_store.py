@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 from ckpt_job import build, train
-from s3_server import BUCKET, s3_server
+from s3_server import BUCKET, S3Server, s3_server
 
 from manygpu import Parallel
 from manygpu.checkpoint import CheckpointError, TrainState
@@ -26,9 +26,9 @@ pytest.importorskip("moto")
 
 
 @pytest.fixture(scope="module")
-def s3() -> Iterator[dict[str, str]]:
-    with s3_server() as env:
-        yield env
+def s3() -> Iterator[S3Server]:
+    with s3_server() as server:
+        yield server
 
 
 def _fresh(scheme: str) -> str:
@@ -53,7 +53,7 @@ def _run(directory: str | Path, total: int, every: int, **kw: object):  # type: 
     ],
 )
 def test_resume_from_a_url_is_bit_identical(
-    s3: dict[str, str], tmp_path: Path, scheme: str, fmt: str, async_save: bool
+    s3: S3Server, tmp_path: Path, scheme: str, fmt: str, async_save: bool
 ) -> None:
     url = _fresh(scheme)
     ref_losses, ref_params = _run(tmp_path / "ref", 20, every=0)
@@ -164,7 +164,7 @@ def test_storage_options_are_for_urls_only(tmp_path: Path) -> None:
         store.open_store(tmp_path, {"anon": True})
 
 
-def test_a_missing_bucket_is_one_line_at_construction(s3: dict[str, str]) -> None:
+def test_a_missing_bucket_is_one_line_at_construction(s3: S3Server) -> None:
     with Parallel(strategy="single") as par, pytest.raises(UsageError) as err:
         build(par, "s3://no-such-bucket/run", every=0)
     text = str(err.value)
@@ -173,7 +173,7 @@ def test_a_missing_bucket_is_one_line_at_construction(s3: dict[str, str]) -> Non
 
 
 def test_refused_credentials_are_one_line_at_construction(
-    s3: dict[str, str], monkeypatch: pytest.MonkeyPatch
+    s3: S3Server, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     from moto import settings
     from moto.core.responses import ActionAuthenticatorMixin
@@ -186,7 +186,7 @@ def test_refused_credentials_are_one_line_at_construction(
         build(par, url, every=0)
     text = str(err.value)
     assert "\n" not in text and "credentials were refused" in text
-    assert s3["AWS_SECRET_ACCESS_KEY"] not in text
+    assert s3.env["AWS_SECRET_ACCESS_KEY"] not in text
 
 
 def test_a_transient_store_error_is_retried_and_a_refusal_is_not() -> None:
@@ -241,3 +241,55 @@ def test_a_failed_background_upload_is_named_at_the_next_save_and_not_committed(
     root = remote.connect(url)
     assert [u.name for u in remote_layout.committed(root)] == ["step-00000001"]
     assert not remote_layout.objects(root / "step-00000002")
+
+
+# botocore's own retries (4 more tries of a 500, with backoff) are switched off
+# here, so that what is tested is the retry of the whole object (and fast).
+_NO_BOTO_RETRY = {"config_kwargs": {"retries": {"total_max_attempts": 1}}}
+
+
+def _saved_with(url: str, **options: object) -> None:
+    with Parallel(strategy="single") as par:
+        model, opt, *_ = build(par, _fresh("memory"), every=0)
+        from manygpu.checkpoint import Checkpointer
+
+        ckpt = Checkpointer(
+            par, url, model=model, optimizer=opt, storage_options=_NO_BOTO_RETRY, **options
+        )
+        try:
+            ckpt.save(TrainState(step=1))
+        finally:
+            ckpt.close()
+
+
+def test_puts_the_store_fails_at_first_are_retried_and_the_step_commits(
+    s3: S3Server, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(remote, "BACKOFF_S", 0.0)
+    url = _fresh("s3")
+    s3.faults.fail_puts("model.pt", 2)  # the 3rd try of the object gets through
+    try:
+        _saved_with(url)
+        assert len(s3.faults.failed) == 2
+    finally:
+        s3.faults.clear()
+    (step,) = remote_layout.committed(remote.connect(url))
+    remote_layout.verify(step)  # every checksum
+
+
+def test_a_store_that_keeps_failing_is_one_error_and_no_committed_step(
+    s3: S3Server, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(remote, "BACKOFF_S", 0.0)
+    url = _fresh("s3")
+    s3.faults.fail_puts("optim.pt", -1)
+    try:
+        with pytest.raises(CheckpointError, match=r"optim\.pt failed") as err:
+            _saved_with(url)
+        assert len(s3.faults.failed) == remote.RETRIES
+    finally:
+        s3.faults.clear()
+    assert "\n" not in str(err.value)
+    root = remote.connect(url)
+    assert remote_layout.committed(root) == []
+    assert remote_layout.objects(root / "step-00000001") == {}  # the partial step removed
