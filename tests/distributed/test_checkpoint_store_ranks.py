@@ -7,10 +7,18 @@ losses and parameters, bitwise (fp32 on the CPU), as a run that never stopped.
 Each rank writes its own objects; the main rank's ``meta.json`` lists them
 all. The ``dcp`` checkpoint saved by 2 ranks then loads in 1 process
 (another world size), parameters and optimizer state exact.
+
+A process killed (``kill -9``) while an asynchronous save uploads leaves that
+step uncommitted: the resume starts from the step before, and the run ends
+bitwise as one that was never killed.
 """
 
 from __future__ import annotations
 
+import multiprocessing
+import os
+import signal
+import time
 import uuid
 from pathlib import Path
 from typing import Any
@@ -81,3 +89,46 @@ def test_save_and_resume_at_two_ranks_through_s3_bitwise(tmp_path: Path) -> None
         assert step == 20
         assert torch.equal(params, final)  # exact
         assert exp_avg.shape == (16, 8) and exp_avg.abs().sum() > 0
+
+
+def _dies_mid_upload(url: str, flag: str) -> None:
+    """Trains with async saves every 5 steps; step 10's optim.pt upload hangs until killed."""
+    real = remote.ObjectFile.write
+
+    def write(self: remote.ObjectFile, data: Any) -> int:
+        n = real(self, data)
+        if self.target.parent.name == "step-00000010" and self.target.name == "optim.pt":
+            Path(flag).write_text("uploading")
+            time.sleep(600)  # the test kills this process meanwhile
+        return n
+
+    remote.ObjectFile.write = write  # type: ignore[method-assign]  # a process of its own
+    with Parallel(strategy="single") as par:
+        train(par, url, 20, 5, async_save=True)
+
+
+@pytest.mark.slow
+def test_kill_9_during_an_upload_leaves_the_last_committed_step(tmp_path: Path) -> None:
+    with Parallel(strategy="single") as par:
+        ref_losses, ref_params = train(par, tmp_path / "ref", 20, 0)
+    with s3_server():
+        url, flag = f"s3://{BUCKET}/{uuid.uuid4().hex[:8]}-killed", tmp_path / "flag"
+        proc = multiprocessing.get_context("spawn").Process(
+            target=_dies_mid_upload, args=(url, str(flag)), daemon=True
+        )
+        proc.start()
+        deadline = time.monotonic() + 120
+        while not flag.exists() and proc.is_alive() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert flag.exists(), "the job never reached step 10's upload"
+        os.kill(proc.pid, signal.SIGKILL)  # type: ignore[arg-type]
+        proc.join(timeout=30)
+        root = remote.connect(url)
+        assert [u.name for u in remote_layout.committed(root)] == ["step-00000005"]
+        half = remote_layout.objects(root / "step-00000010")
+        assert half and "meta.json" not in half  # objects landed, no commit
+        with Parallel(strategy="single") as par:
+            losses, params = train(par, url, 20, 5)  # resumes at step 5
+    assert min(losses) == 6
+    assert all(losses[s] == ref_losses[s] for s in losses)
+    assert torch.equal(params, ref_params)
