@@ -293,3 +293,48 @@ def test_a_store_that_keeps_failing_is_one_error_and_no_committed_step(
     root = remote.connect(url)
     assert remote_layout.committed(root) == []
     assert remote_layout.objects(root / "step-00000001") == {}  # the partial step removed
+
+
+def test_inspect_and_export_read_a_url(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from safetensors.torch import load_file
+
+    from manygpu.cli.main import main
+
+    monkeypatch.setenv("COLUMNS", "1000")
+    url = _fresh("memory")
+    with Parallel(strategy="single") as par:
+        train(par, url, 9, every=3)
+    root = remote.connect(url)
+    half = root / "step-00000012"  # a save that never committed
+    half.fs.pipe_file((half / "model.pt").path, b"partial")
+    assert main(["checkpoint", "inspect", url, "--json"]) == 1  # not all complete
+    listed = json.loads(capsys.readouterr().out)["checkpoints"]
+    assert [(r["step"], r["state"], r["format"]) for r in listed] == [
+        (3, "complete", "full"),
+        (6, "complete", "full"),
+        (9, "complete", "full"),
+        (12, "incomplete", "full"),
+    ]
+    assert [(r["epoch"], r["sample"], r["world_size"]) for r in listed[:3]] == [
+        (0, 12, 1),
+        (0, 24, 1),
+        (0, 36, 1),
+    ]
+    step9 = f"{url}/step-00000009"
+    assert main(["checkpoint", "inspect", step9, "--json"]) == 0
+    one = json.loads(capsys.readouterr().out)
+    assert one["status"] == "ok" and one["step"] == 9 and one["path"] == str(root / "step-00000009")
+    out = tmp_path / "w.safetensors"
+    assert main(["checkpoint", "export", url, str(out), "--step", "6"]) == 0
+    assert "from memory://" in capsys.readouterr().out
+    step6 = root / "step-00000006"
+    with store.UrlStore(step6).local_copy(step6) as local:
+        want = torch.load(local / "model.pt", weights_only=True)
+    got = load_file(str(out))
+    assert got.keys() == want.keys()
+    assert all(torch.equal(got[k], want[k]) for k in want)
+    assert main(["checkpoint", "export", url, str(tmp_path / "x.safetensors"), "--step", "4"]) == 2
+    err = capsys.readouterr().err
+    assert "no checkpoint of step 4 in memory://" in err and "steps 3, 6, 9" in err

@@ -216,3 +216,60 @@ def fetch(step: Url, into: Path) -> Path:
         local.parent.mkdir(parents=True, exist_ok=True)
         step.fs.get_file((step / name).path, str(local))
     return layout.verify(into).path
+
+
+def locate(where: Url, step: int | None = None) -> Url:
+    """A step at a URL; or under a root, ``step``'s (default: the newest that verifies).
+
+    :func:`.layout.locate`'s twin, with the same messages.
+    """
+    if META in objects(where):
+        if step is not None:
+            raise CheckpointError(
+                f"{where} is one checkpoint; give the directory holding it to pick one by --step"
+            )
+        return where
+    found = committed(where)
+    if step is not None:
+        wanted = where / layout.step_dir(Path(), step).name
+        if wanted in found:
+            return wanted
+        steps = [u.name.removeprefix(PREFIX).lstrip("0") or "0" for u in found]
+        there = f"it has steps {', '.join(steps)}" if steps else "it holds no checkpoints"
+        raise CheckpointError(
+            f"no checkpoint of step {step} in {where} ({there}); give one of those"
+        )
+    for candidate in reversed(found):
+        try:
+            return verify(candidate).path  # type: ignore[return-value]
+        except CheckpointError:
+            continue
+    raise CheckpointError(f"no complete checkpoint in {where}")
+
+
+def rows(root: Url, *, hashes: bool = True) -> list[dict[str, Any]]:
+    """Every step under ``root`` (one listing): its meta, format, bytes, state and problem."""
+    out = []
+    for name, held in sorted(_by_step(root).items()):
+        meta: dict[str, Any] = {}
+        state, problem = "complete", None
+        try:
+            meta = read_meta(root / name)
+            verify(root / name, hashes=hashes, present=held)
+        except CheckpointError as exc:
+            state, problem = ("corrupt" if meta else "incomplete"), str(exc)
+        if META not in held:
+            problem = "a save that did not finish (it crashed, or is uploading now)"
+        full, dcp = "model.pt" in held, "shards/.metadata" in held
+        out.append(
+            {
+                "name": name,
+                "meta": meta,
+                "format": "full" if full and not dcp else "dcp" if dcp and not full else None,
+                "bytes": sum(held.values()),
+                "state": state,
+                "moved_aside": name.startswith(ASIDE),
+                "problem": problem,
+            }
+        )
+    return out
