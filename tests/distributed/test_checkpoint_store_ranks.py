@@ -10,7 +10,9 @@ all. The ``dcp`` checkpoint saved by 2 ranks then loads in 1 process
 
 A process killed (``kill -9``) while an asynchronous save uploads leaves that
 step uncommitted: the resume starts from the step before, and the run ends
-bitwise as one that was never killed.
+bitwise as one that was never killed. A SIGTERM during an upload lets it
+finish, saves the step the loop is at, and exits 0: every step it lists is
+committed and verifies, none is half there.
 """
 
 from __future__ import annotations
@@ -91,15 +93,17 @@ def test_save_and_resume_at_two_ranks_through_s3_bitwise(tmp_path: Path) -> None
         assert exp_avg.shape == (16, 8) and exp_avg.abs().sum() > 0
 
 
-def _dies_mid_upload(url: str, flag: str) -> None:
-    """Trains with async saves every 5 steps; step 10's optim.pt upload hangs until killed."""
+def _dies_mid_upload(url: str, flag: str, hold_s: float = 600.0) -> None:
+    """Trains with async saves every 5 steps; step 10's optim.pt upload is held ``hold_s``
+    (the test signals this process meanwhile)."""
     real = remote.ObjectFile.write
 
     def write(self: remote.ObjectFile, data: Any) -> int:
         n = real(self, data)
-        if self.target.parent.name == "step-00000010" and self.target.name == "optim.pt":
+        held = self.target.parent.name == "step-00000010" and self.target.name == "optim.pt"
+        if held and not Path(flag).exists():  # once: a retried write goes through
             Path(flag).write_text("uploading")
-            time.sleep(600)  # the test kills this process meanwhile
+            time.sleep(hold_s)
         return n
 
     remote.ObjectFile.write = write  # type: ignore[method-assign]  # a process of its own
@@ -107,20 +111,45 @@ def _dies_mid_upload(url: str, flag: str) -> None:
         train(par, url, 20, 5, async_save=True)
 
 
+def _start_and_wait(url: str, flag: Path, hold_s: float) -> Any:
+    """The job in a process of its own, once step 10's upload is under way."""
+    proc = multiprocessing.get_context("spawn").Process(
+        target=_dies_mid_upload, args=(url, str(flag), hold_s), daemon=True
+    )
+    proc.start()
+    deadline = time.monotonic() + 120
+    while not flag.exists() and proc.is_alive() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert flag.exists(), "the job never reached step 10's upload"
+    return proc
+
+
+@pytest.mark.slow
+def test_sigterm_during_an_upload_finishes_it_and_commits_the_next_step(tmp_path: Path) -> None:
+    with s3_server():
+        url = f"s3://{BUCKET}/{uuid.uuid4().hex[:8]}-term"
+        proc = _start_and_wait(url, tmp_path / "flag", hold_s=2.0)
+        os.kill(proc.pid, signal.SIGTERM)  # type: ignore[arg-type]
+        proc.join(timeout=60)
+        assert proc.exitcode == 0
+        root = remote.connect(url)
+        steps = remote_layout.committed(root)
+        names = [u.name for u in steps]
+        # The held upload finished and committed; the notice saved the step the loop was
+        # at (past 10: the loop ran on while step 10 uploaded) and the job exited 0.
+        assert "step-00000010" in names and names[-1] > "step-00000010", names
+        for step in steps:
+            remote_layout.verify(step)  # every object there, every checksum right
+        assert all(r["state"] == "complete" for r in remote_layout.rows(root))  # none half
+
+
 @pytest.mark.slow
 def test_kill_9_during_an_upload_leaves_the_last_committed_step(tmp_path: Path) -> None:
     with Parallel(strategy="single") as par:
         ref_losses, ref_params = train(par, tmp_path / "ref", 20, 0)
     with s3_server():
-        url, flag = f"s3://{BUCKET}/{uuid.uuid4().hex[:8]}-killed", tmp_path / "flag"
-        proc = multiprocessing.get_context("spawn").Process(
-            target=_dies_mid_upload, args=(url, str(flag)), daemon=True
-        )
-        proc.start()
-        deadline = time.monotonic() + 120
-        while not flag.exists() and proc.is_alive() and time.monotonic() < deadline:
-            time.sleep(0.05)
-        assert flag.exists(), "the job never reached step 10's upload"
+        url = f"s3://{BUCKET}/{uuid.uuid4().hex[:8]}-killed"
+        proc = _start_and_wait(url, tmp_path / "flag", hold_s=600.0)
         os.kill(proc.pid, signal.SIGKILL)  # type: ignore[arg-type]
         proc.join(timeout=30)
         root = remote.connect(url)

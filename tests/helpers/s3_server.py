@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import os
+import urllib.request
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -89,6 +90,9 @@ def s3_server(bucket: str = BUCKET) -> Iterator[S3Server]:
         "AWS_SECRET_ACCESS_KEY": "testing",
         "AWS_DEFAULT_REGION": "us-east-1",
     }
+    # moto keeps its buckets per process, not per server: start from none.
+    reset = urllib.request.Request(f"{env['AWS_ENDPOINT_URL']}/moto-api/reset", method="POST")
+    urllib.request.urlopen(reset, timeout=30).close()
     saved = {k: os.environ.get(k) for k in env}
     os.environ.update(env)
     _clear_instances()
