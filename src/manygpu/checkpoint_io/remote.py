@@ -12,12 +12,13 @@ Configuration is the store library's own (for S3: the ``AWS_*`` variables,
 plus the ``storage_options`` given to the checkpointer, handed to fsspec as
 they are. Nothing here prints or logs them.
 
-Retries: s3fs (gcsfs, adlfs) already retries each request the store answers as
-transient (throttling, 5xx, dropped connections) with backoff. :func:`save`
-adds a bounded retry of the whole object on top (:data:`RETRIES` tries,
-:data:`BACKOFF_S` doubling): a multipart upload that failed after the
-library's own retries is written again from the state still in memory.
-Errors that no retry mends (no permission, no bucket) fail at once.
+Retries: the store libraries already retry each request with backoff (for S3,
+botocore retries throttling and 5xx answers, s3fs dropped connections and
+timeouts; gcsfs and adlfs do the same for theirs). :func:`save` adds a bounded
+retry of the whole object on top (:data:`RETRIES` tries, :data:`BACKOFF_S`
+doubling): an object whose upload still failed is written again from the state
+still in memory. Errors that no retry mends (no permission, no bucket) fail at
+once. DCP's shard objects get the libraries' retries only (torch writes them).
 """
 
 from __future__ import annotations
