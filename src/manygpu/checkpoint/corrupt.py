@@ -13,7 +13,9 @@ While nothing good is left, a plain ``resume()`` still refuses to start from
 step 0 (moved-aside checkpoints included): a run is never thrown away
 silently. ``resume(fresh_ok=True)`` moves them aside and starts over.
 
-Runs on the main rank only; the manager broadcasts its answer.
+Runs on the main rank only; the manager broadcasts its answer. The same rules
+hold for checkpoints at a URL (:mod:`~manygpu.checkpoint_io.remote_layout`): there
+a corrupt step is copied to ``corrupt-step-N`` and deleted (stores have no rename).
 """
 
 from __future__ import annotations
@@ -21,8 +23,10 @@ from __future__ import annotations
 import os
 import warnings
 from pathlib import Path
+from typing import Any
 
-from manygpu.checkpoint_io import layout
+from manygpu.checkpoint_io import layout, remote_layout
+from manygpu.checkpoint_io.remote import Url
 from manygpu.errors import CheckpointError
 
 PREFIX = "corrupt-"
@@ -50,24 +54,39 @@ def move_aside(path: Path) -> Path:
     return target
 
 
-def choose_latest(root: Path, fresh_ok: bool) -> Verdict:
+class _Disk:
+    """The disk's versions of what :mod:`.remote_layout` does at a URL (same names)."""
+
+    committed = staticmethod(layout.committed)
+    verify = staticmethod(layout.verify)
+    moved_aside = staticmethod(moved_aside)
+    move_aside = staticmethod(move_aside)
+
+
+def _ops(root: Any) -> Any:
+    """Listing, verifying and setting aside for ``root``: a store's, or the disk's."""
+    return remote_layout if isinstance(root, Url) else _Disk
+
+
+def choose_latest(root: Path | Url, fresh_ok: bool) -> Verdict:
     """The newest checkpoint under ``root`` that verifies (sizes and checksums).
 
     Each newer one that does not is moved aside and named in a warning. With
     none that verifies, a fresh start needs ``fresh_ok``; without it the
     answer is an error naming them, and nothing is moved.
     """
-    found = list(reversed(layout.committed(root)))
-    corrupt: list[tuple[Path, CheckpointError]] = []
+    ops = _ops(root)
+    found = list(reversed(ops.committed(root)))
+    corrupt: list[tuple[Any, CheckpointError]] = []
     chosen = None
     for path in found:
         try:
-            chosen = layout.verify(path).path
+            chosen = ops.verify(path).path
             break
         except CheckpointError as exc:
             corrupt.append((path, exc))
     if chosen is None and not fresh_ok:
-        lost = [p for p, _ in corrupt] + list(reversed(moved_aside(root)))
+        lost = [p for p, _ in corrupt] + list(reversed(ops.moved_aside(root)))
         for _, damage in corrupt:
             warnings.warn(f"skipping it: {damage}", stacklevel=4)
         if lost:
@@ -78,7 +97,7 @@ def choose_latest(root: Path, fresh_ok: bool) -> Verdict:
             )
     for path, damage in corrupt:
         try:
-            target = move_aside(path)
+            target = ops.move_aside(path)
         except OSError as err:
             return "error", (
                 f"{damage}; moving it aside failed ({err.strerror or err}): move {path} "
@@ -88,20 +107,21 @@ def choose_latest(root: Path, fresh_ok: bool) -> Verdict:
     return ("ok", str(chosen)) if chosen is not None else ("none", "")
 
 
-def choose(path: Path) -> Verdict:
+def choose(path: Path | Url) -> Verdict:
     """The checkpoint asked for by step or path: it verifies, or the error names why.
 
     A corrupt one is left where it is (the caller asked for it by name); one
     an earlier resume moved aside is named as such, not as missing.
     """
+    ops = _ops(path)
     try:
-        return "ok", str(layout.verify(path).path)
+        return "ok", str(ops.verify(path).path)
     except CheckpointError as exc:
         if path.exists():
             return "error", str(exc)
         aside = [
             p.name
-            for p in moved_aside(path.parent)
+            for p in ops.moved_aside(path.parent)
             if p.name == PREFIX + path.name or p.name.startswith(f"{PREFIX}{path.name}.")
         ]
         if not aside:

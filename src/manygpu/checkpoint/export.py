@@ -1,15 +1,21 @@
-"""Look inside a checkpoint, and export its weights as safetensors for inference."""
+"""Look inside a checkpoint, and export its weights as safetensors for inference.
+
+A checkpoint at a URL (``s3://bucket/prefix``) is found there
+(:func:`~manygpu.checkpoint_io.remote_layout.locate`), downloaded into a
+temporary directory, verified, and read as a local one (:func:`located`).
+"""
 
 from __future__ import annotations
 
 import math
 from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from manygpu.checkpoint_io import formats, layout
+from manygpu.checkpoint_io import formats, layout, remote, remote_layout, store
 from manygpu.checkpoint_io.layout import locate
 from manygpu.errors import CheckpointError
 from manygpu.weights.sharded_files import DEFAULT_MAX_SHARD_BYTES
@@ -29,12 +35,25 @@ def model_state(path: Path) -> dict[str, torch.Tensor]:
     return {k: v for k, v in full.get("model", {}).items() if isinstance(v, torch.Tensor)}
 
 
+@contextmanager
+def located(path: Path | str, step: int | None = None) -> Iterator[tuple[Path, str]]:
+    """The checkpoint ``path`` names (``step``'s, or the newest good one) as a local
+    directory, and the name to show for it (a URL's step is downloaded and verified)."""
+    if not remote.is_url(path):
+        found = locate(Path(path), step)
+        yield found, str(found)
+        return
+    chosen = remote_layout.locate(remote.connect(str(path)), step)
+    with store.UrlStore(chosen).local_copy(chosen) as local:
+        yield local, str(chosen)
+
+
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 """What ``export --dtype`` casts floating tensors to (integer tensors keep their type)."""
 
 
 def export_safetensors(
-    path: Path,
+    path: Path | str,
     out: Path,
     *,
     step: int | None = None,
@@ -52,18 +71,26 @@ def export_safetensors(
     ``step`` picks a checkpoint under a root (default: the newest good one);
     ``dtype`` (a key of :data:`DTYPES`) casts every floating tensor.
     """
-    from manygpu.weights import sharded_files
-    from manygpu.weights.sources import open_checkpoint
-    from manygpu.weights.st_file import Spec
-
-    step_path = locate(path, step)
-    layout.verify(step_path)
     if out.is_dir():
         raise CheckpointError(
             f"{out} is a directory that exists; give a new path: a directory (written as "
             "Hugging Face lays weights out) or a .safetensors file"
         )
     cast = DTYPES[dtype] if dtype is not None else None
+    with located(path, step) as (step_path, shown):
+        layout.verify(step_path)
+        summary = _export(step_path, shown, out, cast, max_shard_bytes)
+    return summary
+
+
+def _export(
+    step_path: Path, shown: str, out: Path, cast: torch.dtype | None, max_shard_bytes: int
+) -> dict[str, Any]:
+    """:func:`export_safetensors` of the local checkpoint ``step_path`` (shown as ``shown``)."""
+    from manygpu.weights import sharded_files
+    from manygpu.weights.sources import open_checkpoint
+    from manygpu.weights.st_file import Spec
+
     source = open_checkpoint(step_path)
     try:
         names = source.distinct()
@@ -76,7 +103,7 @@ def export_safetensors(
 
         written, error = sharded_files.write(
             out, specs, tensors, max_shard_bytes=max_shard_bytes,
-            metadata={"source": str(step_path)},
+            metadata={"source": shown},
         )  # fmt: skip
     finally:
         source.close()
@@ -84,7 +111,7 @@ def export_safetensors(
         raise CheckpointError(error)
     files = [out] if out.suffix == ".safetensors" else [out / f for f in written.files]
     return {
-        "checkpoint": str(step_path),
+        "checkpoint": shown,
         "tensors": len(specs),
         "parameters": sum(math.prod(s.shape) for s in specs.values()),
         "dtypes": sorted({str(s.dtype).removeprefix("torch.") for s in specs.values()}),
@@ -103,9 +130,25 @@ def _cast(tensor: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
     return tensor.to(dtype)
 
 
-def inspect(path: Path, *, hashes: bool = True) -> dict[str, Any]:
-    """What a checkpoint holds, and whether it verifies."""
-    step_path = locate(path)
+def inspect(path: Path | str, *, hashes: bool = True) -> dict[str, Any]:
+    """What a checkpoint holds, and whether it verifies (one at a URL: downloaded first)."""
+    if remote.is_url(path):
+        return _inspect_url(str(path))
+    return _inspect(locate(Path(path)), hashes=hashes)
+
+
+def _inspect_url(url: str) -> dict[str, Any]:
+    """:func:`inspect` of a step at a URL: a damaged one is reported from its ``meta.json``."""
+    chosen = remote_layout.locate(remote.connect(url))
+    try:
+        with store.UrlStore(chosen).local_copy(chosen) as local:
+            return _inspect(local) | {"path": str(chosen)}
+    except CheckpointError as exc:
+        meta = remote_layout.read_meta(chosen)
+        return _summary(str(chosen), str(exc), meta, None, {})
+
+
+def _inspect(step_path: Path, *, hashes: bool = True) -> dict[str, Any]:
     meta = layout.read_meta(step_path)
     try:
         layout.verify(step_path, hashes=hashes)
@@ -113,14 +156,20 @@ def inspect(path: Path, *, hashes: bool = True) -> dict[str, Any]:
     except CheckpointError as exc:
         status = str(exc)
     state = model_state(step_path) if status == "ok" else {}
+    return _summary(str(step_path), status, meta, formats.detect(step_path), state)
+
+
+def _summary(
+    path: str, status: str, meta: dict[str, Any], fmt: str | None, state: dict[str, torch.Tensor]
+) -> dict[str, Any]:
     dtypes = sorted({str(v.dtype).removeprefix("torch.") for v in state.values()})
     return {
-        "path": str(step_path),
+        "path": path,
         "status": status,
         "step": meta.get("step"),
         "epoch": meta.get("epoch"),
         "sample": sample_of(meta),
-        "format": formats.detect(step_path),
+        "format": fmt,
         "world_size": meta.get("world_size"),
         "strategy": meta.get("strategy"),
         "precision": meta.get("precision"),

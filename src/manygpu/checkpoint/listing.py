@@ -14,7 +14,8 @@ from typing import Any
 
 from manygpu.checkpoint import corrupt
 from manygpu.checkpoint.export import sample_of
-from manygpu.checkpoint_io import formats, layout
+from manygpu.checkpoint_io import formats, layout, remote_layout
+from manygpu.checkpoint_io.remote import Url
 from manygpu.errors import CheckpointError
 
 COMPLETE, CORRUPT, INCOMPLETE = "complete", "corrupt", "incomplete"
@@ -33,9 +34,29 @@ def candidates(root: Path) -> list[Path]:
     )
 
 
-def list_checkpoints(root: Path, *, hashes: bool = True) -> list[dict[str, Any]]:
-    """One row per directory of :func:`candidates`, oldest step first."""
+def list_checkpoints(root: Path | Url, *, hashes: bool = True) -> list[dict[str, Any]]:
+    """One row per directory of :func:`candidates`, oldest step first (or per step at a URL)."""
+    if isinstance(root, Url):
+        return _remote_rows(root, hashes=hashes)
     return [row(path, hashes=hashes) for path in candidates(root)]
+
+
+def _remote_rows(root: Url, *, hashes: bool) -> list[dict[str, Any]]:
+    """The rows of the steps in a store, in :func:`row`'s shape."""
+    out = []
+    for found in remote_layout.rows(root, hashes=hashes):
+        meta = found.pop("meta")
+        out.append(
+            {
+                "name": found["name"],
+                "step": meta.get("step", _step_in(found["name"])),
+                "epoch": meta.get("epoch"),
+                "sample": sample_of(meta),
+                "world_size": meta.get("world_size"),
+                **found,
+            }
+        )
+    return sorted(out, key=lambda r: (r["step"] or 0, r["name"]))
 
 
 def row(path: Path, *, hashes: bool = True) -> dict[str, Any]:

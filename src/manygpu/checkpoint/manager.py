@@ -17,10 +17,9 @@ it, from the parts' :class:`~.formats.Format`.
 from __future__ import annotations
 
 import contextlib
-import shutil
 import signal
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field, replace
 from datetime import datetime, timedelta, timezone
 from pathlib import Path
@@ -37,7 +36,7 @@ from manygpu.checkpoint.preemption import (
     wants_requeue,
 )
 from manygpu.checkpoint.resumed import Position, Resumed, position
-from manygpu.checkpoint_io import formats, layout, rng, writer
+from manygpu.checkpoint_io import formats, layout, rng, store
 from manygpu.checkpoint_io.staging import Staging, pin_wanted
 from manygpu.comm.objects import all_gather_json, broadcast_json, parse_each
 from manygpu.errors import CheckpointError, UsageError
@@ -65,7 +64,11 @@ class Checkpointer:
 
     Args:
         par: the job's :class:`~manygpu.Parallel`.
-        directory: where ``step-N`` directories go (shared by all ranks).
+        directory: where ``step-N`` directories go (shared by all ranks): a local
+            path, or an fsspec URL (``s3://bucket/prefix``, ``gs://``, ``az://``,
+            ``memory://``), where each rank writes its objects straight to the
+            store and ``meta.json``, written last, is the commit
+            (:mod:`~manygpu.checkpoint_io.store`).
         model: the prepared model; optimizer / scheduler / loader likewise.
         every: save every this many steps in :meth:`after_step` (0: never).
         keep: newest checkpoints kept; older ones are deleted after a save.
@@ -82,8 +85,14 @@ class Checkpointer:
         format: ``"full"`` or ``"dcp"``; default: what the strategy needs.
         checkpoint_timeout_s: how long ranks wait for each other inside a save
             or resume (disk work of large models takes minutes).
+        storage_options: for a URL, options for its fsspec filesystem (e.g.
+            ``{"endpoint_url": ..., "profile": ...}``); otherwise the store
+            library's own configuration (``AWS_*`` variables, config files,
+            instance roles) applies. Never printed.
 
-    Every rank must construct it (it creates a process group).
+    Every rank must construct it (it creates a process group). With a URL every
+    rank checks at once that it can write there: a missing backend, a missing
+    bucket or refused credentials is one :class:`UsageError` line, before training.
     """
 
     def __init__(
@@ -102,12 +111,12 @@ class Checkpointer:
         requeue: bool | None = None,
         format: str | None = None,
         checkpoint_timeout_s: float = 1800.0,
+        storage_options: dict[str, Any] | None = None,
     ) -> None:
         _check_counts(every, keep)
         self.par = par
-        self.root = Path(directory)
-        if self.root.exists() and not self.root.is_dir():
-            raise UsageError(f"checkpoint directory {self.root} is a file; give a directory")
+        self.store = store.open_store(directory, storage_options)
+        self.root = self.store.root
         parts = par.job_state.parts(model, optimizer)
         self.parts = replace(
             parts, scheduler=scheduler, format=formats.as_format(format or parts.format)
@@ -134,6 +143,7 @@ class Checkpointer:
             if self.async_save and par.world_size > 1
             else None
         )
+        self._agree(self.store.probe(par.rank), UsageError)
         self._pending: threading.Thread | None = None
         # CPU buffers for snapshots (async saves; blocking saves of device
         # tensors): allocated at the first save that needs them, then reused.
@@ -149,7 +159,7 @@ class Checkpointer:
         return self.parts.format.name
 
     # -- saving -----------------------------------------------------------------
-    def save(self, state: TrainState) -> Path:
+    def save(self, state: TrainState) -> store.Location:
         """Write a checkpoint of ``state`` (collective: every rank calls it).
 
         With ``async_save`` it returns once the state is copied: the training
@@ -158,21 +168,20 @@ class Checkpointer:
         written, directory renamed) in the background; :meth:`wait` waits.
         """
         self._raise_everywhere()  # also: the staging buffers are free again
-        tmp, final = layout.tmp_dir(self.root, state.step), layout.step_dir(self.root, state.step)
+        tmp, final = self.store.slots(state.step)
         if self.par.is_main:
-            layout.remove_stale(self.root)
-            tmp.mkdir(parents=True, exist_ok=True)
+            self.store.prepare(tmp)
         self._barrier()
         meta = self._meta(state)
         written = formats.Written()
         try:
-            if not tmp.is_dir():
+            if not self.store.visible(tmp):
                 raise CheckpointError(
                     f"{tmp} is not visible on rank {self.par.rank}: the checkpoint directory "
                     "must be on a filesystem shared by every node"
                 )
             name = f"rng-rank{self.par.rank}.pt"
-            table = {name: writer.save(rng.capture(), tmp / name)}
+            table = {name: formats.save_one(rng.capture(), tmp / name)}
             written = self.parts.format.write(
                 tmp,
                 self.parts,
@@ -186,7 +195,7 @@ class Checkpointer:
         except BaseException as exc:  # every rank must hear of it, or the others hang
             if isinstance(exc, KeyboardInterrupt | SystemExit):
                 raise
-            failure = _failure(exc, self.par.rank, tmp)
+            failure = _failure(exc, self.par.rank, lambda e: self._why(e, tmp))
         try:
             # Also the barrier: every rank's files are in tmp, their entries here.
             table = self._gather_table(failure, written.table)
@@ -195,7 +204,7 @@ class Checkpointer:
             if pending is not None:  # its thread ends with DCP's error or timeout
                 self._start(lambda: _quietly(pending))
             if self.par.is_main:  # a partial directory only takes space (a full disk)
-                shutil.rmtree(tmp, ignore_errors=True)
+                self.store.discard(tmp)
             raise
         if self.async_save:  # every rank: its own writes, then the commit on the main rank
             self._start(lambda: self._background(tmp, final, meta, written, table))
@@ -256,6 +265,10 @@ class Checkpointer:
             self.wait()
         except CheckpointError as exc:
             message = str(exc)
+        self._agree(message, CheckpointError)
+
+    def _agree(self, message: str | None, kind: type[Exception]) -> None:
+        """Raise ``kind`` on every rank with each rank's ``message`` (once each), if any has one."""
         if self._group is not None:
             sent = all_gather_json(
                 message, operation=_VERDICTS, timeout_s=self.timeout_s, group=self._group
@@ -264,12 +277,12 @@ class Checkpointer:
             found = list(dict.fromkeys(m for m in messages if m))  # each once, in rank order
             message = "; ".join(found) if found else None
         if message is not None:
-            raise CheckpointError(message)
+            raise kind(message)
 
     def _finish(
         self,
-        tmp: Path,
-        final: Path,
+        tmp: store.Location,
+        final: store.Location,
         meta: dict[str, Any],
         files: dict[str, Any],
         table: dict[str, dict[str, Any]],
@@ -277,15 +290,15 @@ class Checkpointer:
         """The main rank writes its files and commits (a blocking save)."""
         try:
             table = table | formats.write_files(tmp, files)
-            layout.commit(tmp, final, meta, table)
-            layout.prune(self.root, self.keep)
+            self.store.commit(tmp, final, meta, table)
+            self.store.prune(self.keep)
         except BaseException as exc:  # surfaced by wait() on the training thread
             self._fail(exc, tmp, files)
 
     def _background(
         self,
-        tmp: Path,
-        final: Path,
+        tmp: store.Location,
+        final: store.Location,
         meta: dict[str, Any],
         written: formats.Written,
         table: dict[str, dict[str, Any]],
@@ -299,24 +312,27 @@ class Checkpointer:
             if self.par.is_main:
                 mine |= formats.write_files(tmp, written.files)
         except BaseException as exc:  # DCP's CheckpointException is not an Exception
-            failure = _failure(exc, self.par.rank, tmp, written.files)
+            failure = _failure(exc, self.par.rank, lambda e: self._why(e, tmp, written.files))
         try:
             table = table | self._gather_table(failure, mine, group=self._bg_group)
             if self.par.is_main:
-                layout.commit(tmp, final, meta, table)
-                layout.prune(self.root, self.keep)
+                self.store.commit(tmp, final, meta, table)
+                self.store.prune(self.keep)
         except BaseException as exc:  # surfaced by wait() on the training thread
             self._fail(exc, tmp, written.files)
 
-    def _fail(self, exc: BaseException, tmp: Path, files: dict[str, Any]) -> None:
+    def _why(self, exc: BaseException, tmp: store.Location, files: Any = None) -> str:
+        return self.store.failure(exc, tmp, files)
+
+    def _fail(self, exc: BaseException, tmp: store.Location, files: dict[str, Any]) -> None:
         """Keep a save's error for :meth:`wait`; the main rank removes the partial directory."""
         error = exc
         if isinstance(exc, Exception) and not isinstance(exc, CheckpointError):
-            error = CheckpointError(layout.write_failure(exc, tmp, files))
+            error = CheckpointError(self._why(exc, tmp, files))
             error.__cause__ = exc
         self._error = error
         if self.par.is_main:
-            shutil.rmtree(tmp, ignore_errors=True)  # at once: it may be what filled the disk
+            self.store.discard(tmp)  # at once: it may be what filled the disk
 
     def wait(self) -> None:
         """Block until this rank's part of an asynchronous save is done (and raise its error).
@@ -409,11 +425,12 @@ class Checkpointer:
             raise CheckpointError(value)
         if kind == "none":
             return TrainState()
-        path = Path(value)
-        meta = layout.read_meta(path)
-        # The files decide the format, not meta.json (which anyone can edit).
-        formats.as_format(formats.detect(path)).read(path, self.parts, group=self._group)
-        self._restore_rng(path, meta)
+        chosen = self.store.location(value)
+        with self._local_copy(chosen) as path:
+            meta = layout.read_meta(path)
+            # The files decide the format, not meta.json (which anyone can edit).
+            formats.as_format(formats.detect(path)).read(path, self.parts, group=self._group)
+            self._restore_rng(path, meta)
         # The job's step count (par.profile, par.log's step=None) continues from here.
         self.par.job_state.restore(int(meta["step"]), meta.get("tracking"))
         state = TrainState(
@@ -425,7 +442,7 @@ class Checkpointer:
             state.epoch = where.epoch
         self._barrier()
         done = Resumed(
-            path=path,
+            path=chosen,
             step=state.step,
             epoch=state.epoch,
             saved_world=int(meta["world_size"]),
@@ -435,10 +452,28 @@ class Checkpointer:
         self.par.print(done.line(), markup=False)  # the main rank only
         return state
 
+    @contextlib.contextmanager
+    def _local_copy(self, chosen: store.Location) -> Iterator[Path]:
+        """``chosen`` as a local directory on every rank (a store's step is downloaded).
+
+        Every rank fetches its own copy; if any rank cannot, every rank raises
+        (the others must not go on into the load's collectives and wait).
+        """
+        with contextlib.ExitStack() as stack:
+            message, path = None, Path()
+            try:
+                path = stack.enter_context(self.store.local_copy(chosen))
+            except CheckpointError as exc:
+                message = f"rank {self.par.rank}: {exc}"
+            except OSError as exc:
+                message = f"rank {self.par.rank}: cannot download {chosen}: {exc}"
+            self._agree(message, CheckpointError)
+            yield path
+
     def _choose(self, which: str | int | Path, fresh_ok: bool) -> tuple[str, str]:
         if which == "latest":
             return corrupt.choose_latest(self.root, fresh_ok)
-        path = layout.step_dir(self.root, which) if isinstance(which, int) else Path(which)
+        path = self.store.step(which) if isinstance(which, int) else self.store.location(str(which))
         return corrupt.choose(path)
 
     def _restore_rng(self, path: Path, meta: dict[str, Any]) -> None:
@@ -497,7 +532,7 @@ def _report(value: Any) -> tuple[str | None, dict[str, dict[str, Any]]]:
     return _message(failure), table
 
 
-def _failure(exc: BaseException, rank: int, tmp: Path, files: Any = None) -> str:
+def _failure(exc: BaseException, rank: int, describe: Callable[[BaseException], str]) -> str:
     """``rank N: what went wrong``, naming the rank where it happened.
 
     DCP raises one ``CheckpointException`` on every rank, holding each failed
@@ -509,7 +544,7 @@ def _failure(exc: BaseException, rank: int, tmp: Path, files: Any = None) -> str
         cause = pair[0] if isinstance(pair, tuple) else pair
         if isinstance(cause, BaseException):
             rank, exc = int(origin), cause
-    return f"rank {rank}: {layout.write_failure(exc, tmp, files)}"
+    return f"rank {rank}: {describe(exc)}"
 
 
 def _quietly(job: Callable[[], Any]) -> None:

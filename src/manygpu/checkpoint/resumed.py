@@ -17,6 +17,10 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from manygpu.checkpoint_io.remote import Url
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -55,7 +59,7 @@ def position(saved: Mapping[str, int], *, world: int, batch: int) -> Position:
 class Resumed:
     """A resume that worked: what was loaded, and onto how many ranks."""
 
-    path: Path
+    path: Path | Url
     """The checkpoint directory loaded."""
     step: int
     """Its step."""

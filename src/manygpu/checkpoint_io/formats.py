@@ -40,11 +40,15 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from manygpu.checkpoint_io import writer
+from manygpu.checkpoint_io import remote, writer
+from manygpu.checkpoint_io.remote import Url
 from manygpu.checkpoint_io.staging import Staging
 from manygpu.errors import CheckpointError, UsageError
 
 MODEL, OPTIM, EXTRAS, SHARDS = "model.pt", "optim.pt", "extras.pt", "shards"
+
+Where = Path | Url
+"""Where a save writes: a local directory, or a step's location in a store (:mod:`.remote`)."""
 
 
 def _whole_already(optimizer: torch.optim.Optimizer) -> None:
@@ -144,7 +148,14 @@ def detect(directory: Path) -> str:
     raise CheckpointError(f"checkpoint {directory} holds {what}; it is not a checkpoint we wrote")
 
 
-def write_files(directory: Path, files: dict[str, Any]) -> dict[str, dict[str, Any]]:
+def save_one(state: Any, target: Where, pool: Any = None) -> dict[str, Any]:
+    """``torch.save`` of one state to a file or an object, hashed while written; its entry."""
+    if isinstance(target, Url):
+        return remote.save(state, target, pool)
+    return writer.save(state, target, pool)
+
+
+def write_files(directory: Where, files: dict[str, Any]) -> dict[str, dict[str, Any]]:
     """Write each state with ``torch.save``, hashed as it streams; their file-table entries.
 
     The files are written at the same time, one thread each (``os.write``
@@ -157,10 +168,10 @@ def write_files(directory: Path, files: dict[str, Any]) -> dict[str, dict[str, A
     from manygpu.checkpoint_io.integrity import hashing_pool
 
     if len(files) < 2:
-        return {name: writer.save(state, directory / name) for name, state in files.items()}
+        return {name: save_one(state, directory / name) for name, state in files.items()}
     with hashing_pool() as pool, ThreadPoolExecutor(len(files)) as files_pool:
         jobs = {
-            name: files_pool.submit(writer.save, state, directory / name, pool)
+            name: files_pool.submit(save_one, state, directory / name, pool)
             for name, state in files.items()
         }
         return {name: job.result() for name, job in jobs.items()}
@@ -276,11 +287,13 @@ def _dcp_state(parts: Parts) -> dict[str, Any]:
     return state
 
 
-def _hashing_writer(shards: Path, entries: dict[Path, dict[str, Any]], pool: Any) -> Any:
+def _hashing_writer(shards: Where, entries: dict[Any, dict[str, Any]], pool: Any) -> Any:
     """DCP's ``FileSystemWriter`` writing through :class:`~.writer.DurableFile` (hashed as written).
 
     Each file's table entry lands in ``entries`` when the file is closed.
     """
+    if isinstance(shards, Url):
+        return _store_writer(shards, entries, pool)
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.filesystem import FileSystem
 
@@ -308,16 +321,59 @@ def _hashing_writer(shards: Path, entries: dict[Path, dict[str, Any]], pool: Any
     return storage
 
 
+def _store_writer(shards: Url, entries: dict[Any, dict[str, Any]], pool: Any) -> Any:
+    """DCP's writer into a store: each object through :class:`~.remote.ObjectFile` (hashed).
+
+    torch's ``FsspecWriter`` commits by renaming ``.metadata.tmp``; here that
+    rename is only a name change inside a step that is not yet committed:
+    the commit is our ``meta.json``, written last (:mod:`.remote_layout`).
+    ``sync_files`` is off: an object has no descriptor, and torch's fallback
+    (``os.sync()`` of the whole machine) would only slow the save down.
+    """
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint._fsspec_filesystem import FileSystem
+
+    class HashingStore(FileSystem):
+        @contextmanager
+        def create_stream(self, path: Any, mode: str) -> Iterator[Any]:
+            if "w" not in mode:
+                with super().create_stream(path, mode) as stream:
+                    yield stream
+                return
+            fh = remote.ObjectFile(Url(shards.fs, str(path)), pool)
+            try:
+                yield fh
+            except BaseException:
+                fh.discard()
+                raise
+            fh.close()
+            entries[str(path)] = fh.entry()
+
+        def rename(self, path: Any, new_path: Any) -> None:
+            super().rename(path, new_path)
+            if str(path) in entries:  # DCP writes .metadata.tmp, then renames it
+                entries[str(new_path)] = entries.pop(str(path))
+
+    storage = dcp.FileSystemWriter(shards.path, sync_files=False)
+    store = HashingStore()
+    store.fs = shards.fs
+    storage.fs = store  # type: ignore[assignment]
+    storage.path = shards.path
+    return storage
+
+
 def _no_dist(group: Any) -> bool:
     """Whether DCP runs without collectives: no checkpoint group means a world of one."""
     return group is None and (not dist.is_initialized() or dist.get_world_size() == 1)
 
 
-def _table(directory: Path, entries: dict[Path, dict[str, Any]]) -> dict[str, dict[str, Any]]:
+def _table(directory: Where, entries: dict[Any, dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    if isinstance(directory, Url):
+        return {directory.relative(str(name)): entry for name, entry in entries.items()}
     return {str(path.relative_to(directory)): entry for path, entry in entries.items()}
 
 
-def write_dcp(directory: Path, parts: Parts, group: Any = None) -> dict[str, dict[str, Any]]:
+def write_dcp(directory: Where, parts: Parts, group: Any = None) -> dict[str, dict[str, Any]]:
     """Every rank writes its shards into ``directory/shards`` (collective over ``group``).
 
     Returns the file-table entries of the files this rank wrote.
@@ -326,7 +382,7 @@ def write_dcp(directory: Path, parts: Parts, group: Any = None) -> dict[str, dic
 
     from manygpu.checkpoint_io.integrity import hashing_pool
 
-    entries: dict[Path, dict[str, Any]] = {}
+    entries: dict[Any, dict[str, Any]] = {}
     with hashing_pool() as pool:
         dcp.save(
             _dcp_state(parts),
@@ -338,7 +394,7 @@ def write_dcp(directory: Path, parts: Parts, group: Any = None) -> dict[str, dic
 
 
 def start_dcp(
-    directory: Path, parts: Parts, *, group: Any, stage: Staging
+    directory: Where, parts: Parts, *, group: Any, stage: Staging
 ) -> Callable[[], dict[str, dict[str, Any]]]:
     """Start writing this rank's shards in the background (``dcp.async_save``).
 
@@ -354,7 +410,7 @@ def start_dcp(
 
     from manygpu.checkpoint_io.integrity import hashing_pool
 
-    entries: dict[Path, dict[str, Any]] = {}
+    entries: dict[Any, dict[str, Any]] = {}
     with ExitStack() as stack:  # the hashing pool lives until the write is done
         pool = stack.enter_context(hashing_pool())
         started = dcp.async_save(
@@ -425,7 +481,7 @@ class Format(ABC):
     @abstractmethod
     def write(
         self,
-        directory: Path,
+        directory: Where,
         parts: Parts,
         *,
         group: Any,
@@ -459,7 +515,7 @@ class FullFormat(Format):
 
     def write(
         self,
-        directory: Path,
+        directory: Where,
         parts: Parts,
         *,
         group: Any,
@@ -496,7 +552,7 @@ class DcpFormat(Format):
 
     def write(
         self,
-        directory: Path,
+        directory: Where,
         parts: Parts,
         *,
         group: Any,

@@ -88,7 +88,12 @@ def _step(text: str) -> int:
     return int(text)
 
 
-def _existing(path: str) -> Path:
+def _existing(path: str) -> Path | str:
+    """A local checkpoint path that exists, or a URL as it was given (checked where read)."""
+    from manygpu.checkpoint_io.remote import is_url
+
+    if is_url(path):
+        return path
     p = Path(path)
     if not p.exists():
         raise UsageError(f"{path} does not exist; give a checkpoint directory")
@@ -108,9 +113,26 @@ def run_inspect(ns: argparse.Namespace) -> int:
     from manygpu.checkpoint_io.layout import META
 
     path = _existing(ns.path)
+    if isinstance(path, str):
+        return _inspect_url(path, ns.json)
     if (path / META).is_file():
         return _inspect_one(path, ns.json)
     return _inspect_all(path, ns.json)
+
+
+def _inspect_url(url: str, as_json: bool) -> int:
+    """``inspect`` of a URL: one step (it holds a meta.json) or every step under it."""
+    from manygpu.checkpoint_io import remote, remote_layout
+    from manygpu.checkpoint_io.layout import META
+    from manygpu.errors import CheckpointError
+
+    root = remote.connect(url)  # a missing backend: one UsageError line
+    try:
+        if META in remote_layout.objects(root):
+            return _inspect_one(url, as_json)
+        return _inspect_all(root, as_json)
+    except (CheckpointError, OSError) as exc:
+        raise UsageError(f"cannot inspect {shown(url)}: {shown(exc)}") from None
 
 
 _ROWS = (
@@ -132,7 +154,7 @@ _ROWS = (
 )
 
 
-def _inspect_one(path: Path, as_json: bool) -> int:
+def _inspect_one(path: Path | str, as_json: bool) -> int:
     """One checkpoint: what it holds, file by file."""
     from rich.console import Console
     from rich.table import Table
@@ -158,7 +180,7 @@ def _inspect_one(path: Path, as_json: bool) -> int:
     return 0 if info["status"] == "ok" else 1
 
 
-def _inspect_all(root: Path, as_json: bool) -> int:
+def _inspect_all(root: Any, as_json: bool) -> int:
     """Every checkpoint under ``root``, one row each; exit 1 if any is not complete
     (a ``corrupt-step-N`` a resume already moved aside does not count: it is handled)."""
     from manygpu.checkpoint.listing import COMPLETE, list_checkpoints
@@ -175,7 +197,7 @@ def _inspect_all(root: Path, as_json: bool) -> int:
     return 0 if all(r["state"] == COMPLETE or r["moved_aside"] for r in rows) else 1
 
 
-def _print_rows(root: Path, rows: list[dict[str, Any]]) -> None:
+def _print_rows(root: Any, rows: list[dict[str, Any]]) -> None:
     from rich import box
     from rich.console import Console
     from rich.table import Table
@@ -208,12 +230,15 @@ def run_export(ns: argparse.Namespace) -> int:
     from manygpu.errors import CheckpointError
 
     sizes = {} if ns.max_shard_size is None else {"max_shard_bytes": ns.max_shard_size}
+    path = _existing(ns.path)
     try:
-        summary = export_safetensors(
-            _existing(ns.path), Path(ns.out), step=ns.step, dtype=ns.dtype, **sizes
-        )
+        summary = export_safetensors(path, Path(ns.out), step=ns.step, dtype=ns.dtype, **sizes)
     except CheckpointError as exc:
         raise UsageError(shown(exc)) from None
+    except OSError as exc:  # a store's error (a local one is the disk's: shown as it was)
+        if not isinstance(path, str):
+            raise
+        raise UsageError(f"cannot export from {shown(path)}: {shown(exc)}") from None
     files = f" in {summary['files']} files" if summary["files"] > 1 else ""
     print(
         f"wrote {shown(ns.out)}{files}: {summary['tensors']:,} tensors, {summary['parameters']:,} "
