@@ -146,7 +146,7 @@ def test_exports_set_or_pass_a_variable() -> None:
         parse_exports(["=1"], env)
 
 
-def test_only_the_collectives_ours_and_device_lists_are_forwarded() -> None:
+def test_only_the_collectives_ours_device_lists_and_stores_are_forwarded() -> None:
     env = {
         "NCCL_DEBUG": "INFO",
         "GLOO_SOCKET_IFNAME": "eth0",
@@ -157,6 +157,10 @@ def test_only_the_collectives_ours_and_device_lists_are_forwarded() -> None:
         "CUDA_DEVICE_ORDER": "PCI_BUS_ID",
         "HOME": "/root",
         "AWS_SECRET_ACCESS_KEY": "s",
+        "AWS_ENDPOINT_URL": "http://10.0.0.1:9000",
+        "GOOGLE_APPLICATION_CREDENTIALS": "/etc/gcs.json",
+        "AZURE_STORAGE_ACCOUNT_NAME": "acct",
+        "AZURE_CLIENT_SECRET": "not an object store's own",
         "PATH": "/bin",
         "LD_LIBRARY_PATH": "/x",
         "SSH_AUTH_SOCK": "/tmp/agent",
@@ -171,6 +175,10 @@ def test_only_the_collectives_ours_and_device_lists_are_forwarded() -> None:
             "CUDA_VISIBLE_DEVICES",
             "HIP_VISIBLE_DEVICES",
             "CUDA_DEVICE_ORDER",
+            "AWS_SECRET_ACCESS_KEY",
+            "AWS_ENDPOINT_URL",
+            "GOOGLE_APPLICATION_CREDENTIALS",
+            "AZURE_STORAGE_ACCOUNT_NAME",
         )
     }
 

@@ -201,10 +201,16 @@ def drop_job_secret() -> None:
 VARIABLE_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 """What a shell accepts as a variable name; nothing else is forwarded to a host."""
 
-FORWARD_PREFIXES = ("NCCL_", "GLOO_", "MANYGPU_", "MALLOC_")
+FORWARD_PREFIXES = ("NCCL_", "GLOO_", "MANYGPU_", "MALLOC_", "AWS_", "AZURE_STORAGE_")
 """Variables a launch over several hosts hands to every host: the collectives'
-settings, glibc's allocator's and ours. Everything else stays here unless ``-x`` names it."""
-FORWARD_NAMES = ("PYTHONPATH", "CUDA_DEVICE_ORDER", "GLIBC_TUNABLES")
+settings, glibc's allocator's, ours, and the object stores' (checkpoints to
+``s3://`` / ``az://`` need the same endpoint and credentials on every rank; like
+every forwarded value they travel as JSON on the launch's own channel, never on a
+command line). Everything else stays here unless ``-x`` names it."""
+FORWARD_NAMES = (
+    "PYTHONPATH", "CUDA_DEVICE_ORDER", "GLIBC_TUNABLES",
+    "GOOGLE_APPLICATION_CREDENTIALS", "GOOGLE_CLOUD_PROJECT",
+)  # fmt: skip
 FORWARD_SUFFIX = "_VISIBLE_DEVICES"
 """CUDA_VISIBLE_DEVICES and its kin (HIP_, ROCR_, NVIDIA_...)."""
 
