@@ -203,3 +203,24 @@ def test_a_pipelines_token_sums_weigh_by_tokens_too(mesh: dict[str, int]) -> Non
         merged |= rank["params"]
     diff = max_diff(merged, want)
     assert diff < TOL, f"max |param - one process| = {diff:.2e}"
+
+
+def _tokens_on_rank_0_only() -> list[str]:
+    from manygpu import Parallel, UsageError
+
+    said = []
+    with Parallel(strategy="ddp", timeout_s=30) as par:
+        model = par.prepare(torch.nn.Linear(4, 1))
+        for _ in range(2):  # the first step, then one after the job's mode is agreed
+            loss = model(torch.randn(3, 4)).sum()
+            try:
+                par.backward(loss, tokens=3 if par.rank == 0 else None)
+            except UsageError as exc:
+                said.append(str(exc))
+    return said
+
+
+def test_tokens_on_some_ranks_only_is_one_line_on_every_rank_not_a_hang() -> None:
+    for said in run_ranks(_tokens_on_rank_0_only, 2, timeout=90):
+        assert len(said) == 2, said
+        assert all("on some micro-steps or ranks and not others" in s for s in said), said

@@ -75,3 +75,12 @@ def test_token_cross_entropy_is_a_hf_causal_lm_loss_times_its_tokens() -> None:
     total, tokens = token_cross_entropy(out.logits, labels, shift=True)
     assert int(tokens) == 4 + 7  # row 0: labels 1-4 count; row 1: 7; row 2: none
     assert torch.allclose(total / tokens, out.loss, atol=1e-6)
+
+
+def test_tokens_after_plain_steps_are_refused_and_plain_jobs_pay_one_count() -> None:
+    with Parallel(strategy="single") as par:
+        model = par.prepare(_model())
+        par.backward(model(torch.randn(2, 4)).sum())  # the first step decides: plain
+        assert par._tokens._weighted is False
+        with pytest.raises(UsageError, match="after steps without it"):
+            par.backward(model(torch.randn(2, 4)).sum(), tokens=3)

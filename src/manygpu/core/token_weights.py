@@ -17,6 +17,13 @@ times, which is divided out. A pipeline's ``loss_fn`` returns the sum over its
 micro-batch's tokens; its schedule backpropagated those sums divided by the
 micro-batches (:func:`~manygpu.strategies.abilities.backpropagated_loss_scale`),
 which the rescale undoes.
+
+Every rank joins the count's all-reduce at the end of the job's first step,
+whether it was given ``tokens=`` or not: that one collective (24 bytes) tells
+every rank whether the job weighs by tokens. A job that does not never
+all-reduces again; one that does all-reduces every step, so ``tokens=`` on
+some ranks or micro-steps only is one line on every rank, not a rank waiting
+in a collective the others never join.
 """
 
 from __future__ import annotations
@@ -58,6 +65,8 @@ class TokenWeights:
         self._tokens = 0
         self._with = 0  # micro-steps of this cycle given tokens= ...
         self._without = 0  # ... and not
+        self._weighted: bool | None = None
+        """Whether this job weighs by tokens, agreed by every rank at its first step."""
 
     def note(self, loss: torch.Tensor, tokens: int | torch.Tensor | None, strategy: Any) -> None:
         """One micro-step's backward: its count (``None``: plain ``backward(loss)``)."""
@@ -85,12 +94,23 @@ class TokenWeights:
         by ``data_world / N`` (then True); else nothing to do (False)."""
         tokens, given, plain = self._tokens, self._with, self._without
         self._tokens = self._with = self._without = 0
-        if not given:
+        if self._weighted is False:  # every rank said so at the first step: no collective
+            if given:
+                raise UsageError(
+                    "par.backward(loss, tokens=...) after steps without it: give tokens= "
+                    "on every backward from the first step, or on none"
+                )
             return False
+        # Every rank takes part, tokens or not (the first step decides for the job): a
+        # rank without tokens= never leaves the others waiting in a collective of their own.
         world = dist.get_world_size() if dist.is_initialized() else 1
         counts = torch.tensor([tokens, given, plain], dtype=torch.float64, device=self._device)
         all_reduce(counts, "sum", timeout_s=self._timeout_s)
         total, given_all, plain_all = (float(v) for v in counts.tolist())
+        if self._weighted is None:
+            self._weighted = bool(given_all)
+        if not given_all:
+            return False
         if plain_all and given_all:
             raise UsageError(
                 "par.backward(loss, tokens=...) was given on some micro-steps or ranks and "
