@@ -53,6 +53,7 @@ LAYERS: dict[str, int] = {
     "manygpu.bench": 8,
     "manygpu.k8s": 8,  # manifests for Kubernetes operators: plain data, beside launch/
     "manygpu.horovod": 8,  # Horovod's API on runtime/ and comm/, imported only when asked
+    "manygpu.ray": 8,  # Ray Train's front end, imported only when asked
     "manygpu.cli": 9,
     "manygpu.__main__": 9,
     "manygpu": 10,  # the package's lazy re-exports: for users, not for the library

@@ -41,6 +41,7 @@ from manygpu.checkpoint_io.staging import Staging, pin_wanted
 from manygpu.comm.objects import all_gather_json, broadcast_json, parse_each
 from manygpu.errors import CheckpointError, UsageError
 from manygpu.runtime import env as envmod
+from manygpu.runtime import ray_train
 
 if TYPE_CHECKING:
     from manygpu.core.data import PreparedLoader
@@ -149,6 +150,7 @@ class Checkpointer:
         # tensors): allocated at the first save that needs them, then reused.
         self._staging = Staging(pin=pin_wanted(cuda_available=torch.cuda.is_available()))
         self._error: BaseException | None = None
+        self._unreported: tuple[int, store.Location] | None = None
         self._preemption = PreemptionNotice()
         if handle_signals:
             self._preemption.listen()
@@ -208,11 +210,24 @@ class Checkpointer:
             raise
         if self.async_save:  # every rank: its own writes, then the commit on the main rank
             self._start(lambda: self._background(tmp, final, meta, written, table))
+            self._unreported = (state.step, final)  # to Ray Train once known committed
         else:
             if self.par.is_main:
                 self._finish(tmp, final, meta, written.files, table)
             self._raise_everywhere()  # nobody reads the directory before it is committed
+            self._report(state.step, final)
         return final
+
+    def _report(self, step: int, final: store.Location) -> None:
+        """A committed step to Ray Train, when the job runs under it (every rank)."""
+        ray_train.report_checkpoint(step, str(final) if self.par.is_main else None)
+
+    def _report_committed(self) -> None:
+        """The asynchronous save every rank now knows committed, to Ray Train."""
+        if self._unreported is not None:
+            step, final = self._unreported
+            self._unreported = None
+            self._report(step, final)
 
     def _start(self, job: Callable[[], None]) -> None:
         self._pending = threading.Thread(target=job, name="manygpu-checkpoint", daemon=False)
@@ -265,7 +280,9 @@ class Checkpointer:
             self.wait()
         except CheckpointError as exc:
             message = str(exc)
+            self._unreported = None  # never committed
         self._agree(message, CheckpointError)
+        self._report_committed()
 
     def _agree(self, message: str | None, kind: type[Exception]) -> None:
         """Raise ``kind`` on every rank with each rank's ``message`` (once each), if any has one."""
@@ -472,6 +489,11 @@ class Checkpointer:
 
     def _choose(self, which: str | int | Path, fresh_ok: bool) -> tuple[str, str]:
         if which == "latest":
+            # Ray Train restarted the group with a checkpoint kept elsewhere: that one.
+            # One of ours is no newer than our own newest verified step, which wins.
+            restored = ray_train.restored_checkpoint()
+            if restored is not None and not restored.startswith(str(self.root)):
+                return corrupt.choose(self.store.location(restored))
             return corrupt.choose_latest(self.root, fresh_ok)
         path = self.store.step(which) if isinstance(which, int) else self.store.location(str(which))
         return corrupt.choose(path)
@@ -495,8 +517,14 @@ class Checkpointer:
         return where
 
     def close(self) -> None:
-        """Wait for a pending save, then let the snapshot buffers go."""
+        """Wait for a pending save, then let the snapshot buffers go.
+
+        Under Ray Train every rank first agrees that the last asynchronous save
+        committed, then reports it to Ray (a collective: close on every rank).
+        """
         try:
+            if self._unreported is not None and ray_train.active():
+                self._raise_everywhere()
             self.wait()
         finally:
             self._staging.close()

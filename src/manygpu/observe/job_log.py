@@ -21,6 +21,7 @@ from manygpu.comm.objects import all_gather_json
 from manygpu.errors import UsageError
 from manygpu.observe.throughput import SampleMeter
 from manygpu.runtime import env as envmod
+from manygpu.runtime import ray_train
 from manygpu.tracking.reducer import reduce_values
 from manygpu.tracking.registry import check_names
 from manygpu.tracking.run import TrackingRun
@@ -95,6 +96,7 @@ class JobLog:
             self._share_host()
         reduced = reduce_values(values, reduce, self._gather, self._exchange, self._device)
         run.write(reduced | self._step_figures() | self._throughput(), at)
+        ray_train.note_metrics(reduced)  # under Ray Train: sent with the next checkpoint
         return reduced
 
     def tracking_state(self) -> dict[str, Any] | None:
