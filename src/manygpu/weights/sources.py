@@ -1,6 +1,7 @@
 """Where weights come from: what a path holds is decided by its structure, never by trust.
 
-- a ``.safetensors`` file (its header is checked by ``safetensors`` itself);
+- a ``.safetensors`` file (its header checked as ``safetensors`` checks it,
+  :mod:`.st_read`, and read by byte ranges);
 - a Hugging Face-style directory: ``model.safetensors``, or the files a
   ``model.safetensors.index.json`` weight map names (each a plain file name
   inside the directory);
@@ -13,7 +14,8 @@ before anything is read from it: unpickling runs code.
 
 Each source says what it holds (:attr:`Source.entries`: name -> shape and dtype,
 from headers only) and fills target tensors (:meth:`Source.fill`): the sliced
-sources read for each DTensor exactly the block its rank owns.
+sources read for each DTensor exactly the block its rank owns. The same
+sources at a URL (``s3://`` ...): :mod:`.url_sources`.
 """
 
 from __future__ import annotations
