@@ -172,20 +172,13 @@ class Parallel:
         it (:mod:`manygpu.transforms.materialize`)."""
         return empty_init()
 
-    def prepare(
-        self,
-        *objects: Any,
-        weights: str | os.PathLike[str] | None = None,
-        weights_options: dict[str, Any] | None = None,
-    ) -> Any:
+    def prepare(self, *objects: Any, weights: str | os.PathLike[str] | None = None,
+                weights_options: dict[str, Any] | None = None) -> Any:  # fmt: skip
         """Prepare models, optimizers and training loaders; returns them in the same order.
 
         Models first whatever the order given: wrapping may move parameters. Evaluation
-        loaders go to :meth:`prepare_loader` with ``train=False``. ``weights``: a
-        safetensors file, HF directory or manygpu checkpoint read into the shards, on
-        disk or at a URL (``s3://bucket/model.safetensors``); ``weights_options``: the
-        URL's fsspec ``storage_options`` (as the checkpointer's).
-        """
+        loaders go to :meth:`prepare_loader`. ``weights``: a safetensors file, HF directory or
+        checkpoint read into the shards, also at a URL (``weights_options``: fsspec options)."""
         if weights is not None and sum(isinstance(o, nn.Module) for o in objects) != 1:
             raise UsageError("weights= loads one model; give prepare() exactly one")
         prepared: list[Any] = list(objects)
@@ -193,9 +186,8 @@ class Parallel:
         self._auto_batch = int(loaders[0].batch_size or 1) if loaders else self._auto_batch
         for i, obj in enumerate(objects):
             if isinstance(obj, nn.Module):
-                prepared[i] = self.prepare_model(
-                    obj, weights=weights, weights_options=weights_options
-                )
+                prepared[i] = self.prepare_model(obj, weights=weights,
+                                                 weights_options=weights_options)  # fmt: skip
         for i, obj in enumerate(objects):
             if isinstance(obj, torch.optim.Optimizer):
                 prepared[i] = self.prepare_optimizer(obj)
@@ -207,13 +199,8 @@ class Parallel:
                 )
         return prepared[0] if len(prepared) == 1 else tuple(prepared)
 
-    def prepare_model(
-        self,
-        model: nn.Module,
-        *,
-        weights: str | os.PathLike[str] | None = None,
-        weights_options: dict[str, Any] | None = None,
-    ) -> nn.Module:
+    def prepare_model(self, model: nn.Module, *, weights: str | os.PathLike[str] | None = None,
+                      weights_options: dict[str, Any] | None = None) -> nn.Module:  # fmt: skip
         """Place and wrap ``model`` for the strategy; forward runs under autocast.
 
         The steps and their order: :mod:`manygpu.transforms.pipeline`. With
