@@ -139,11 +139,6 @@ class SafetensorsSource(SlicedSource):
         block = [slice(None), *index[1:]]
         return whole[tuple(block)].clone()
 
-    @property
-    def fetched(self) -> int:
-        """Bytes read from the files so far, headers included."""
-        return sum(r.fetched for r in {id(r): r for r in self.files.values()}.values())
-
     def _rows(self, name: str, start: int, stop: int) -> torch.Tensor:
         """Rows ``start:stop`` of ``name`` (all of a 0-d tensor) read into fresh memory:
         one block of rows is one byte range of the file."""

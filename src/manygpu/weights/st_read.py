@@ -48,8 +48,6 @@ class ByteRanges(ABC):
 
     name: str
     """How messages name the file (its path or URL)."""
-    fetched: int = 0
-    """Bytes requested so far (header included): what this rank pulled from the file."""
 
     @abstractmethod
     def size(self) -> int:
@@ -90,7 +88,6 @@ class LocalRanges(ByteRanges):
                 done += got
         finally:
             os.close(fd)
-        self.fetched += done
         return done
 
 
@@ -117,7 +114,6 @@ class UrlRanges(ByteRanges):
                 if len(piece) != end - start:
                     raise OSError(f"{self.name} sent {len(piece)} bytes for {end - start}")
                 view[start - offset : end - offset] = piece
-                self.fetched += len(piece)
         return max(stop - offset, 0)
 
 
