@@ -4,9 +4,9 @@
 wrapped (plain tensors, FSDP2 / HSDP / tensor-parallel DTensors, a pipeline
 stage) from a ``.safetensors`` file, a Hugging Face-style directory or a manygpu
 checkpoint, on disk or at an object-store URL: each rank reads only the blocks
-it owns. :func:`save_weights` writes
-safetensors (Hugging Face's sharded layout above a size) by gathering one tensor
-at a time, so no rank ever holds the whole model. Nothing read executes code:
+it owns. :func:`save_weights` writes safetensors (Hugging Face's sharded layout
+above a size) by gathering one tensor at a time, so no rank ever holds the
+whole model. Nothing read executes code:
 pickles are refused.
 
 - :mod:`.sources`: what a path holds, by its structure; reading blocks.
