@@ -6,6 +6,9 @@ sharded directly with torch, and saves each back: every gathered tensor and
 every saved tensor equals the file's exactly (loading copies; no arithmetic).
 Each rank reads its share: under FSDP2 the ranks' reads add up to the file's
 tensor bytes exactly (every element read once), under HSDP to two copies.
+At 2 ranks under fsdp, one run loads a DCP checkpoint from disk and, from a real
+S3 server on loopback (moto's), a safetensors file, a sharded directory and a
+DCP step through ``prepare(weights=URL)``: each equal to loading from disk.
 """
 
 from __future__ import annotations
@@ -143,8 +146,10 @@ def test_one_file_into_every_sharded_layout_and_back(
     assert sum(hsdp) == 2 * total and max(hsdp) < 0.7 * total, hsdp  # two replicas
 
 
-def _from_a_dcp_checkpoint(directory: str) -> dict[str, torch.Tensor]:
-    """Save a DCP checkpoint under fsdp, then load it into a fresh fsdp model."""
+def _from_a_dcp_checkpoint(directory: str, url: str, local: str) -> dict[str, Any]:
+    """Save a DCP checkpoint under fsdp, then load it into a fresh fsdp model; then
+    the same loads from the S3 server at ``url``: a safetensors file and a sharded
+    directory (each rank's rows by ranged reads), and a DCP step saved there."""
     from manygpu import Parallel
     from manygpu.checkpoint import Checkpointer, TrainState
 
@@ -153,17 +158,52 @@ def _from_a_dcp_checkpoint(directory: str) -> dict[str, torch.Tensor]:
         torch.manual_seed(0)
         saved = par.prepare(Net())
         Checkpointer(par, directory, model=saved, format="dcp").save(TrainState(step=1))
+        Checkpointer(par, f"{url}/ck", model=saved, format="dcp").save(TrainState(step=1))
         torch.manual_seed(1)
         fresh = par.prepare(Net())
         report = load_weights(par.unwrap(fresh), directory)
         assert report.source.endswith("step-00000001")
         mine, theirs = _full(par.unwrap(fresh)), _full(par.unwrap(saved))
         assert all(torch.equal(mine[k], theirs[k]) for k in theirs)
-        return mine
+        found: dict[str, Any] = {"dcp": mine}
+        weights = {"disk": local, "s3": f"{url}/w.safetensors", "s3-hf": f"{url}/hf",
+                   "s3-dcp": f"{url}/ck"}  # fmt: skip
+        for name, where in weights.items():
+            torch.manual_seed(2)
+            with par.init_module():
+                empty = Net()
+            found[name] = _full(par.unwrap(par.prepare(empty, weights=where)))
+        return found
     finally:
         par.close()
 
 
-def test_a_dcp_checkpoint_loads_into_shards(tmp_path: Path) -> None:
-    ranks = run_ranks(_from_a_dcp_checkpoint, 2, str(tmp_path / "ck"), timeout=120)
-    assert all(torch.equal(ranks[0][k], ranks[1][k]) for k in ranks[0])
+def test_a_dcp_checkpoint_and_s3_urls_load_into_shards(
+    tmp_path: Path, weights: tuple[Path, dict[str, torch.Tensor]]
+) -> None:
+    pytest.importorskip("s3fs")
+    pytest.importorskip("moto")
+    import fsspec
+    from s3_server import BUCKET, s3_server
+
+    path, reference = weights
+    save_weights(_net_from(reference), tmp_path / "hf", max_shard_bytes=400)
+    with s3_server():
+        url = f"s3://{BUCKET}/weights"
+        fs = fsspec.filesystem("s3", skip_instance_cache=True)
+        fs.pipe_file(f"{BUCKET}/weights/w.safetensors", path.read_bytes())
+        for file in sorted((tmp_path / "hf").iterdir()):
+            fs.pipe_file(f"{BUCKET}/weights/hf/{file.name}", file.read_bytes())
+        ranks = run_ranks(_from_a_dcp_checkpoint, 2, str(tmp_path / "ck"), url, str(path),
+                          timeout=120)  # fmt: skip
+    assert all(torch.equal(ranks[0]["dcp"][k], ranks[1]["dcp"][k]) for k in ranks[0]["dcp"])
+    for rank in ranks:
+        for name in ("disk", "s3", "s3-hf"):  # exactly the file's values, from disk or S3
+            assert all(torch.equal(rank[name][k], reference[k]) for k in reference), name
+        assert all(torch.equal(rank["s3-dcp"][k], rank["dcp"][k]) for k in rank["dcp"])
+
+
+def _net_from(state: dict[str, torch.Tensor]) -> Net:
+    model = Net()
+    model.load_state_dict(state)
+    return model

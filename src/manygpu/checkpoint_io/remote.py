@@ -94,8 +94,11 @@ class Url:
         return str(self.fs.unstrip_protocol(self.path))
 
 
-def connect(url: str, storage_options: dict[str, Any] | None = None) -> Url:
-    """The store at ``url``; a missing backend or a bad URL is one :class:`UsageError` line."""
+def connect(
+    url: str, storage_options: dict[str, Any] | None = None, *, what: str = "checkpoint URL"
+) -> Url:
+    """The store at ``url``; a missing backend or a bad URL is one :class:`UsageError` line
+    (starting with ``what``, e.g. ``weights URL``)."""
     import fsspec
     from fsspec.core import url_to_fs
     from fsspec.utils import get_protocol
@@ -107,17 +110,17 @@ def connect(url: str, storage_options: dict[str, Any] | None = None) -> Url:
         extra = EXTRA.get(protocol)
         fix = f"pip install 'manygpu[{extra}]'" if extra else "install its fsspec backend"
         raise UsageError(
-            f"checkpoint URL {url}: no fsspec backend for {protocol}:// is installed; {fix}"
+            f"{what} {url}: no fsspec backend for {protocol}:// is installed; {fix}"
         ) from None
     except ValueError:
         raise UsageError(
-            f"checkpoint URL {url}: fsspec knows no protocol {protocol!r}; "
+            f"{what} {url}: fsspec knows no protocol {protocol!r}; "
             "give a local directory or a URL such as s3://bucket/prefix"
         ) from None
     try:
         fs, path = url_to_fs(url, **(storage_options or {}))
     except (TypeError, ValueError) as exc:  # an option the backend does not take
-        raise UsageError(f"checkpoint URL {url}: {_line(exc)}; check storage_options") from None
+        raise UsageError(f"{what} {url}: {_line(exc)}; check storage_options") from None
     return Url(fs, str(path).rstrip("/") or str(path))
 
 
@@ -132,11 +135,11 @@ def probe(root: Url, rank: int) -> str | None:
         root.fs.pipe_file(target.path, b"")
         root.fs.rm_file(target.path)
     except Exception as exc:
-        return f"cannot write to the checkpoint store {root} ({_why(exc)})"
+        return f"cannot write to the checkpoint store {root} ({why(exc)})"
     return None
 
 
-def _why(exc: BaseException) -> str:
+def why(exc: BaseException) -> str:
     """What a store error says, named: a missing bucket, refused credentials, or its first line."""
     text = _line(exc)
     if isinstance(exc, FileNotFoundError):

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable
+from typing import Any
 
 import torch
 from torch import nn
@@ -26,18 +27,23 @@ from manygpu.transforms.materialize import (
     meta_buffers,
 )
 from manygpu.weights import load_weights, state_names
+from manygpu.weights.url_sources import resolve
 
 
 class ModelValues:
     """The values of one model being prepared (see the module docstring)."""
 
     def __init__(
-        self, model: nn.Module, *, weights: str | os.PathLike[str] | None, seed: int,
-        device: torch.device, timeout_s: float, unwrap: Callable[[nn.Module], nn.Module],
-        say: Callable[[str], None],
+        self, model: nn.Module, *, weights: str | os.PathLike[str] | None,
+        weights_options: dict[str, Any] | None = None, seed: int, device: torch.device,
+        timeout_s: float, unwrap: Callable[[nn.Module], nn.Module], say: Callable[[str], None],
     ) -> None:  # fmt: skip
+        if weights_options is not None and weights is None:
+            raise UsageError("weights_options= are the storage options of weights=; give both")
+        if weights is not None:  # a missing fsspec backend: one line before anything is built
+            resolve(weights, weights_options)
         self.empty = has_meta(model)
-        self.weights = weights
+        self.weights, self.weights_options = weights, weights_options
         self._seed, self._device, self._timeout_s, self._unwrap = seed, device, timeout_s, unwrap
         self._modules = EmptyModules(model, ())
         self._names: list[tuple[str, ...]] = []
@@ -76,5 +82,5 @@ class ModelValues:
         if self.weights is not None:
             load_weights(
                 self._unwrap(wrapped), self.weights, expected=self._names,
-                timeout_s=self._timeout_s,
+                storage_options=self.weights_options, timeout_s=self._timeout_s,
             )  # fmt: skip

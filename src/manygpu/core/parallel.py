@@ -172,13 +172,13 @@ class Parallel:
         it (:mod:`manygpu.transforms.materialize`)."""
         return empty_init()
 
-    def prepare(self, *objects: Any, weights: str | os.PathLike[str] | None = None) -> Any:
+    def prepare(self, *objects: Any, weights: str | os.PathLike[str] | None = None,
+                weights_options: dict[str, Any] | None = None) -> Any:  # fmt: skip
         """Prepare models, optimizers and training loaders; returns them in the same order.
 
         Models first whatever the order given: wrapping may move parameters. Evaluation
-        loaders go to :meth:`prepare_loader` with ``train=False``. ``weights``: a
-        safetensors file, HF directory or manygpu checkpoint read into the shards.
-        """
+        loaders go to :meth:`prepare_loader`. ``weights``: a safetensors file, HF directory or
+        checkpoint read into the shards, also at a URL (``weights_options``: fsspec options)."""
         if weights is not None and sum(isinstance(o, nn.Module) for o in objects) != 1:
             raise UsageError("weights= loads one model; give prepare() exactly one")
         prepared: list[Any] = list(objects)
@@ -186,7 +186,8 @@ class Parallel:
         self._auto_batch = int(loaders[0].batch_size or 1) if loaders else self._auto_batch
         for i, obj in enumerate(objects):
             if isinstance(obj, nn.Module):
-                prepared[i] = self.prepare_model(obj, weights=weights)
+                prepared[i] = self.prepare_model(obj, weights=weights,
+                                                 weights_options=weights_options)  # fmt: skip
         for i, obj in enumerate(objects):
             if isinstance(obj, torch.optim.Optimizer):
                 prepared[i] = self.prepare_optimizer(obj)
@@ -198,9 +199,8 @@ class Parallel:
                 )
         return prepared[0] if len(prepared) == 1 else tuple(prepared)
 
-    def prepare_model(
-        self, model: nn.Module, *, weights: str | os.PathLike[str] | None = None
-    ) -> nn.Module:
+    def prepare_model(self, model: nn.Module, *, weights: str | os.PathLike[str] | None = None,
+                      weights_options: dict[str, Any] | None = None) -> nn.Module:  # fmt: skip
         """Place and wrap ``model`` for the strategy; forward runs under autocast.
 
         The steps and their order: :mod:`manygpu.transforms.pipeline`. With
@@ -211,7 +211,7 @@ class Parallel:
         self._prep.refuse_again(model)
         if self.config.planned and not self._prep.models:
             self._choose_strategy(model)
-        return self._prep.model(model, weights)
+        return self._prep.model(model, weights, weights_options)
 
     def prepare_optimizer(self, optimizer: torch.optim.Optimizer) -> PreparedOptimizer:
         """Wrap ``optimizer`` so it steps once per accumulation cycle."""

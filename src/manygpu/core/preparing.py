@@ -73,11 +73,17 @@ class Preparer:
                 "using the module it returned"
             )
 
-    def model(self, model: nn.Module, weights: str | os.PathLike[str] | None = None) -> nn.Module:
+    def model(
+        self,
+        model: nn.Module,
+        weights: str | os.PathLike[str] | None = None,
+        weights_options: dict[str, Any] | None = None,
+    ) -> nn.Module:
         """``model`` through the transforms and the strategy, in the pipeline's order."""
         strategy, config = self._strategy(), self._config
         values = ModelValues(
-            model, weights=weights, seed=config.seed or 0, device=self._device,
+            model, weights=weights, weights_options=weights_options, seed=config.seed or 0,
+            device=self._device,
             timeout_s=self._timeout_s, unwrap=strategy.unwrap, say=self._say,
         )  # fmt: skip
         layout = ChannelsLast(

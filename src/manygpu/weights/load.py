@@ -4,16 +4,18 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
-from pathlib import Path
+from typing import Any
 
 import torch.distributed as dist
 from torch import nn
 
+from manygpu.checkpoint_io.remote import Url
 from manygpu.comm.common import DEFAULT_TIMEOUT_S
 from manygpu.comm.objects import all_gather_json
 from manygpu.errors import CheckpointError
 from manygpu.weights.names import Expected, match
 from manygpu.weights.sources import Source, open_source
+from manygpu.weights.url_sources import open_url_source, resolve
 
 
 @dataclass(frozen=True)
@@ -33,6 +35,7 @@ def load_weights(
     path: str | os.PathLike[str],
     *,
     expected: Expected | None = None,
+    storage_options: dict[str, Any] | None = None,
     timeout_s: float = DEFAULT_TIMEOUT_S,
 ) -> LoadReport:
     """Fill ``model``'s parameters and persistent buffers from the weights at ``path``.
@@ -42,25 +45,31 @@ def load_weights(
     part in place, cast to the tensor's dtype, on its device (host memory too,
     with CPU offload). Each rank reads only the blocks it owns. ``path`` is a
     ``.safetensors`` file, a Hugging Face-style directory or a manygpu checkpoint
-    (:mod:`.sources`); names match as ``load_state_dict``'s do (:mod:`.names`).
+    (:mod:`.sources`), on disk or at an fsspec URL such as ``s3://bucket/model``
+    (:mod:`.url_sources`); names match as ``load_state_dict``'s do (:mod:`.names`).
 
     Args:
         expected: the whole model's state-dict names (tied names grouped,
             :func:`~manygpu.weights.state_names`) when ``model`` is one pipeline
             stage of it; default: ``model``'s own.
+        storage_options: for a URL, passed to fsspec as given (as the
+            checkpointer's are), e.g. ``{"profile": "training"}`` for S3.
         timeout_s: how long a rank waits for the others to agree that every
             rank's check and read succeeded (two small all-gathers when a
             process group is up, so a failure on one rank is raised on all).
 
     Raises:
+        UsageError: a URL whose fsspec backend is not installed (naming the
+            extra to install), or ``storage_options`` with a local path.
         CheckpointError: one line, the same on every rank: a path that does not
-            exist, a pickle, keys missing or unexpected, a shape that differs, a
-            read that failed (the first failing rank's reason).
+            exist, refused credentials, a pickle, keys missing or unexpected, a
+            shape that differs, a read that failed (the first failing rank's reason).
     """
+    where = resolve(path, storage_options)
     source: Source | None = None
     try:
         try:
-            source = open_source(Path(path))
+            source = open_url_source(where) if isinstance(where, Url) else open_source(where)
             pairs = match(model, source.entries, source.where, expected)
         except CheckpointError as exc:
             agree(str(exc), "load_weights", timeout_s)

@@ -1,6 +1,7 @@
 """Where weights come from: what a path holds is decided by its structure, never by trust.
 
-- a ``.safetensors`` file (its header is checked by ``safetensors`` itself);
+- a ``.safetensors`` file (its header checked as ``safetensors`` checks it,
+  :mod:`.st_read`, and read by byte ranges);
 - a Hugging Face-style directory: ``model.safetensors``, or the files a
   ``model.safetensors.index.json`` weight map names (each a plain file name
   inside the directory);
@@ -13,7 +14,8 @@ before anything is read from it: unpickling runs code.
 
 Each source says what it holds (:attr:`Source.entries`: name -> shape and dtype,
 from headers only) and fills target tensors (:meth:`Source.fill`): the sliced
-sources read for each DTensor exactly the block its rank owns.
+sources read for each DTensor exactly the block its rank owns. The same
+sources at a URL (``s3://`` ...): :mod:`.url_sources`.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import json
-import os
+import posixpath
 from abc import ABC, abstractmethod
 from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path, PurePosixPath
@@ -32,7 +34,8 @@ import torch
 from manygpu.checkpoint_io import formats, layout
 from manygpu.errors import CheckpointError
 from manygpu.weights import shards
-from manygpu.weights.st_file import DTYPES, Spec
+from manygpu.weights.st_file import Spec
+from manygpu.weights.st_read import ByteRanges, Layout, LocalRanges, read_header
 
 SINGLE, INDEX = "model.safetensors", "model.safetensors.index.json"
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl", ".pickle")
@@ -44,7 +47,7 @@ _CONVERT = (
 )
 
 
-def pickle_refusal(path: Path) -> CheckpointError:
+def pickle_refusal(path: object) -> CheckpointError:
     return CheckpointError(
         f"{path} is a pickle file (torch.save); loading it could run code, so it is refused; "
         + _CONVERT
@@ -95,80 +98,69 @@ class SlicedSource(Source):
 
 
 class SafetensorsSource(SlicedSource):
-    """One or more safetensors files (``files``: tensor name -> the file holding it)."""
+    """One or more safetensors files, read by byte ranges (:mod:`.st_read`: a local file
+    with ``pread``, an object in a store with ranged requests; the same code for both).
 
-    def __init__(self, where: str, files: Mapping[str, Path]) -> None:
-        self.where, self.files = where, dict(files)
-        self.handles: dict[Path, Any] = {}
-        self._layouts: dict[Path, dict[str, tuple[Spec, int]]] = {}
+    ``files``: tensor name -> the file holding it (a Hugging Face index's map), or one
+    file holding every tensor in it.
+    """
+
+    def __init__(self, where: str, files: Mapping[str, ByteRanges] | ByteRanges) -> None:
+        self.where = where
+        self._layouts: dict[str, Layout] = {}
+        if isinstance(files, ByteRanges):
+            files = dict.fromkeys(self._layout(files), files)
+        self.files = dict(files)
         self.entries = {}
-        for path in sorted(set(self.files.values())):
-            handle = self._open(path)
-            for name in handle.keys():  # noqa: SIM118 - safe_open is not a mapping
-                if self.files.get(name) == path:
-                    piece = handle.get_slice(name)
-                    self.entries[name] = Spec(tuple(piece.get_shape()), _dtype(piece, path))
+        for ranges in sorted({id(r): r for r in self.files.values()}.values(), key=_by_name):
+            for name, (spec, _) in self._layout(ranges).items():
+                if self.files.get(name) is ranges:
+                    self.entries[name] = spec
         lost = sorted(set(self.files) - set(self.entries))
         if lost:
+            held_by = posixpath.basename(self.files[lost[0]].name)
             raise CheckpointError(
-                f"{where} is damaged: its index puts {lost[0]} in {self.files[lost[0]].name}, "
+                f"{where} is damaged: its index puts {lost[0]} in {held_by}, "
                 f"which does not hold it ({len(lost)} such); re-save the weights"
             )
-
-    def _open(self, path: Path) -> Any:
-        from safetensors import safe_open
-
-        handle = self.handles.get(path)
-        if handle is None:
-            try:
-                handle = self.handles[path] = safe_open(str(path), framework="pt")
-            except Exception as exc:  # SafetensorError, OSError
-                raise _unreadable(path, exc) from None
-        return handle
 
     def read(self, name: str, index: tuple[slice, ...] | None) -> torch.Tensor:
         shape = self.entries[name].shape
         if not shape:  # a 0-d tensor has no rows
-            return self._open(self.files[name]).get_tensor(name)
+            return self._rows(name, 0, 1)
         rows = _row_block(shape, index)
         if rows is not None:
-            return self._pread(name, *rows)
+            return self._rows(name, *rows)
         # Columns (a row-parallel weight's share): the tensor's rows read whole, one
         # tensor in flight, and this rank's block copied out of them.
         assert index is not None
         first = index[0]
-        whole = self._pread(name, first.start or 0, shape[0] if first.stop is None else first.stop)
+        whole = self._rows(name, first.start or 0, shape[0] if first.stop is None else first.stop)
         block = [slice(None), *index[1:]]
         return whole[tuple(block)].clone()
 
-    def _pread(self, name: str, start: int, stop: int) -> torch.Tensor:
-        """Rows ``start:stop`` of ``name`` read with ``pread`` into fresh memory.
-
-        Not through safetensors' memory map: pages of a mapped file count in the
-        process's resident set while it is open, so each rank's share of the file
-        would show twice (mapped, then copied). One block of rows is one byte range.
-        """
-        path = self.files[name]
-        spec, begin = self._layout(path)[name]
-        out = torch.empty((stop - start, *spec.shape[1:]), dtype=spec.dtype)
-        row = out[0].numel() * out.element_size() if out.dim() and len(out) else 0
-        raw = out.view(torch.uint8).numpy() if out.numel() else None
-        view = memoryview(raw).cast("B") if raw is not None else None  # type: ignore[arg-type]
-        if view is not None:
-            fd = os.open(path, os.O_RDONLY)
-            try:
-                got = os.preadv(fd, [view], begin + start * row)
-            finally:
-                os.close(fd)
-            if got != len(view):
-                raise CheckpointError(f"{path} is truncated at {name}; re-save the weights")
+    def _rows(self, name: str, start: int, stop: int) -> torch.Tensor:
+        """Rows ``start:stop`` of ``name`` (all of a 0-d tensor) read into fresh memory:
+        one block of rows is one byte range of the file."""
+        ranges = self.files[name]
+        spec, begin = self._layout(ranges)[name]
+        out = torch.empty((stop - start, *spec.shape[1:]) if spec.shape else (), dtype=spec.dtype)
+        if out.numel():
+            raw = out.reshape(-1).view(torch.uint8).numpy()
+            view = memoryview(raw).cast("B")  # type: ignore[arg-type]
+            row = len(view) // (stop - start)
+            if ranges.read_into(view, begin + start * row) != len(view):
+                raise CheckpointError(f"{ranges.name} is truncated at {name}; re-save the weights")
         return out
 
-    def _layout(self, path: Path) -> dict[str, tuple[Spec, int]]:
-        """Each tensor's spec and the absolute offset of its bytes, from the header."""
-        cached = self._layouts.get(path)
+    def _layout(self, ranges: ByteRanges) -> Layout:
+        """Each tensor's spec and offset, from the file's header (read once)."""
+        cached = self._layouts.get(ranges.name)
         if cached is None:
-            cached = self._layouts[path] = _header_offsets(path, self.entries)
+            try:
+                cached = self._layouts[ranges.name] = read_header(ranges)
+            except ValueError as exc:
+                raise _unreadable(ranges, exc) from None
         return cached
 
 
@@ -250,9 +242,9 @@ def open_source(path: Path) -> Source:
             "them (Hugging Face style) or a manygpu checkpoint"
         )
     if path.is_file():
-        if _is_pickle(path):
+        if _is_pickle(path.name):
             raise pickle_refusal(path)
-        return SafetensorsSource(str(path), {name: path for name in _names_in(path)})
+        return SafetensorsSource(str(path), LocalRanges(path))
     if (path / INDEX).is_file():
         return SafetensorsSource(str(path), _weight_map(path))
     if (path / SINGLE).is_file():
@@ -268,38 +260,32 @@ def open_source(path: Path) -> Source:
     )
 
 
-def _is_pickle(path: Path) -> bool:
-    """By its name; a pickle named otherwise is caught when safetensors cannot read it."""
-    return path.suffix in PICKLE_SUFFIXES
+def _is_pickle(name: str) -> bool:
+    """By its name; a pickle named otherwise is caught when its header does not parse."""
+    return PurePosixPath(name).suffix in PICKLE_SUFFIXES
 
 
-def _names_in(path: Path) -> list[str]:
-    from safetensors import safe_open
-
-    try:
-        with safe_open(str(path), framework="pt") as handle:
-            return list(handle.keys())
-    except Exception as exc:  # SafetensorError, OSError
-        raise _unreadable(path, exc) from None
+def _by_name(ranges: ByteRanges) -> str:
+    return ranges.name
 
 
-def _unreadable(path: Path, exc: BaseException) -> CheckpointError:
-    """Why ``path`` is not safetensors: a pickle by its first bytes (checked only now: a
-    safetensors header length can start with any byte), or what safetensors said."""
-    with contextlib.suppress(OSError), open(path, "rb") as fh:
-        if fh.read(4).startswith(_PICKLE_MAGIC):
-            return pickle_refusal(path)
+def _unreadable(ranges: ByteRanges, exc: BaseException) -> CheckpointError:
+    """Why ``ranges``' file is not safetensors: a pickle by its first bytes (checked only
+    now: a safetensors header length can start with any byte), or what is wrong with it."""
+    with contextlib.suppress(OSError):
+        if ranges.read(0, 4).startswith(_PICKLE_MAGIC):
+            return pickle_refusal(ranges.name)
     return CheckpointError(
-        f"{path} is not a readable safetensors file ({_first(exc)}); "
+        f"{ranges.name} is not a readable safetensors file ({_first(exc)}); "
         "give a .safetensors file, a directory of them, or a manygpu checkpoint"
     )
 
 
-def _weight_map(directory: Path) -> dict[str, Path]:
-    """``name -> file`` from the index; every file a plain name inside ``directory``."""
-    index = directory / INDEX
+def parse_index(raw: bytes, index: object, directory: object) -> dict[str, str]:
+    """``name -> file name`` from an index's bytes; every file a plain name (no path), so an
+    index never reaches outside its ``directory``; pickles refused by name."""
     try:
-        weight_map = json.loads(index.read_text())["weight_map"]
+        weight_map = json.loads(raw.decode("utf-8"))["weight_map"]
         if not isinstance(weight_map, dict):
             raise TypeError("weight_map is not an object")
     except (ValueError, KeyError, TypeError, UnicodeDecodeError) as exc:
@@ -310,13 +296,24 @@ def _weight_map(directory: Path) -> dict[str, Path]:
         pure = PurePosixPath(file) if isinstance(file, str) else None
         if pure is None or len(pure.parts) != 1 or pure.name in ("", ".", ".."):
             raise CheckpointError(f"{index} puts {name!r} in {file!r}, not a file of {directory}")
-        out[str(name)] = directory / pure.name
+        out[str(name)] = pure.name
     for file in sorted(set(out.values())):
-        if not file.is_file():
-            raise CheckpointError(f"{index} names {file.name}, which is missing from {directory}")
         if _is_pickle(file):
-            raise pickle_refusal(file)
+            raise pickle_refusal(f"{directory}/{file}")
     return out
+
+
+def _weight_map(directory: Path) -> dict[str, ByteRanges]:
+    """``name -> file`` from the index, each file inside ``directory``."""
+    names = parse_index((directory / INDEX).read_bytes(), directory / INDEX, directory)
+    files: dict[str, ByteRanges] = {}
+    for file in sorted(set(names.values())):
+        if not (directory / file).is_file():
+            raise CheckpointError(
+                f"{directory / INDEX} names {file}, which is missing from {directory}"
+            )
+        files[file] = LocalRanges(directory / file)
+    return {name: files[file] for name, file in names.items()}
 
 
 def open_checkpoint(path: Path) -> Source:
@@ -336,13 +333,6 @@ def open_checkpoint(path: Path) -> Source:
     return MappedSource(str(step), tensors)
 
 
-def _dtype(piece: Any, path: Path) -> torch.dtype:
-    name = piece.get_dtype()
-    if name not in DTYPES:
-        raise CheckpointError(f"{path} holds a tensor of dtype {name}, which torch cannot hold")
-    return DTYPES[name]
-
-
 def _first(exc: BaseException) -> str:
     lines = [ln.strip() for ln in str(exc).splitlines() if ln.strip()]
     return (lines or [type(exc).__name__])[0][:200]
@@ -360,16 +350,3 @@ def _row_block(shape: tuple[int, ...], index: tuple[slice, ...] | None) -> tuple
     if not whole or first.step not in (1, None):
         return None
     return first.start or 0, shape[0] if first.stop is None else first.stop
-
-
-def _header_offsets(path: Path, entries: Mapping[str, Spec]) -> dict[str, tuple[Spec, int]]:
-    """Name -> (spec, absolute byte offset) for the tensors of ``path`` in ``entries``."""
-    with open(path, "rb") as fh:
-        size = int.from_bytes(fh.read(8), "little")
-        header = json.loads(fh.read(size))
-    base = 8 + size
-    return {
-        name: (entries[name], base + int(meta["data_offsets"][0]))
-        for name, meta in header.items()
-        if name != "__metadata__" and name in entries
-    }

@@ -9,7 +9,7 @@ holds more than the one tensor it is writing. ``safetensors.torch.save_file``
 needs every tensor of the file in memory at once, and refuses tensors that share
 storage (tied weights), which is why it is not used here.
 
-Reading goes through the ``safetensors`` package itself (:mod:`.sources`).
+Reading, by byte ranges, from disk or a store: :mod:`.st_read`.
 """
 
 from __future__ import annotations
