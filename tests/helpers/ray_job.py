@@ -11,6 +11,8 @@ reference. Returns (and on rank 0 saves to ``out``/params.pt) the parameters.
 
 from __future__ import annotations
 
+import contextlib
+import io
 import os
 from pathlib import Path
 from typing import Any
@@ -72,5 +74,10 @@ def _maybe_die(config: dict[str, Any], par: Parallel, step: int, first: int, out
 
 
 def in_ray(config: dict[str, Any]) -> None:
-    """:func:`train` as Ray's loop (Ray returns no tensors; rank 0 saved them)."""
-    train(config)
+    """:func:`train` as Ray's loop (Ray returns no tensors; rank 0 saved them); what
+    the workers printed goes to ``out``/said.txt (the attempt that ends writes it)."""
+    said = io.StringIO()
+    with contextlib.redirect_stdout(said):
+        train(config)
+    with open(Path(config["out"]) / "said.txt", "a") as fh:
+        fh.write(said.getvalue())

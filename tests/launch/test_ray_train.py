@@ -81,6 +81,8 @@ def test_a_dead_worker_restarts_the_group_which_resumes_bitwise_and_ray_sees_the
     # Ray keeps a pointer to the step (Ray's form for a checkpoint kept elsewhere), not a copy.
     assert manygpu.ray.checkpoint_path(result.checkpoint) == str(ckpt / f"step-{TOTAL:08d}")
     assert result.metrics["step"] == TOTAL and "loss" in result.metrics, result.metrics
+    said = (out / "said.txt").read_text()
+    assert said.count("manygpu: under Ray Train: Ray started the workers") == 1, said
 
 
 def test_a_missing_script_is_one_line() -> None:

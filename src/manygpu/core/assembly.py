@@ -28,6 +28,7 @@ from manygpu.observe import straggler_board
 from manygpu.observe.job_log import JobLog
 from manygpu.observe.profiling import Profiler
 from manygpu.runtime import env as envmod
+from manygpu.runtime import ray_train
 from manygpu.runtime.cluster import ClusterInfo
 from manygpu.strategies import Strategy, abilities
 
@@ -75,6 +76,8 @@ def assemble(current: Current, job: JobFacts, environ: envmod.Environ) -> JobPar
     """The job's parts, wired: the step event's listeners, logging, profiling, prepare."""
     config, cluster = job.config, job.cluster
     console = MainConsole(job.is_main, cluster.rank)
+    if ray_train.active():
+        console.print(ray_train.started_line(job.timeout_s), markup=False)
     events = StepEvents()
     reports = straggler_board.start(
         straggler_board.steps_every(config.stragglers, environ), cluster.rank,

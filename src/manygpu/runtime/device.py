@@ -9,6 +9,7 @@ import torch
 
 from manygpu.errors import UsageError
 from manygpu.runtime import env as envmod
+from manygpu.runtime import ray_train
 from manygpu.runtime.env import Environ
 
 BACKENDS = ("nccl", "gloo", "mpi", "xccl", "ucc")
@@ -37,6 +38,9 @@ def choose_device(
         if device.type != "cuda" or device.index is not None:
             return device
     if torch.cuda.is_available():
+        given = ray_train.device()  # Ray Train maps its workers to GPUs itself
+        if given is not None:
+            return given
         index = cuda_index(local_rank, torch.cuda.device_count(), bound_per_task)
         return torch.device("cuda", index)
     return torch.device("cpu")

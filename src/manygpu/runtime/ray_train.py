@@ -98,3 +98,25 @@ def restored_checkpoint() -> str | None:
         return None
     checkpoint = train.get_checkpoint()
     return None if checkpoint is None else pointed_to(checkpoint)
+
+
+def started_line(timeout_s: float) -> str:
+    """What a job started by Ray Train does without manygpu's launcher (said once)."""
+    return (
+        "manygpu: under Ray Train: Ray started the workers, so manygpu launch's hang "
+        "watch and first-failure report are not running; a stuck collective still ends "
+        f"after timeout_s={timeout_s:g}s naming its rank and operation, and Ray restarts "
+        "the group as its FailureConfig says"
+    )
+
+
+def device() -> Any | None:
+    """The GPU Ray Train gave this worker (``ray.train.torch.get_device()``), when it
+    gave one; None otherwise (outside Ray, or on CPU workers)."""
+    if _train() is None:
+        return None
+    torch_train = sys.modules.get("ray.train.torch")
+    if torch_train is None:
+        return None
+    chosen = torch_train.get_device()
+    return chosen if getattr(chosen, "type", "cpu") == "cuda" else None
