@@ -1,0 +1,184 @@
+"""Expert parallelism (``mesh={"ep": 2}``, ``{"dp": 2, "ep": 2}``) equals one process.
+
+A tiny Hugging Face Mixtral (4 experts, top-2, hidden 32, 2 layers) and a
+torchtitan-style grouped MoE (tests/helpers/moe_models.py) train 3 AdamW steps
+with clipping (max norm 0.5, so the clip is active and the norm enters every
+parameter's update) on one global batch split over the data ranks. Against one
+process on the whole batch: the per-step losses and gradient norms, the first
+step's gradients of every parameter (routers and experts included, before
+clipping) and the parameters after the last step agree within ``TOL`` (fp32;
+only summation order differs). The batch gives the experts uneven loads and at
+least one expert no token on some rank and step. A run whose expert gradients
+are multiplied by ``ep`` after the sync (the pytorch#160285 bug) must fail the
+same comparison. Each run_ranks call serves several cases (one process start).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+import torch.nn.functional as F
+from dist_harness import run_ranks
+from moe_models import VOCAB, grouped_model, mixtral
+from torch import nn
+
+from manygpu import Parallel
+
+TOL = 1e-5
+STEPS, GLOBAL, SEQ, LR, CLIP = 3, 4, 8, 1e-2, 0.5
+
+
+def make(kind: str) -> nn.Module:
+    return mixtral() if kind == "mixtral" else grouped_model()
+
+
+def batches() -> torch.Tensor:
+    """Random sequences, then a second half of one token repeated: every copy of that
+    token routes alike, so the second half's ranks load two experts and leave two empty."""
+    gen = torch.Generator().manual_seed(3)
+    tokens = torch.randint(0, VOCAB, (STEPS, GLOBAL, SEQ), generator=gen)
+    tokens[:, GLOBAL // 2 :] = torch.randint(0, VOCAB, (STEPS, 1, 1), generator=gen)
+    return tokens
+
+
+def loss_of(kind: str, model: nn.Module, tokens: torch.Tensor) -> torch.Tensor:
+    if kind == "mixtral":
+        return model(input_ids=tokens, labels=tokens).loss  # type: ignore[no-any-return]
+    logits = model(tokens)[:, :-1]
+    return F.cross_entropy(logits.reshape(-1, VOCAB), tokens[:, 1:].reshape(-1))
+
+
+def _full(t: torch.Tensor) -> torch.Tensor:
+    return (t.full_tensor() if hasattr(t, "full_tensor") else t).detach().clone()
+
+
+def _optimizer(params: Any) -> torch.optim.Optimizer:
+    return torch.optim.AdamW(params, lr=LR, weight_decay=0.1)
+
+
+def reference(kind: str) -> dict[str, Any]:
+    """One process, the global batch, the same model, optimizer and clipping."""
+    model = make(kind)
+    opt = _optimizer(model.parameters())
+    losses, norms, grads = [], [], {}
+    for step, tokens in enumerate(batches()):
+        loss = loss_of(kind, model, tokens)
+        loss.backward()
+        if step == 0:
+            grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+        norms.append(nn.utils.clip_grad_norm_(model.parameters(), CLIP).item())
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    params = {n: p.detach().clone() for n, p in model.named_parameters()}
+    return {"losses": losses, "norms": norms, "grads": grads, "params": params}
+
+
+def _loads(model: nn.Module, seen: list[list[int]]) -> None:
+    """Record each experts call's rows per expert (this rank's copies)."""
+    for name, module in model.named_modules():
+        if name.endswith("experts"):
+
+            def hook(_: nn.Module, args: tuple[Any, ...]) -> None:
+                if args[1].dim() == 1:
+                    seen.append(args[1].tolist())
+                else:  # routed: (x, top_k_index, top_k_weights)
+                    seen.append(torch.bincount(args[1].reshape(-1), minlength=4).tolist())
+
+            module.register_forward_pre_hook(hook)
+
+
+def _train(kind: str, mesh: dict[str, int], scale_experts: float) -> dict[str, Any]:
+    par = Parallel(mesh=mesh)  # no strategy named: the mesh's ep axis picks "ep"
+    try:
+        model = par.prepare(make(kind))
+        opt = par.prepare(_optimizer(model.parameters()))
+        inner = par.unwrap(model)
+        sync = par.strategy.grad_sync(inner)  # type: ignore[attr-defined]
+        sync.scale_experts = scale_experts
+        seen: list[list[int]] = []
+        _loads(inner, seen)
+        shard, shards = par.strategy.data_shard()
+        per = GLOBAL // shards
+        losses, norms, grads = [], [], {}
+        for step, tokens in enumerate(batches()):
+            loss = loss_of(kind, model, tokens[shard * per : (shard + 1) * per])
+            par.backward(loss)
+            if step == 0:
+                grads = {
+                    n: _full(p.grad) for n, p in inner.named_parameters() if p.grad is not None
+                }
+            norms.append(par.clip_grad_norm_(model, CLIP).item())
+            opt.step()
+            opt.zero_grad()
+            losses.append(par.reduce(loss.detach()).item())
+        params = {n: _full(p) for n, p in inner.named_parameters()}
+        local = {
+            n: tuple(p.to_local().shape)
+            for n, p in inner.named_parameters()
+            if hasattr(p, "to_local")
+        }
+        return {
+            "losses": losses, "norms": norms, "grads": grads, "params": params, "loads": seen,
+            "strategy": par.strategy.name, "local": local,
+        }  # fmt: skip
+    finally:
+        par.close()
+
+
+def _cases(cases: list[tuple[str, dict[str, int], float]]) -> list[dict[str, Any]]:
+    return [_train(*case) for case in cases]
+
+
+def mismatches(got: dict[str, Any], ref: dict[str, Any]) -> list[str]:
+    """What differs from one process by more than ``TOL`` (empty: equal)."""
+    wrong = [
+        key
+        for key in ("losses", "norms")
+        if any(abs(a - b) > TOL for a, b in zip(got[key], ref[key], strict=True))
+    ]
+    for part in ("grads", "params"):
+        assert got[part].keys() == ref[part].keys(), part
+        wrong += [
+            f"{part}:{name}"
+            for name, value in ref[part].items()
+            if (got[part][name] - value).abs().max().item() > TOL
+        ]
+    return wrong
+
+
+def _check_loads(results: list[dict[str, Any]]) -> None:
+    """Uneven loads, and some expert with no token on some rank in some call."""
+    loads = [counts for out in results for counts in out["loads"]]
+    assert any(0 in counts for counts in loads), loads
+    assert any(max(c) > 2 * min(c) + 1 for c in loads), loads
+
+
+def test_ep2_equals_one_process_and_a_gradient_scaled_by_ep_does_not() -> None:
+    cases = [("grouped", {"ep": 2}, 1.0), ("mixtral", {"ep": 2}, 1.0), ("grouped", {"ep": 2}, 2.0)]
+    per_rank = run_ranks(_cases, 2, cases, timeout=240)
+    refs = {kind: reference(kind) for kind in ("grouped", "mixtral")}
+    for index, (kind, _, scale) in enumerate(cases):
+        results = [ranks[index] for ranks in per_rank]
+        assert all(out["strategy"] == "ep" for out in results)
+        wrong = [mismatches(out, refs[kind]) for out in results]
+        if scale == 1.0:
+            assert wrong == [[], []], wrong
+            _check_loads(results)
+        else:  # the bug is caught: expert gradients, the norm, then every parameter
+            assert all("grads:layers.0.experts.w1" in w and "norms" in w for w in wrong), wrong
+    # Each rank holds half of each layer's experts; routers and the rest are whole.
+    local = per_rank[0][0]["local"]
+    assert local["layers.0.experts.w1"][0] == 2 and "layers.0.router.weight" not in local
+
+
+@pytest.mark.parametrize("world", [4])
+def test_dp2_x_ep2_equals_one_process(world: int) -> None:
+    cases = [("grouped", {"dp": 2, "ep": 2}, 1.0), ("mixtral", {"dp": 2, "ep": 2}, 1.0)]
+    per_rank = run_ranks(_cases, world, cases, timeout=300)
+    for index, (kind, _, _) in enumerate(cases):
+        ref = reference(kind)
+        wrong = [mismatches(ranks[index], ref) for ranks in per_rank]
+        assert wrong == [[]] * world, wrong
