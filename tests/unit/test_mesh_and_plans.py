@@ -15,7 +15,13 @@ from manygpu.strategies.tensor.strategy import check_divisible, default_plan, re
 
 
 def test_minus_one_is_inferred() -> None:
-    assert MeshShape(dp=2, tp=-1).resolve(8).sizes() == {"pp": 1, "dp": 2, "fsdp": 1, "ep": 1, "tp": 4}
+    assert MeshShape(dp=2, tp=-1).resolve(8).sizes() == {
+        "pp": 1,
+        "dp": 2,
+        "fsdp": 1,
+        "ep": 1,
+        "tp": 4,
+    }
 
 
 def test_wrong_product_names_every_factor() -> None:

@@ -85,7 +85,7 @@ def _matcher(chosen: Any) -> Any:
         return _by_structure
     if callable(chosen) and not isinstance(chosen, (tuple, type)):
         return chosen
-    wanted = tuple(chosen)
+    wanted = (chosen,) if isinstance(chosen, (str, type)) else tuple(chosen)
 
     def named(path: str, module: nn.Module) -> bool:
         return any(
