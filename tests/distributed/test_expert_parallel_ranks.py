@@ -15,6 +15,7 @@ same comparison. Each run_ranks call serves several cases (one process start).
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -182,3 +183,51 @@ def test_dp2_x_ep2_equals_one_process(world: int) -> None:
         ref = reference(kind)
         wrong = [mismatches(ranks[index], ref) for ranks in per_rank]
         assert wrong == [[]] * world, wrong
+
+
+def _job(strategy: str | None, mesh: dict[str, int] | None, directory: str, save_at: int) -> Any:
+    """The grouped model trained to ``STEPS`` from a DCP checkpoint in ``directory`` when
+    there is one, saving at step ``save_at``; its parameters and the step it resumed at."""
+    from manygpu.checkpoint import Checkpointer
+
+    par = Parallel(strategy=strategy, mesh=mesh)
+    try:
+        model = par.prepare(make("grouped"))
+        opt = par.prepare(_optimizer(model.parameters()))
+        ckpt = Checkpointer(par, directory, model=model, optimizer=opt, format="dcp")
+        state = ckpt.resume(fresh_ok=True)
+        started = state.step
+        shard, shards = par.strategy.data_shard()
+        per = GLOBAL // shards
+        for tokens in batches()[state.step :]:
+            par.backward(loss_of("grouped", model, tokens[shard * per : (shard + 1) * per]))
+            par.clip_grad_norm_(model, CLIP)
+            opt.step()
+            opt.zero_grad()
+            state.step += 1
+            if state.step == save_at:
+                ckpt.save(state)
+        ckpt.close()
+        params = {n: _full(p) for n, p in par.unwrap(model).named_parameters()}
+        return {"started": started, "params": params}
+    finally:
+        par.close()
+
+
+def _ep_checkpoints(saved_by_ep: str, saved_alone: str) -> list[Any]:
+    return [_job(None, {"ep": 2}, saved_by_ep, 2), _job(None, {"ep": 2}, saved_alone, -1)]
+
+
+def test_an_ep_checkpoint_resumes_without_ep_and_back(tmp_path: Path) -> None:
+    """DCP stores the experts whole: 2 EP ranks save at step 2 and one process (a 1-rank
+    ddp job) resumes there; one process saves at step 2 and 2 EP ranks resume there. Every
+    run ends on one process's parameters after 3 steps, optimizer state included."""
+    by_ep, alone = str(tmp_path / "by_ep"), str(tmp_path / "alone")
+    first = _job("ddp", None, alone, 2)
+    per_rank = run_ranks(_ep_checkpoints, 2, by_ep, alone, timeout=240)
+    resumed = _job("ddp", None, by_ep, -1)
+    ref = reference("grouped")["params"]
+    runs = [first, resumed, *(r for ranks in per_rank for r in ranks)]
+    assert [r["started"] for r in runs] == [0, 2, 0, 2, 0, 2]
+    for run in runs:
+        assert [n for n, v in ref.items() if (run["params"][n] - v).abs().max() > TOL] == []
