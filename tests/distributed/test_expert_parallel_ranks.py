@@ -10,7 +10,11 @@ clipping) and the parameters after the last step agree within ``TOL`` (fp32;
 only summation order differs). The batch gives the experts uneven loads and at
 least one expert no token on some rank and step. A run whose expert gradients
 are multiplied by ``ep`` after the sync (the pytorch#160285 bug) must fail the
-same comparison. Each run_ranks call serves several cases (one process start).
+same comparison. With the router's load-balancing loss (Mixtral's
+``output_router_logits``), manygpu's ``load_balancing_loss`` over the data ranks
+equals Hugging Face's function on the global batch in one process, and each
+rank's own (the mean of per-rank aux losses) must not. Each run_ranks call
+serves several cases (one process start).
 """
 
 from __future__ import annotations
@@ -20,19 +24,22 @@ from typing import Any
 
 import pytest
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from dist_harness import run_ranks
-from moe_models import VOCAB, grouped_model, mixtral
+from moe_models import EXPERTS, TOP_K, VOCAB, grouped_model, mixtral
 from torch import nn
+from transformers.models.mixtral.modeling_mixtral import load_balancing_loss_func
 
 from manygpu import Parallel
+from manygpu.strategies.expert.balance import load_balancing_loss
 
 TOL = 1e-5
-STEPS, GLOBAL, SEQ, LR, CLIP = 3, 4, 8, 1e-2, 0.5
+STEPS, GLOBAL, SEQ, LR, CLIP, AUX = 3, 4, 8, 1e-2, 0.5, 0.5
 
 
 def make(kind: str) -> nn.Module:
-    return mixtral() if kind == "mixtral" else grouped_model()
+    return mixtral() if kind.startswith("mixtral") else grouped_model()
 
 
 def batches() -> torch.Tensor:
@@ -45,10 +52,22 @@ def batches() -> torch.Tensor:
 
 
 def loss_of(kind: str, model: nn.Module, tokens: torch.Tensor) -> torch.Tensor:
+    """The LM loss; ``mixtral-aux`` adds the router's load-balancing loss of the global
+    batch: Hugging Face's function in one process, manygpu's over the data ranks."""
     if kind == "mixtral":
         return model(input_ids=tokens, labels=tokens).loss  # type: ignore[no-any-return]
-    logits = model(tokens)[:, :-1]
-    return F.cross_entropy(logits.reshape(-1, VOCAB), tokens[:, 1:].reshape(-1))
+    if kind in ("mixtral-aux", "mixtral-local-aux"):  # local: each rank's own batch's
+        out = model(input_ids=tokens, output_router_logits=True)
+        whole = dist.is_initialized() and kind == "mixtral-aux"
+        logits, balance = out.logits, (load_balancing_loss if whole else load_balancing_loss_func)
+        aux = balance(out.router_logits, EXPERTS, TOP_K)
+        return _next_token(logits, tokens) + AUX * aux  # type: ignore[no-any-return]
+    return _next_token(model(tokens), tokens)
+
+
+def _next_token(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+    shifted = logits[:, :-1].reshape(-1, VOCAB).float()
+    return F.cross_entropy(shifted, tokens[:, 1:].reshape(-1))
 
 
 def _full(t: torch.Tensor) -> torch.Tensor:
@@ -159,13 +178,17 @@ def _check_loads(results: list[dict[str, Any]]) -> None:
 
 def test_ep2_equals_one_process_and_a_gradient_scaled_by_ep_does_not() -> None:
     cases = [("grouped", {"ep": 2}, 1.0), ("mixtral", {"ep": 2}, 1.0), ("grouped", {"ep": 2}, 2.0)]
+    cases += [("mixtral-aux", {"ep": 2}, 1.0), ("mixtral-local-aux", {"ep": 2}, 1.0)]
     per_rank = run_ranks(_cases, 2, cases, timeout=240)
-    refs = {kind: reference(kind) for kind in ("grouped", "mixtral")}
+    refs = {kind: reference(kind) for kind in ("grouped", "mixtral", "mixtral-aux")}
+    refs["mixtral-local-aux"] = refs["mixtral-aux"]
     for index, (kind, _, scale) in enumerate(cases):
         results = [ranks[index] for ranks in per_rank]
         assert all(out["strategy"] == "ep" for out in results)
         wrong = [mismatches(out, refs[kind]) for out in results]
-        if scale == 1.0:
+        if kind == "mixtral-local-aux":  # the mean of each rank's aux loss is not the batch's
+            assert all("losses" in w and "grads:model.layers.0.mlp.gate.weight" in w for w in wrong)
+        elif scale == 1.0:
             assert wrong == [[], []], wrong
             _check_loads(results)
         else:  # the bug is caught: expert gradients, the norm, then every parameter
