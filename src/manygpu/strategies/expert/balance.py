@@ -26,7 +26,7 @@ def _summed(t: torch.Tensor, group: Any, *, grad: bool) -> torch.Tensor:
     if grad:
         from torch.distributed.nn.functional import all_reduce
 
-        return all_reduce(t, group=group or dist.group.WORLD)  # type: ignore[no-any-return]
+        return all_reduce(t, group=group or dist.group.WORLD)
     out = t.clone()
     dist.all_reduce(out, group=group)
     return out
