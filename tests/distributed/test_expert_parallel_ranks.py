@@ -110,8 +110,9 @@ def _loads(model: nn.Module, seen: list[list[int]]) -> None:
             module.register_forward_pre_hook(hook)
 
 
-def _train(kind: str, mesh: dict[str, int], scale_experts: float) -> dict[str, Any]:
-    par = Parallel(mesh=mesh)  # no strategy named: the mesh's ep axis picks "ep"
+def _train(kind: str, mesh: dict[str, int], scale_experts: float, accum: int = 1) -> dict[str, Any]:
+    """One case on this rank; ``accum``: its batch in that many micro-batches."""
+    par = Parallel(mesh=mesh, grad_accum_steps=accum)  # the mesh's ep axis picks "ep"
     try:
         model = par.prepare(make(kind))
         opt = par.prepare(_optimizer(model.parameters()))
@@ -121,11 +122,15 @@ def _train(kind: str, mesh: dict[str, int], scale_experts: float) -> dict[str, A
         seen: list[list[int]] = []
         _loads(inner, seen)
         shard, shards = par.strategy.data_shard()
-        per = GLOBAL // shards
+        per = GLOBAL // shards // accum
         losses, norms, grads = [], [], {}
         for step, tokens in enumerate(batches()):
-            loss = loss_of(kind, model, tokens[shard * per : (shard + 1) * per])
-            par.backward(loss)
+            loss = torch.zeros(())
+            for micro in range(accum):
+                start = (shard * accum + micro) * per
+                part = loss_of(kind, model, tokens[start : start + per])
+                par.backward(part)
+                loss += part.detach() / accum
             if step == 0:
                 grads = {
                     n: _full(p.grad) for n, p in inner.named_parameters() if p.grad is not None
@@ -133,7 +138,7 @@ def _train(kind: str, mesh: dict[str, int], scale_experts: float) -> dict[str, A
             norms.append(par.clip_grad_norm_(model, CLIP).item())
             opt.step()
             opt.zero_grad()
-            losses.append(par.reduce(loss.detach()).item())
+            losses.append(par.reduce(loss).item())
         params = {n: _full(p) for n, p in inner.named_parameters()}
         local = {
             n: tuple(p.to_local().shape)
@@ -148,7 +153,7 @@ def _train(kind: str, mesh: dict[str, int], scale_experts: float) -> dict[str, A
         par.close()
 
 
-def _cases(cases: list[tuple[str, dict[str, int], float]]) -> list[dict[str, Any]]:
+def _cases(cases: list[tuple[Any, ...]]) -> list[dict[str, Any]]:
     return [_train(*case) for case in cases]
 
 
@@ -179,10 +184,11 @@ def _check_loads(results: list[dict[str, Any]]) -> None:
 def test_ep2_equals_one_process_and_a_gradient_scaled_by_ep_does_not() -> None:
     cases = [("grouped", {"ep": 2}, 1.0), ("mixtral", {"ep": 2}, 1.0), ("grouped", {"ep": 2}, 2.0)]
     cases += [("mixtral-aux", {"ep": 2}, 1.0), ("mixtral-local-aux", {"ep": 2}, 1.0)]
+    cases.append(("mixtral", {"ep": 2}, 1.0, 2))  # accumulation: synced once per 2 backwards
     per_rank = run_ranks(_cases, 2, cases, timeout=240)
     refs = {kind: reference(kind) for kind in ("grouped", "mixtral", "mixtral-aux")}
     refs["mixtral-local-aux"] = refs["mixtral-aux"]
-    for index, (kind, _, scale) in enumerate(cases):
+    for index, (kind, _, scale, *_) in enumerate(cases):
         results = [ranks[index] for ranks in per_rank]
         assert all(out["strategy"] == "ep" for out in results)
         wrong = [mismatches(out, refs[kind]) for out in results]
