@@ -66,12 +66,14 @@ class MoE(nn.Module):
 class GroupedMoEModel(nn.Module):
     """Embedding, ``LAYERS`` pre-norm MoE blocks, a head: a language model in miniature."""
 
-    def __init__(self, layers: int = LAYERS, num_experts: int = EXPERTS) -> None:
+    def __init__(
+        self, layers: int = LAYERS, num_experts: int = EXPERTS, dim: int = DIM, hidden: int = HIDDEN
+    ) -> None:
         super().__init__()
-        self.embed = nn.Embedding(VOCAB, DIM)
-        self.norms = nn.ModuleList(nn.LayerNorm(DIM) for _ in range(layers))
-        self.layers = nn.ModuleList(MoE(num_experts=num_experts) for _ in range(layers))
-        self.head = nn.Linear(DIM, VOCAB)
+        self.embed = nn.Embedding(VOCAB, dim)
+        self.norms = nn.ModuleList(nn.LayerNorm(dim) for _ in range(layers))
+        self.layers = nn.ModuleList(MoE(dim, hidden, num_experts) for _ in range(layers))
+        self.head = nn.Linear(dim, VOCAB)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         h = self.embed(tokens)
