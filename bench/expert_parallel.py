@@ -116,9 +116,9 @@ def main() -> None:
         share = r["a2a_forward_s"] / r["step_s"]
         print(f"| {r['ep']} | {r['ep']} | {r['tokens_per_s']:,.0f} | {r['step_s']:.3f} | "
               f"{r['a2a_forward_s']:.4f} | {share:.1%} |")  # fmt: skip
-    write_json(Path(args.out), {"machine": machine_info(), "rows": rows,
-                          "shape": {"seqs_per_rank": SEQS, "seq": SEQ, "dim": DIM,
-                                    "hidden": HIDDEN, "experts": EXPERTS, "layers": LAYERS}})  # fmt: skip
+    shape = {"seqs_per_rank": SEQS, "seq": SEQ, "dim": DIM, "hidden": HIDDEN,
+             "experts": EXPERTS, "layers": LAYERS}  # fmt: skip
+    write_json(Path(args.out), {"machine": machine_info(), "rows": rows, "shape": shape})
 
 
 if __name__ == "__main__":
