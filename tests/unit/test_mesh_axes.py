@@ -39,6 +39,9 @@ ORDER = ("pp", "dp", "fsdp", "ep", "xp", "tp")
 @pytest.fixture
 def xp(monkeypatch: pytest.MonkeyPatch) -> Iterator[type[StrategySpec]]:
     """The ``xp`` axis and the ``toy-xp`` strategy, for this test only."""
+    # Every built-in package registered first: one imported under the patch would
+    # register into the copy below and be lost to the tests that run after.
+    registry.available()
     monkeypatch.setattr(axes, "_TABLE", list(axes._TABLE))
     monkeypatch.setattr(registry, "_SPECS", dict(registry._SPECS))
     monkeypatch.setattr(registry, "_EXTRA", list(registry._EXTRA))
