@@ -28,6 +28,7 @@ if TYPE_CHECKING:  # the names for type checkers; a test keeps them equal to _WH
     from manygpu.strategies import PS as PS
     from manygpu.strategies import CompileOptions as CompileOptions
     from manygpu.strategies import DataParallel as DataParallel
+    from manygpu.strategies import ExpertParallel as ExpertParallel
     from manygpu.strategies import MeshShape as MeshShape
     from manygpu.strategies import ModelParallel as ModelParallel
     from manygpu.strategies import Parallelize as Parallelize

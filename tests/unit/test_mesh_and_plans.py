@@ -15,7 +15,13 @@ from manygpu.strategies.tensor.strategy import check_divisible, default_plan, re
 
 
 def test_minus_one_is_inferred() -> None:
-    assert MeshShape(dp=2, tp=-1).resolve(8).sizes() == {"pp": 1, "dp": 2, "fsdp": 1, "tp": 4}
+    assert MeshShape(dp=2, tp=-1).resolve(8).sizes() == {
+        "pp": 1,
+        "dp": 2,
+        "fsdp": 1,
+        "ep": 1,
+        "tp": 4,
+    }
 
 
 def test_wrong_product_names_every_factor() -> None:
@@ -44,7 +50,7 @@ def test_bad_mesh_specs(mesh: dict[str, object], match: str) -> None:
 
 def test_coords_are_row_major_and_data_rank_ignores_pp_and_tp() -> None:
     spec = MeshShape(pp=2, dp=2, tp=2).resolve(8)
-    assert spec.coords(5) == {"pp": 1, "dp": 0, "fsdp": 0, "tp": 1}
+    assert spec.coords(5) == {"pp": 1, "dp": 0, "fsdp": 0, "ep": 0, "tp": 1}
     assert [spec.data_rank(r) for r in range(8)] == [0, 0, 1, 1, 0, 0, 1, 1]
     assert spec.data_size == 2
 
@@ -52,7 +58,8 @@ def test_coords_are_row_major_and_data_rank_ignores_pp_and_tp() -> None:
 @pytest.mark.parametrize(
     "mesh, strategy",
     [({"dp": 2}, "ddp"), ({"dp": 2, "fsdp": 2}, "fsdp"), ({"dp": 2, "tp": 2}, "tensor"),
-     ({"dp": 2, "pp": 2}, "pipeline"), ({"pp": 2, "tp": 2}, "pipeline")],
+     ({"dp": 2, "pp": 2}, "pipeline"), ({"pp": 2, "tp": 2}, "pipeline"), ({"ep": 4}, "ep"),
+     ({"dp": 2, "ep": 2}, "ep")],
 )  # fmt: skip
 def test_hybrid_picks_the_strategy_that_composes_the_mesh(
     mesh: dict[str, int], strategy: str

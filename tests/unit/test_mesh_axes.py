@@ -32,13 +32,16 @@ from manygpu.strategies.base import JobOptions
 from manygpu.strategies.sharded import MeshStrategy
 from manygpu.strategies.spec import StrategySpec
 
-ORDER = ("pp", "dp", "fsdp", "xp", "tp")
+ORDER = ("pp", "dp", "fsdp", "ep", "xp", "tp")
 """The mesh's axes once ``xp`` is added, outermost first."""
 
 
 @pytest.fixture
 def xp(monkeypatch: pytest.MonkeyPatch) -> Iterator[type[StrategySpec]]:
     """The ``xp`` axis and the ``toy-xp`` strategy, for this test only."""
+    # Every built-in package registered first: one imported under the patch would
+    # register into the copy below and be lost to the tests that run after.
+    registry.available()
     monkeypatch.setattr(axes, "_TABLE", list(axes._TABLE))
     monkeypatch.setattr(registry, "_SPECS", dict(registry._SPECS))
     monkeypatch.setattr(registry, "_EXTRA", list(registry._EXTRA))
@@ -55,7 +58,7 @@ def test_the_mesh_sizes_and_lays_out_the_new_axis(xp: type[StrategySpec]) -> Non
     assert axes.axis_names() == ORDER
     shape = MeshShape(pp=2, dp=2, xp=2, tp=2).resolve(16)
     sizes = shape.sizes()
-    assert sizes == {"pp": 2, "dp": 2, "fsdp": 1, "xp": 2, "tp": 2}
+    assert sizes == {"pp": 2, "dp": 2, "fsdp": 1, "ep": 1, "xp": 2, "tp": 2}
     # Row-major in the table's order, on a fake world: no process group needed.
     grid = itertools.product(*(range(sizes[n]) for n in ORDER))
     for rank, coords in enumerate(grid):
@@ -108,7 +111,7 @@ def test_hybrid_picks_the_strategy_whose_card_leads_the_axis(xp: type[StrategySp
         ({"strategy": "fsdp", "mesh": {"xp": 2}}, r"'fsdp' cannot use mesh dimension\(s\) xp=2"),
         ({"strategy": "ddp", "mesh": {"xp": 2}}, r"'ddp' cannot use mesh dimension\(s\) xp=2"),
         ({"mesh": {"xp": 0}}, r"mesh size xp=0 must be a positive integer"),
-        ({"mesh": {"zz": 2}}, r"'zz'; choose from pp, dp, fsdp, xp, tp$"),
+        ({"mesh": {"zz": 2}}, r"'zz'; choose from pp, dp, fsdp, ep, xp, tp$"),
     ],
 )
 def test_a_bad_size_is_one_line_naming_the_new_axis(

@@ -18,6 +18,7 @@ if TYPE_CHECKING:  # the names for type checkers; a test keeps them equal to OBJ
     from manygpu.strategies.ddp import DDP as DDP
     from manygpu.strategies.ddp import Zero1 as Zero1
     from manygpu.strategies.dp import DataParallel as DataParallel
+    from manygpu.strategies.expert import ExpertParallel as ExpertParallel
     from manygpu.strategies.fsdp import FSDP as FSDP
     from manygpu.strategies.fsdp import Zero2 as Zero2
     from manygpu.strategies.mesh import MeshShape as MeshShape

@@ -5,6 +5,8 @@ A job's ranks form a grid whose named axes are listed here, outermost first:
 - ``pp``: pipeline stages (one stage per coordinate),
 - ``dp``: data-parallel replicas (gradients all-reduced; HSDP's "replicate"),
 - ``fsdp``: data-parallel shards (parameters sharded, FSDP's "shard"),
+- ``ep``: expert shards (each rank holds ``num_experts / ep`` experts; its ranks
+  also read different data, "dp2ep": the degree is borrowed from the data),
 - ``tp``: tensor-parallel shards of each layer (innermost: the chattiest, so
   its ranks are neighbours, i.e. on the same node).
 
@@ -46,6 +48,9 @@ _TABLE: list[MeshAxis] = [
     MeshAxis(name="pp", order=10, splits_data=False, in_node=False, doc="pipeline stages"),
     MeshAxis(name="dp", order=20, splits_data=True, in_node=False, doc="data replicas"),
     MeshAxis(name="fsdp", order=30, splits_data=True, in_node=False, doc="data shards"),
+    # Inside fsdp (torchtitan's ep is the inner part of dp_shard): its all-to-alls, one
+    # pair per MoE layer and direction, go between neighbouring ranks.
+    MeshAxis(name="ep", order=33, splits_data=True, in_node=True, doc="expert shards"),
     MeshAxis(name="tp", order=40, splits_data=False, in_node=True, doc="layer shards"),
 ]
 """Every axis, outermost first (kept sorted by :func:`add_axis`)."""

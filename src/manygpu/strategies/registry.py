@@ -96,6 +96,7 @@ OBJECTS: dict[str, str] = {
     "DataParallel": "dp",
     "PS": "ps",
     "Parallelize": "parallelize",
+    "ExpertParallel": "expert",
 }
 """Every strategy object a user imports, by the package under ``manygpu.strategies``
 that defines and registers it: the one list of strategies. ``manygpu`` and

@@ -1,0 +1,148 @@
+"""``"ep"``: each layer's experts split over the ``ep`` ranks, tokens sent to them and back.
+
+The order in :meth:`ExpertParallelStrategy.setup_module`: find every layer's
+experts (:mod:`.finding`, refusing before any collective), turn their stacked
+weights into DTensors sharded on dim 0 over the ``ep`` ranks (each keeps
+``num_experts / ep`` experts, sliced from the model as built, so values equal
+one process's), give each experts module a forward that dispatches its routed
+copies with all-to-alls (:mod:`.dispatch`), place what the rank keeps, then
+hook the gradient sync (:mod:`.grads`). The experts' own forward computes the
+local experts on their local weights, so the model's code (activation, gating,
+Hugging Face's experts implementations) is the one that runs.
+
+Expert weights are DTensors so the rest of manygpu sees them as shards: the
+gradient norm sums their pieces over ``ep`` (:mod:`manygpu.comm.grad_norm`),
+DCP checkpoints store whole tensors that load on another ``ep`` size, and
+``full_tensor()`` gives the whole stack.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import Shard, distribute_tensor
+from torch.nn.utils.stateless import _reparametrize_module
+
+from manygpu.runtime.process_group import DistContext
+from manygpu.strategies.base import JobOptions
+from manygpu.strategies.expert import ExpertParallel
+from manygpu.strategies.expert.dispatch import LocalCompute, dispatch_combine, routed_forward
+from manygpu.strategies.expert.finding import ExpertsSite, check_divisible, find_experts
+from manygpu.strategies.expert.grads import GradSync
+from manygpu.strategies.mesh import job_mesh
+from manygpu.strategies.sharded import MeshStrategy
+from manygpu.transforms.materialize import Place
+
+
+class ExpertParallelStrategy(MeshStrategy[ExpertParallel]):
+    """Experts sharded over ``ep``; everything else replicated over ``dp`` x ``ep``."""
+
+    spec_class = ExpertParallel
+
+    needs_process_group = True
+    shards_data = True
+    compile_refusal = (
+        "the experts' all-to-all dispatch is not compiled yet; leave compile off "
+        "(or compile the blocks yourself with strategy=Parallelize(fn))"
+    )
+    channels_last_weights = True  # no FSDP2 here: weights may be channels_last
+
+    def __init__(self, ctx: DistContext, options: ExpertParallel, job: JobOptions) -> None:
+        super().__init__(ctx, options, job)
+        self._syncs: weakref.WeakKeyDictionary[nn.Module, GradSync] = weakref.WeakKeyDictionary()
+
+    def setup_module(self, module: nn.Module, place: Place) -> nn.Module:
+        sizes = self.shape.sizes()
+        ep, dp = sizes["ep"], sizes["dp"]
+        sites = find_experts(module, self.options.experts)
+        check_divisible(sites, ep)  # the same on every rank: refused before any collective
+        mesh = job_mesh(self.ctx, self.shape, self.mesh_names)
+        ep_mesh = mesh["ep"]
+        for site in sites:
+            experts = module.get_submodule(site.path)
+            _shard_experts(experts, site, ep_mesh)
+            experts.forward = _expert_parallel_forward(
+                experts, site, ep=ep, group=ep_mesh.get_group()
+            )
+        placed = place(module, self.ctx.device)
+        # After place: a meta model's parameters are new tensors now.
+        expert_ids = {id(getattr(placed.get_submodule(s.path), n)) for s in sites for n in s.params}
+        self._syncs[placed] = GradSync(
+            placed,
+            expert_ids,
+            expert_group=mesh["dp"].get_group() if dp > 1 else None,
+            data_size=self.shape.data_size,
+            timeout_s=self.ctx.timeout_s,
+        )
+        return placed
+
+    def set_grad_sync(self, module: nn.Module, enabled: bool) -> None:
+        sync = self._syncs.get(module)
+        if sync is not None:
+            sync.enabled = enabled
+
+    def grad_sync(self, module: nn.Module) -> GradSync | None:
+        """The gradient sync of a prepared ``module`` (tests break it on purpose)."""
+        return self._syncs.get(module)
+
+
+def _shard_experts(experts: nn.Module, site: ExpertsSite, ep_mesh: DeviceMesh) -> None:
+    """Each stacked weight as a DTensor sharded on dim 0: this rank's experts only."""
+    for name in site.params:
+        param = getattr(experts, name)
+        sharded = distribute_tensor(param.detach(), ep_mesh, [Shard(0)])
+        experts.register_parameter(name, nn.Parameter(sharded, requires_grad=param.requires_grad))
+
+
+@contextmanager
+def _local_experts(experts: nn.Module, site: ExpertsSite, count: int) -> Iterator[None]:
+    """The module as if it held only this rank's experts: local weights, ``num_experts``."""
+    local = {n: getattr(experts, n).to_local() for n in site.params}
+    had = "num_experts" in vars(experts)
+    before = vars(experts).get("num_experts")
+    if had:
+        setattr(experts, "num_experts", count)  # noqa: B010 (an int, not a module or tensor)
+    try:
+        with _reparametrize_module(experts, local):
+            yield
+    finally:
+        if had:
+            setattr(experts, "num_experts", before)  # noqa: B010
+
+
+def _expert_parallel_forward(experts: nn.Module, site: ExpertsSite, *, ep: int, group: Any) -> Any:
+    """The experts module's forward under EP, same call signature as its own."""
+    own = experts.forward  # the class's (bound), run on the local experts
+    count = site.num_experts // ep
+
+    def compute(rows: torch.Tensor, counts: list[int]) -> torch.Tensor:
+        with _local_experts(experts, site, count):
+            if site.kind == "grouped":
+                return own(rows, torch.tensor(counts, dtype=torch.long, device=rows.device))
+            which = torch.arange(count, device=rows.device)
+            index = torch.repeat_interleave(which, torch.tensor(counts, device=rows.device))
+            ones = torch.ones(rows.shape[0], 1, dtype=rows.dtype, device=rows.device)
+            return own(rows, index.unsqueeze(-1), ones)
+
+    local: LocalCompute = compute
+    if site.kind == "grouped":
+
+        def grouped(x: torch.Tensor, num_tokens_per_expert: torch.Tensor) -> torch.Tensor:
+            counts = num_tokens_per_expert.to(torch.long)
+            return dispatch_combine(x, counts, local, ep=ep, group=group)
+
+        return grouped
+
+    def routed(x: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> Any:
+        return routed_forward(
+            x, top_k_index, top_k_weights, local,
+            num_experts=site.num_experts, ep=ep, group=group,
+        )  # fmt: skip
+
+    return routed
