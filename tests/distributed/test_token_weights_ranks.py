@@ -119,11 +119,16 @@ CASES = {
     2: {
         **{s: {"strategy": s} for s in ("ddp", "zero1", "fsdp", "zero2", "tensor")},
         # A Hugging Face causal LM (tiny Llama), its labels with -100, manygpu's loss helper.
-        **{f"{s}-llama": {"strategy": s, "model": "hf_llama"} for s in ("ddp", "fsdp", "tensor")},
+        **{
+            f"{s}-llama": {"strategy": s, "model": "hf_llama"}
+            for s in ("ddp", "zero1", "fsdp", "zero2", "tensor")
+        },
     },
     4: {
         "hsdp": {"strategy": "fsdp", "mesh": {"dp": 2, "fsdp": 2}},
         "dp2xtp2": {"mesh": {"dp": 2, "tp": 2}},
+        "hsdp-llama": {"strategy": "fsdp", "mesh": {"dp": 2, "fsdp": 2}, "model": "hf_llama"},
+        "dp2xtp2-llama": {"mesh": {"dp": 2, "tp": 2}, "model": "hf_llama"},
     },
 }
 
