@@ -1,19 +1,29 @@
-"""A Ray Train driver on host 0 of a Ray cluster of emulated hosts.
+"""A Ray Train driver on host 0 of a Ray cluster of emulated hosts: both jobs, one driver.
 
-Usage: RAY_ADDRESS OUT_DIR STRATEGY[,STRATEGY...]. A ``TorchTrainer`` of 4
-workers (one CPU each: 2 per host) runs the recipe of tests/helpers/recipes.py
-(the zoo's GPT with a ModuleList of blocks and a tied head, AdamW groups,
-warmup + cosine, clipping, 22 samples) under each strategy; each worker writes
-OUT_DIR/STRATEGY-rankR.pt: the whole parameters, the world, Ray's node rank and
-the worker's IP.
+Usage: RAY_ADDRESS OUT_DIR. First a ``TorchTrainer`` of 4 workers (one CPU
+each: 2 per host) runs the recipe of tests/helpers/recipes.py (the zoo's GPT
+with a ModuleList of blocks and a tied head, AdamW groups, warmup + cosine,
+clipping, 22 samples) under ddp and fsdp; each worker writes
+OUT_DIR/equal/STRATEGY-rankR.pt: the whole parameters, the world, Ray's node
+rank and the worker's IP. Then ``manygpu.ray.run`` runs tests/helpers/ray_job.py
+on 4 workers with a Checkpointer in OUT_DIR/restart/ck (asynchronous saves
+every 2 steps) and ``max_failures=1``; the last worker dies after step 5, Ray
+restarts the group, which resumes. OUT_DIR/restart/result.json: what Ray's
+``Result`` says (error, metrics, the step its checkpoint points to).
 """
 
+import json
 import os
 import sys
 
 import ray
 from ray.train import RunConfig, ScalingConfig
 from ray.train.torch import TorchTrainer
+
+import manygpu.ray
+
+STRATEGIES = ("ddp", "fsdp")
+TOTAL, KILL_AT = 8, 5
 
 
 def loop(config: dict) -> None:
@@ -22,7 +32,7 @@ def loop(config: dict) -> None:
     from recipes import Recipe, train_parallel
 
     context = ray.train.get_context()
-    for strategy in config["strategies"]:
+    for strategy in STRATEGIES:
         (result,) = train_parallel([Recipe("gpt")], {"strategy": strategy, "timeout_s": 60})
         record = {
             "world": dist.get_world_size(),
@@ -35,16 +45,38 @@ def loop(config: dict) -> None:
         torch.save(record, os.path.join(config["out"], f"{strategy}-rank{dist.get_rank()}.pt"))
 
 
-if __name__ == "__main__":
-    address, out, strategies = sys.argv[1], sys.argv[2], sys.argv[3].split(",")
-    ray.init(address=address, log_to_driver=False,
-             runtime_env={"env_vars": {"PYTHONPATH": os.environ["PYTHONPATH"],
-                                       "OMP_NUM_THREADS": "1"}})  # fmt: skip
+def equal(out: str) -> None:
+    os.makedirs(out)
     trainer = TorchTrainer(
         loop,
-        train_loop_config={"out": out, "strategies": strategies},
+        train_loop_config={"out": out},
         scaling_config=ScalingConfig(num_workers=4, resources_per_worker={"CPU": 1}),
         run_config=RunConfig(storage_path=os.path.join(out, "ray")),
     )
-    result = trainer.fit()
-    sys.exit(0 if result.error is None else 1)
+    assert trainer.fit().error is None
+
+
+def restart(out: str) -> None:
+    from ray_job import in_ray
+
+    os.makedirs(out)
+    config = {"out": out, "ckpt": os.path.join(out, "ck"), "total": TOTAL, "kill_at": KILL_AT,
+              "async_save": True, "strategy": "fsdp"}  # fmt: skip
+    result = manygpu.ray.run(in_ray, num_workers=4, config=config, max_failures=1,
+                             storage_path=os.path.join(out, "ray"))  # fmt: skip
+    record = {
+        "error": None if result.error is None else str(result.error)[-3000:],
+        "metrics": result.metrics,
+        "checkpoint": manygpu.ray.checkpoint_path(result.checkpoint),
+    }
+    with open(os.path.join(out, "result.json"), "w") as fh:
+        json.dump(record, fh)
+
+
+if __name__ == "__main__":
+    address, out = sys.argv[1], sys.argv[2]
+    ray.init(address=address, log_to_driver=False,
+             runtime_env={"env_vars": {"PYTHONPATH": os.environ["PYTHONPATH"],
+                                       "OMP_NUM_THREADS": "1"}})  # fmt: skip
+    equal(os.path.join(out, "equal"))
+    restart(os.path.join(out, "restart"))
