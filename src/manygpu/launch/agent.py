@@ -22,7 +22,10 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+import torch.distributed.launcher.api as launcher_api
 from torch.distributed import DistStoreError
+from torch.distributed.elastic.agent.server.api import RunResult, WorkerGroup
+from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
 from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, Std
 from torch.distributed.elastic.multiprocessing.api import SignalException
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
@@ -188,6 +191,42 @@ def _lost_peers(outcomes: list[blame.Outcome], err: ChildFailedError) -> str:
     return blame.lost_peers_line([o.rank for o in outcomes], texts, is_local_address, hosts)
 
 
+class _AnnouncingAgent(LocalElasticAgent):
+    """torch's agent, saying in one line why it restarts the workers (``--max-restarts``):
+    torch restarts them silently, and the next attempt's errors hid the first's cause."""
+
+    _last_failures: dict[int, ProcessFailure] | None = None
+
+    def _monitor_workers(self, worker_group: WorkerGroup) -> RunResult:
+        result = super()._monitor_workers(worker_group)
+        self._last_failures = dict(result.failures)
+        return result
+
+    def _restart_workers(self, worker_group: WorkerGroup) -> None:
+        failures, spec = self._last_failures, worker_group.spec
+        if failures:  # a failure, not a node joining (that restart is not counted)
+            outcomes = [blame.outcome(r, f.exitcode, f.timestamp, blame.read(f.error_file))
+                        for r, f in failures.items()]  # fmt: skip
+            root = blame.root_cause(outcomes)
+            attempt = spec.max_restarts - self._remaining_restarts
+            cause = _describe(root, failures[root.rank])
+            print(f"manygpu: {blame.restart_line(cause, attempt, spec.max_restarts)}",
+                  file=sys.stderr, flush=True)  # fmt: skip
+        self._last_failures = None
+        super()._restart_workers(worker_group)
+
+
+@contextlib.contextmanager
+def _announcing_restarts() -> Iterator[None]:
+    """``elastic_launch`` builds torch's agent by name: ours stands in while it runs."""
+    saved = launcher_api.LocalElasticAgent
+    launcher_api.LocalElasticAgent = _AnnouncingAgent  # type: ignore[misc]
+    try:
+        yield
+    finally:
+        launcher_api.LocalElasticAgent = saved  # type: ignore[misc]
+
+
 def report_failure(err: ChildFailedError, to_driver: bool = False) -> int:
     """Print the root cause (the first failure in time), then its consequences.
 
@@ -341,7 +380,8 @@ def _host_label(spec: LaunchSpec) -> str:
 
 def _agent(spec: LaunchSpec, config: LaunchConfig, executable: str, args: list[str]) -> int:
     try:
-        elastic_launch(config, executable)(*args)
+        with _announcing_restarts():
+            elastic_launch(config, executable)(*args)
     except ChildFailedError as err:
         return report_failure(err, to_driver=spec.driven)
     except (RendezvousStateError, RendezvousConnectionError) as exc:

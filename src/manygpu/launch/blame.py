@@ -236,6 +236,12 @@ def _render(kind: str, where: str, rest: str, ranks: list[int]) -> str:
     return f"{indent}{where}{ranks_text(ranks)} {rest}"
 
 
+def restart_line(cause: str, attempt: int, restarts: int) -> str:
+    """The one line before a restart: the rank that ended the attempt, how (``cause``:
+    "rank 1 was killed by SIGKILL (pid 123)"), and which restart of how many this is."""
+    return f"{cause}; restarting every worker (restart {attempt} of {restarts})"
+
+
 def root_cause(outcomes: list[Outcome]) -> Outcome:
     """The first failure in time that is not a consequence (else the first of all)."""
     return min(outcomes, key=lambda o: (o.consequence, o.time_ns, o.rank))
