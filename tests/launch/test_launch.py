@@ -220,6 +220,8 @@ def test_a_plain_torchrun_scripts_hang_gets_a_verdict_and_only_its_evidence_is_l
     )
     record = json.loads((tmp / left[0] / "verdict.json").read_text())
     assert record["rank"] == 1 and {r["rank"] for r in record["ranks"]} == {0, 1}
+    # The verdict's own SIGTERM stopped the workers: no one else sent one.
+    assert lines[2] == "manygpu: stopped after the hang verdict; stopped 2 workers", lines
 
 
 def test_hung_rank_ends_within_timeout(tmp_path: Path) -> None:

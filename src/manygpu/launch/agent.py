@@ -17,7 +17,7 @@ import signal
 import socket
 import sys
 import tempfile
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -288,7 +288,7 @@ def _run(spec: LaunchSpec, secret: JobSecret | None, log_dir: str | None) -> int
     config = build_config(spec, secret)
     executable, args = worker_command(spec)
     with watching(spec, log_dir) as watch, notices.forwarding():
-        code = _agent(spec, config, executable, args)
+        code = _agent(spec, config, executable, args, judged=lambda: watch.verdict is not None)
         if code == 0:
             _say_if_alone(watch.out, spec.nproc_per_node)
         if watch.verdict is not None:
@@ -378,7 +378,15 @@ def _host_label(spec: LaunchSpec) -> str:
     return socket.gethostname()
 
 
-def _agent(spec: LaunchSpec, config: LaunchConfig, executable: str, args: list[str]) -> int:
+def _agent(
+    spec: LaunchSpec,
+    config: LaunchConfig,
+    executable: str,
+    args: list[str],
+    judged: Callable[[], bool] = lambda: False,
+) -> int:
+    """Run torch's agent; ``judged``: whether a hang verdict stopped the job (its own
+    SIGTERM, which no one else sent: the verdict says why, not "stopped by SIGTERM")."""
     try:
         with _announcing_restarts():
             elastic_launch(config, executable)(*args)
@@ -392,7 +400,7 @@ def _agent(spec: LaunchSpec, config: LaunchConfig, executable: str, args: list[s
         return 1
     except SignalException as exc:
         # The agent has already stopped the workers; exit like the signal did.
-        _say_stopped(int(exc.sigval), spec.nproc_per_node)
+        _say_stopped(int(exc.sigval), spec.nproc_per_node, judged())
         return 128 + int(exc.sigval)
     except KeyboardInterrupt:
         _say_stopped(signal.SIGINT, spec.nproc_per_node)
@@ -400,7 +408,8 @@ def _agent(spec: LaunchSpec, config: LaunchConfig, executable: str, args: list[s
     return 0
 
 
-def _say_stopped(signum: int, workers: int) -> None:
+def _say_stopped(signum: int, workers: int, judged: bool = False) -> None:
     """The one line for a job stopped by a signal (torch's own warning is silenced)."""
     why = "interrupted" if signum == signal.SIGINT else f"stopped by {signal.Signals(signum).name}"
+    why = "stopped after the hang verdict" if judged else why
     print(f"manygpu: {why}; stopped {workers} worker{'s' * (workers != 1)}", file=sys.stderr)
