@@ -71,6 +71,12 @@ def test_a_lost_peer_is_not_called_a_timeout() -> None:
     assert type(timeout) is CollectiveTimeoutError and "did not complete within 5s" in str(timeout)
 
 
+def test_a_consequence_s_line_keeps_the_backend_s_words_not_its_source_and_advice() -> None:
+    raw = "RuntimeError: " + GLOO_LOST + " Check the logs of the remote worker. GLHF! x"
+    assert blame.tidy(raw) == "RuntimeError: Connection closed by peer [10.213.0.2]:41639"
+    assert blame.tidy("ValueError: a user's own. words") == "ValueError: a user's own. words"
+
+
 def test_a_restart_is_one_line_naming_the_rank_the_cause_and_the_attempt() -> None:
     line = blame.restart_line("rank 1 was killed by SIGKILL (pid 7)", 1, 2)
     assert line == "rank 1 was killed by SIGKILL (pid 7); restarting every worker (restart 1 of 2)"

@@ -174,6 +174,7 @@ def _outcomes(err: ChildFailedError) -> list[blame.Outcome]:
 
 def _describe(o: blame.Outcome, failure: ProcessFailure) -> str:
     text = _recorded_message(failure)
+    text = blame.tidy(text) if o.consequence else text
     detail = f": {text}" if text else ""
     pid = f" (pid {failure.pid})" if o.how.startswith("was killed") else ""
     at = hangwatch.crash_site(o.rank, -failure.exitcode) if failure.exitcode < 0 else ""

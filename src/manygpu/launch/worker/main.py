@@ -219,9 +219,10 @@ def _print_error(exc: BaseException) -> None:
     from manygpu.errors import CollectiveTimeoutError, PeerLostError, UsageError, peer_lost
 
     env = envmod.current()
-    lost = isinstance(exc, PeerLostError) or (  # Horovod's form of it too
-        isinstance(exc, CollectiveTimeoutError) and peer_lost(str(exc))
-    )
+    if isinstance(exc, CollectiveTimeoutError):  # ours: a timeout keeps its traceback
+        lost = isinstance(exc, PeerLostError) or peer_lost(str(exc))  # Horovod's form too
+    else:  # the backend's own (FSDP's all-gather raises gloo's RuntimeError as it is)
+        lost = blame.is_peer_failure(exc)
     if not (isinstance(exc, UsageError) or lost) or envmod.traceback_wanted(env):
         traceback.print_exc()
     elif not envmod.error_file(env):
