@@ -23,6 +23,7 @@ if TYPE_CHECKING:  # the names for type checkers; a test keeps them equal to _WH
     from manygpu.errors import LaunchError as LaunchError
     from manygpu.errors import ManyGPUError as ManyGPUError
     from manygpu.errors import UsageError as UsageError
+    from manygpu.launch.notebook import notebook_launcher as notebook_launcher
     from manygpu.strategies import DDP as DDP
     from manygpu.strategies import FSDP as FSDP
     from manygpu.strategies import PS as PS
@@ -44,6 +45,7 @@ _WHERE = {
     "Parallel": "manygpu.core.parallel",
     "ParallelConfig": "manygpu.core.config",
     "token_cross_entropy": "manygpu.core.losses",
+    "notebook_launcher": "manygpu.launch.notebook",
     "CollectiveTimeoutError": "manygpu.errors",
     "LaunchError": "manygpu.errors",
     "ManyGPUError": "manygpu.errors",

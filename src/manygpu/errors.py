@@ -7,6 +7,8 @@ the job itself, not of how it was asked for.
 
 from __future__ import annotations
 
+import re
+
 
 class ManyGPUError(Exception):
     """Base class of every error manygpu raises on purpose."""
@@ -30,7 +32,15 @@ class CollectiveTimeoutError(ManyGPUError, RuntimeError):
 
     Raised instead of hanging, with the rank that waited and the operation it
     waited in, so the person reading the log knows where the ranks diverged.
+    When the backend's words say a peer went away instead, the error made is a
+    :class:`PeerLostError` (still a ``CollectiveTimeoutError`` to ``except``).
     """
+
+    def __new__(cls, *args: object, **kwargs: object) -> CollectiveTimeoutError:
+        detail = kwargs.get("detail", args[3] if len(args) > 3 else "")
+        if cls is CollectiveTimeoutError and peer_lost(str(detail)):
+            cls = PeerLostError
+        return super().__new__(cls)
 
     def __init__(
         self, rank: int, operation: str, timeout_s: float | None, detail: str = ""
@@ -38,22 +48,51 @@ class CollectiveTimeoutError(ManyGPUError, RuntimeError):
         self.rank = rank
         self.operation = operation
         self.timeout_s = timeout_s
-        within = f"{timeout_s:g}s" if timeout_s is not None else "the process group's timeout"
-        if peer_lost(detail):
-            # Not a timeout: the backend saw a peer go away, typically at once.
-            msg = (
-                f"rank {rank}: {operation} failed: another rank exited or lost its "
-                "connection (its own error, reported first, is the cause)"
-            )
-        else:
-            msg = (
-                f"rank {rank}: {operation} did not complete within {within}; "
-                "another rank never joined it (check that every rank runs the same "
-                "collectives in the same order, or raise the timeout)"
-            )
-        if detail:
-            msg += f" [{detail}]"
-        super().__init__(msg)
+        self.detail = detail
+        super().__init__(self._message())
+
+    def _message(self) -> str:
+        t = self.timeout_s
+        within = f"{t:g}s" if t is not None else "the process group's timeout"
+        msg = (
+            f"rank {self.rank}: {self.operation} did not complete within {within}; "
+            "another rank never joined it (check that every rank runs the same "
+            "collectives in the same order, or raise the timeout)"
+        )
+        return msg + (f" [{self.detail}]" if self.detail else "")
+
+    def __reduce__(self) -> tuple[object, ...]:
+        # Rebuilt from its message and fields, whatever a subclass's __init__ takes.
+        return (_rebuilt, (type(self), str(self), dict(self.__dict__)))
+
+
+def _rebuilt(cls: type[Exception], message: str, state: dict[str, object]) -> Exception:
+    """An unpickled :class:`CollectiveTimeoutError` (or subclass): message and fields."""
+    exc = Exception.__new__(cls)
+    Exception.__init__(exc, message)
+    exc.__dict__.update(state)
+    return exc
+
+
+class PeerLostError(CollectiveTimeoutError):
+    """A collective failed because a peer rank died or lost its connection: not a
+    timeout, and not this rank's fault; the peer's own failure is the cause."""
+
+    def _message(self) -> str:
+        return (
+            f"rank {self.rank}: {self.operation} failed: a peer rank died or lost its "
+            f"connection ({backend_words(self.detail)}); its own failure is the cause"
+        )
+
+
+_GLOO_SOURCE = re.compile(r"^\s*\[[^\]]*\.(?:cc|cpp|h):\d+\]\s*")
+
+
+def backend_words(detail: str) -> str:
+    """What a backend said, without its source location and its advice: "Connection
+    closed by peer [10.0.0.2]:41639" (the address kept: a launcher names the host)."""
+    text = _GLOO_SOURCE.sub("", detail.strip().splitlines()[0] if detail.strip() else "")
+    return text.split(". ", 1)[0].rstrip(".")[:200] or "no words from the backend"
 
 
 class CheckpointError(ManyGPUError, RuntimeError):

@@ -9,6 +9,13 @@ import warnings
 _PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__))
 
 
+class UnpreparedDataWarning(UserWarning):
+    """Training steps under a strategy that splits data, and no loader went through
+    ``par.prepare``: every rank may be reading the whole data set. A job that
+    shards its own data silences it with
+    ``warnings.simplefilter("ignore", manygpu.warn.UnpreparedDataWarning)``."""
+
+
 def _ours(filename: str) -> bool:
     """Our code, or code generated for it (a dataclass's ``__init__`` is ``<string>``)."""
     return filename.startswith("<") or os.path.abspath(filename).startswith(_PACKAGE_DIR)

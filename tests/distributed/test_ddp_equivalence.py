@@ -6,6 +6,8 @@ fp32 (the only differences are summation order in the all-reduce).
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
 from dist_harness import run_ranks
@@ -14,29 +16,42 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from manygpu import Parallel
+from manygpu.warn import UnpreparedDataWarning
 
 TOL = 1e-5
 STEPS = 4
 GLOBAL_BATCH = 12  # divisible by 2 and 3
 
 
-def _ddp_steps(steps: int, batch: int, accum: int) -> torch.Tensor:
+def _ddp_steps(steps: int, batch: int, accum: int, warned: list[str] | None = None) -> torch.Tensor:
+    """DDP on tensors each rank slices itself (no loader prepared: the job shards its own
+    data, which is what the unprepared-data warning, collected in ``warned``, asks about)."""
     par = Parallel(strategy="ddp", grad_accum_steps=accum)
     try:
         model = make_model()
         model, opt = par.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1))
         per = batch // par.world_size
         x, y = make_data(steps * accum * batch)
-        for step in range(steps):
-            for micro in range(accum):
-                start = (step * accum + micro) * batch + par.rank * per
-                loss = nn.functional.mse_loss(model(x[start : start + per]), y[start : start + per])
-                par.backward(loss)
-                opt.step()
-                opt.zero_grad()
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always", UnpreparedDataWarning)
+            for step in range(steps):
+                for micro in range(accum):
+                    start = (step * accum + micro) * batch + par.rank * per
+                    xb, yb = x[start : start + per], y[start : start + per]
+                    par.backward(nn.functional.mse_loss(model(xb), yb))
+                    opt.step()
+                    opt.zero_grad()
+        if warned is not None:
+            warned += [f"{w.filename}: {w.message}" for w in caught
+                       if w.category is UnpreparedDataWarning]  # fmt: skip
         return flat_params(par.unwrap(model))
     finally:
         par.close()
+
+
+def _ddp_steps_warned(steps: int, batch: int, accum: int) -> tuple[torch.Tensor, list[str]]:
+    warned: list[str] = []
+    return _ddp_steps(steps, batch, accum, warned), warned
 
 
 @pytest.mark.parametrize("world", [2, 3])
@@ -53,9 +68,15 @@ def test_ddp_matches_single_process(world: int) -> None:
 
 def test_ddp_with_gradient_accumulation_matches() -> None:
     ref = reference_train(STEPS, GLOBAL_BATCH, accum=3)
-    results = run_ranks(_ddp_steps, 2, STEPS, GLOBAL_BATCH, 3)
-    for params in results:
+    results = run_ranks(_ddp_steps_warned, 2, STEPS, GLOBAL_BATCH, 3)
+    for params, _ in results:
         assert (params - ref).abs().max().item() < TOL
+    # No loader went through prepare: warned once over 4 steps, by rank 0 only, at the
+    # user's line, saying how to pass the loader and how a self-sharding job silences it.
+    (first, *more), others = results[0][1], results[1][1]
+    assert not more and not others, results
+    assert first.startswith(__file__) and "no DataLoader went through par.prepare" in first
+    assert "par.prepare(model, opt, loader)" in first and "simplefilter('ignore'" in first
 
 
 def _loader_epochs(strategy: str, batch: int, epochs: int) -> tuple[torch.Tensor, list[list[int]]]:
@@ -68,14 +89,16 @@ def _loader_epochs(strategy: str, batch: int, epochs: int) -> tuple[torch.Tensor
         model = make_model()
         model, opt, loader = par.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1), loader)
         seen: list[list[int]] = []
-        for _ in range(epochs):
-            epoch_ids: list[int] = []
-            for xb, yb, ib in loader:
-                par.backward(nn.functional.mse_loss(model(xb), yb))
-                opt.step()
-                opt.zero_grad()
-                epoch_ids += par.gather(ib).tolist()
-            seen.append(epoch_ids)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", UnpreparedDataWarning)  # a prepared loader: none
+            for _ in range(epochs):
+                epoch_ids: list[int] = []
+                for xb, yb, ib in loader:
+                    par.backward(nn.functional.mse_loss(model(xb), yb))
+                    opt.step()
+                    opt.zero_grad()
+                    epoch_ids += par.gather(ib).tolist()
+                seen.append(epoch_ids)
         return flat_params(par.unwrap(model)), seen
     finally:
         par.close()

@@ -12,13 +12,33 @@ from typing import Any
 import torch
 from ckpt_job import train
 from ckpt_sign import resign
+from safetensors import safe_open
+from torch import nn
 
 from manygpu import Parallel
+from manygpu.checkpoint import Checkpointer, TrainState
 
 
 def _run(directory: Path, total: int, every: int) -> None:
     with Parallel(strategy="single") as par:
         train(par, directory, total, every)
+
+
+class _TiedHead(nn.Module):
+    """A language model's shape: the head's weight is the embedding's."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(10, 4)
+        self.body = nn.Linear(4, 4)
+        self.head = nn.Linear(4, 10, bias=False)
+        self.head.weight = self.embed.weight
+
+
+def _save_tied(directory: Path) -> None:
+    with Parallel(strategy="single") as par:
+        model = par.prepare(_TiedHead())
+        Checkpointer(par, directory, model=model, format="dcp").save(TrainState(step=1))
 
 
 def test_cli_inspect_and_export(tmp_path: Path) -> None:
@@ -28,11 +48,18 @@ def test_cli_inspect_and_export(tmp_path: Path) -> None:
         [*cli, "inspect", str(tmp_path / "ck"), "--json"], capture_output=True, text=True
     )
     assert res.returncode == 0 and json.loads(res.stdout)["checkpoints"][-1]["step"] == 3
+    # The README's export command on a model with a tied head (a DCP checkpoint stores
+    # the tensor under both names): one copy written, the alias recorded as HF does.
+    _save_tied(tmp_path / "tied")
     out = tmp_path / "m.safetensors"
     res = subprocess.run(
-        [*cli, "export", str(tmp_path / "ck"), str(out)], capture_output=True, text=True
+        [*cli, "export", str(tmp_path / "tied"), str(out)], capture_output=True, text=True
     )
-    assert res.returncode == 0 and out.is_file() and "4 tensors" in res.stdout
+    assert res.returncode == 0 and out.is_file() and "3 tensors" in res.stdout, res.stderr
+    assert "tied: head.weight is embed.weight" in res.stdout
+    with safe_open(str(out), framework="pt") as handle:
+        assert set(handle.keys()) == {"embed.weight", "body.weight", "body.bias"}
+        assert handle.metadata()["head.weight"] == "embed.weight"
     # A missing checkpoint (one line, exit 2) is among the CLI's bad input in
     # tests/unit/test_bad_input.py, checked in-process.
 

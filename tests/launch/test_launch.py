@@ -180,6 +180,11 @@ def test_the_first_failure_in_time_is_blamed_with_its_exit_code(
     # The others (as many as the agent saw fail before it stopped them) come after it.
     assert all("then (a consequence)" in ln for ln in summary[1:]), summary
     assert all(f"rank {failing} " not in ln for ln in summary[1:]), summary
+    # A peer's death is said as such: no backend traceback (MANYGPU_TRACEBACK=1 shows it),
+    # only the failing rank's own, and the consequences' lost collective is no timeout.
+    assert "GLHF" not in res.stderr and "did not complete within" not in res.stderr
+    assert res.stderr.count("Traceback") == (1 if mode == "raise" else 0), res.stderr
+    assert all("PeerLostError" in ln for ln in summary[1:] if "exit code 1" in ln), summary
 
 
 def test_a_plain_torchrun_scripts_hang_gets_a_verdict_and_only_its_evidence_is_left(
@@ -215,6 +220,8 @@ def test_a_plain_torchrun_scripts_hang_gets_a_verdict_and_only_its_evidence_is_l
     )
     record = json.loads((tmp / left[0] / "verdict.json").read_text())
     assert record["rank"] == 1 and {r["rank"] for r in record["ranks"]} == {0, 1}
+    # The verdict's own SIGTERM stopped the workers: no one else sent one.
+    assert lines[2] == "manygpu: stopped after the hang verdict; stopped 2 workers", lines
 
 
 def test_hung_rank_ends_within_timeout(tmp_path: Path) -> None:

@@ -126,9 +126,25 @@ def test_a_typo_is_one_line_with_the_nearest_mode() -> None:
     assert parse(False) is None and parse(True) == ActivationCheckpointing()
 
 
+class _TwoLinear(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(4, 8), nn.Linear(8, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc2(torch.relu(self.fc1(x)))
+
+
 def test_a_model_without_blocks_asks_for_block_classes() -> None:
     with pytest.raises(UsageError, match="block_classes"):
         checkpoint_blocks(nn.Linear(4, 4), ActivationCheckpointing())
+    # No block container, or one of plain layers: checkpointing each Linear saved nothing,
+    # so it is refused as the README says, before any layer changed class.
+    for mlp in (_TwoLinear(), nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))):
+        with pytest.raises(UsageError, match=r"has no blocks \(layers of layers") as info:
+            Parallel(strategy="single", activation_checkpointing="full").prepare(mlp)
+        assert "\n" not in str(info.value)
+        assert not any(_checkpointed(m) for m in mlp.modules())
     with pytest.raises(UsageError, match="no module of class Nope"):
         checkpoint_blocks(ZOO["gpt"].build(), ActivationCheckpointing(block_classes=("Nope",)))
 
@@ -215,3 +231,15 @@ def test_fits_no_strategy_says_when_even_full_checkpointing_does_not_help() -> N
     with pytest.raises(UsageError, match="fits no strategy") as raised:
         recommend(bare, small, batch=24, precision="bf16")
     assert "activation_checkpointing" not in str(raised.value)
+
+
+def test_prepare_says_once_what_it_checkpointed(capsys: pytest.CaptureFixture[str]) -> None:
+    """One line, counted by class, so a user sees whether those are the layers meant."""
+    Parallel(strategy="single", activation_checkpointing="full").prepare(ZOO["gpt"].build())
+    Parallel(strategy="single", activation_checkpointing=2).prepare(ZOO["gpt"].build())
+    Parallel(strategy="single").prepare(ZOO["gpt"].build())  # off: nothing said
+    lines = [ln for ln in capsys.readouterr().out.splitlines() if "checkpointing" in ln]
+    assert lines == [
+        "manygpu: activation checkpointing ('full'): 2 Block",
+        "manygpu: activation checkpointing ('full', every 2): 1 Block of 2 blocks",
+    ]

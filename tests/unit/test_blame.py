@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
-from manygpu.errors import CollectiveTimeoutError
+import pickle
+
+import pytest
+
+from manygpu.errors import CollectiveTimeoutError, PeerLostError
 from manygpu.launch import blame
 
 
@@ -54,10 +58,47 @@ def test_the_lost_peers_addresses_are_read_from_the_errors() -> None:
 
 
 def test_a_lost_peer_is_not_called_a_timeout() -> None:
-    msg = str(CollectiveTimeoutError(0, "all_reduce", 180.0, "Connection closed by peer [::1]"))
-    assert "did not complete within" not in msg and "another rank exited" in msg
-    msg = str(CollectiveTimeoutError(0, "all_reduce", 5.0, "Timed out waiting"))
-    assert "did not complete within 5s" in msg
+    lost = CollectiveTimeoutError(0, "all_reduce", 180.0, GLOO_LOST)
+    assert isinstance(lost, PeerLostError) and isinstance(lost, CollectiveTimeoutError)
+    assert str(lost) == (
+        "rank 0: all_reduce failed: a peer rank died or lost its connection (Connection "
+        "closed by peer [10.213.0.2]:41639); its own failure is the cause"
+    )  # the backend's words without its source path and advice; the address kept
+    assert blame.peer_addresses([str(lost)]) == ["10.213.0.2"] and blame.is_peer_failure(lost)
+    again = pickle.loads(pickle.dumps(lost))  # an error crosses processes whole
+    assert type(again) is PeerLostError and str(again) == str(lost) and again.rank == 0
+    timeout = CollectiveTimeoutError(0, "all_reduce", 5.0, "Timed out waiting")
+    assert type(timeout) is CollectiveTimeoutError and "did not complete within 5s" in str(timeout)
+
+
+def test_a_consequence_s_line_keeps_the_backend_s_words_not_its_source_and_advice() -> None:
+    raw = "RuntimeError: " + GLOO_LOST + " Check the logs of the remote worker. GLHF! x"
+    assert blame.tidy(raw) == "RuntimeError: Connection closed by peer [10.213.0.2]:41639"
+    assert blame.tidy("ValueError: a user's own. words") == "ValueError: a user's own. words"
+
+
+def test_a_restart_is_one_line_naming_the_rank_the_cause_and_the_attempt() -> None:
+    line = blame.restart_line("rank 1 was killed by SIGKILL (pid 7)", 1, 2)
+    assert line == "rank 1 was killed by SIGKILL (pid 7); restarting every worker (restart 1 of 2)"
+
+
+def test_a_lost_peer_prints_no_traceback_unless_asked(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Under the launcher (an error file) a rank that lost its peer prints nothing: the
+    launcher says it after the peer's own death; MANYGPU_TRACEBACK=1 prints it all."""
+    from manygpu.launch.worker.main import _print_error
+
+    lost = CollectiveTimeoutError(1, "all_reduce", 30.0, GLOO_LOST)
+    monkeypatch.setenv("TORCHELASTIC_ERROR_FILE", "/nonexistent/error.json")
+    for wanted, shown in (("0", ""), ("1", "GLHF")):
+        monkeypatch.setenv("MANYGPU_TRACEBACK", wanted)
+        try:
+            raise lost from RuntimeError(GLOO_LOST + " GLHF!")
+        except CollectiveTimeoutError as exc:
+            _print_error(exc)
+        err = capsys.readouterr().err
+        assert (shown in err) if shown else err == "", err
 
 
 def test_a_lost_peer_is_named_from_the_hosts_file_only() -> None:

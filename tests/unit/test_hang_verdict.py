@@ -137,6 +137,42 @@ def test_same_number_different_op_or_args() -> None:
     )
 
 
+def test_a_collective_only_rank_0_calls_under_strict_debug_names_the_users_line() -> None:
+    """``if par.rank == 0: par.reduce(x)`` with ``MANYGPU_DEBUG=strict``: rank 0 waits in
+    the debug check's all-gather, rank 1 in DDP's next broadcast. The check's all-gather
+    is no cause, and at two ranks a tie must not blame rank 1: rank 0's line is named."""
+    check = Collective(pg="0", seq=6, op="all_gather", args="int64[1,16]")
+    ddp = Collective(pg="0", seq=6, op="broadcast", args="int32[3]")
+    views = [
+        RankView(rank=0, host="vm", waiting=check, where="train.py:15",
+                 extra={verdict.DEBUG_CHECK: "1"}),
+        RankView(rank=1, host="vm", waiting=ddp, where="train.py:10"),
+    ]  # fmt: skip
+    assert compose(views, 2) == (
+        "rank 0 (host vm) calls a collective at train.py:15 that rank 1 never reaches "
+        "(collective #6: rank 1 is in broadcast(int32[3]) at train.py:10); a collective "
+        "only some ranks call (under `if rank == 0:`?) waits forever: call it on every rank",
+        0,
+    )
+    debug_py = str(Path(verdict.__file__).parents[1] / "comm" / "debug.py")
+    stack = [["/x/train.py", 15, "<module>"], [debug_py, 240, "gather_calls"]]
+    assert verdict.in_debug_check(stack) and not verdict.in_debug_check(stack[:1])
+    assert verdict.own_frame(stack) == "train.py:15"
+
+
+def test_a_hang_verdicts_own_sigterm_is_not_reported_as_a_signal(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    from manygpu.launch.agent import _say_stopped
+
+    _say_stopped(signal.SIGTERM, 2, judged=True)
+    _say_stopped(signal.SIGTERM, 2)
+    assert capsys.readouterr().err.splitlines() == [
+        "manygpu: stopped after the hang verdict; stopped 2 workers",
+        "manygpu: stopped by SIGTERM; stopped 2 workers",
+    ]
+
+
 def test_odd_ranks_that_disagree_among_themselves_are_each_named() -> None:
     ddp = Collective(pg="0", seq=10, op="all_reduce", args="float32[10]")
     views = _job(

@@ -243,3 +243,17 @@ def test_prepared_optimizer_supports_step_hooks() -> None:
         opt.register_step_post_hook(lambda *_: calls.append(1))
         opt.step()
     assert calls == [1]
+
+
+def test_unprepared_data_is_warned_only_where_data_is_split_and_no_loader_was_prepared() -> None:
+    """The rule behind the first step's warning (tests/distributed/test_ddp_equivalence.py
+    sees it fire on two ranks); one process, or a prepared loader, never warns."""
+    from manygpu.core.preparing import unprepared_data
+
+    assert unprepared_data(shards=1, loaders=0) is None  # single, tensor, pipeline peers
+    assert unprepared_data(shards=4, loaders=1) is None
+    why = unprepared_data(shards=4, loaders=0)
+    assert why is not None and "splits data over 4 ranks" in why and "\n" not in why
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        _train(Parallel(strategy="single"), 2, BATCH)  # world size 1: nothing to split

@@ -96,6 +96,17 @@ def test_a_removed_keyword_is_one_line_naming_its_object(keyword: str) -> None:
         assert "\n" not in str(info.value)
 
 
+def test_a_misspelt_keyword_is_one_line_with_the_nearest_one() -> None:
+    """Every other typo gets "did you mean"; a keyword was a bare TypeError."""
+    for make in (Parallel, ParallelConfig):
+        wanted = r"^Parallel takes no keyword presicion=; did you mean precision=\? it takes: "
+        with pytest.raises(UsageError, match=wanted + "strategy, precision, ") as info:
+            make(presicion="bf16")
+        assert "\n" not in str(info.value)
+    with pytest.raises(UsageError, match=r"^Parallel takes no keyword zzz=; it takes: "):
+        Parallel(zzz=1)  # nothing near: the choices only
+
+
 @pytest.mark.parametrize(
     "fields, needle",
     [

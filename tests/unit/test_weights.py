@@ -66,6 +66,56 @@ def test_a_safetensors_file_round_trips_with_tied_weights_once(tmp_path: Path) -
     assert [p.name for p in tmp_path.iterdir()] == ["w.safetensors"]  # no temporary left
 
 
+def _metadata(path: Path) -> dict[str, str]:
+    from safetensors import safe_open
+
+    with safe_open(str(path), framework="pt") as handle:
+        return dict(handle.metadata())
+
+
+def test_save_weights_records_the_tied_names_it_drops(tmp_path: Path) -> None:
+    """As ``safetensors.torch.save_model`` does: ``{dropped: kept}`` in the metadata."""
+    save_weights(_fresh(0), tmp_path / "w.safetensors")
+    assert _metadata(tmp_path / "w.safetensors")["head.weight"] == "embed.weight"
+    save_weights(_fresh(0), tmp_path / "hf", max_shard_bytes=600)
+    for part in sorted((tmp_path / "hf").glob("model-*.safetensors")):
+        assert _metadata(part)["head.weight"] == "embed.weight"
+
+
+def test_export_of_a_tied_dcp_checkpoint_keeps_one_copy(tmp_path: Path) -> None:
+    """DCP stores a tied tensor under each name; the checkpoint's ``tied`` table drops one."""
+    from manygpu import Parallel
+    from manygpu.checkpoint import Checkpointer, TrainState
+    from manygpu.checkpoint.export import export_safetensors
+
+    model = _fresh(0)
+    with Parallel(strategy="single") as par:
+        Checkpointer(par, tmp_path / "ck", model=par.prepare(model), format="dcp").save(
+            TrainState(step=1)
+        )
+    out = tmp_path / "w.safetensors"
+    summary = export_safetensors(tmp_path / "ck", out)
+    assert summary["tied"] == {"head.weight": "embed.weight"} and summary["tensors"] == 10
+    stored = load_file(str(out))
+    assert "head.weight" not in stored and set(stored) == set(model.state_dict()) - {"head.weight"}
+    assert summary["bytes"] == out.stat().st_size
+    other = _fresh(1)
+    load_weights(other, out)
+    assert _same(model, other) and other.head.weight is other.embed.weight
+
+
+def test_a_failed_write_keeps_the_library_s_whole_reason(tmp_path: Path) -> None:
+    """safetensors' messages start with an empty line: the first line alone said nothing."""
+    from manygpu.weights.sharded_files import _why
+
+    exc = ValueError("\n            Some tensors share memory,\n            this will lead to ...")
+    line = _why(tmp_path / "m.safetensors", exc)
+    assert "Some tensors share memory, this will lead to ..." in line and "\n" not in line
+    assert "writable path" not in line  # not the path's fault
+    disk = _why(tmp_path / "m.safetensors", OSError(28, "No space left on device"))
+    assert "(No space left on device); give a writable path" in disk
+
+
 def _header(path: Path) -> int:
     return 8 + int.from_bytes(path.read_bytes()[:8], "little")
 
@@ -311,8 +361,9 @@ def test_export_writes_tied_weights_and_shards_a_directory(
         )
     one = tmp_path / "w.safetensors"
     assert main(["checkpoint", "export", str(tmp_path / "ck"), str(one)]) == 0  # tied: once
-    if fmt == "full":  # one storage under two names: written once, the first name
-        assert "head.weight" not in load_file(str(one))
+    assert "head.weight" not in load_file(str(one))  # written once, the name HF keeps
+    assert _metadata(one)["head.weight"] == "embed.weight"  # the alias, as save_model does
+    assert "tied: head.weight is embed.weight" in capsys.readouterr().out
     out = tmp_path / "hf"
     argv = ["checkpoint", "export", str(tmp_path / "ck"), str(out), "--max-shard-size", "600"]
     assert main(argv) == 0

@@ -66,8 +66,12 @@ def export_safetensors(
     (new) path becomes a directory laid out as Hugging Face does: one
     ``model.safetensors``, or above ``max_shard_bytes`` numbered files and an
     index (:mod:`manygpu.weights.sharded_files`). Tensors stream one file's worth
-    at a time (a ``full`` checkpoint is mapped, a DCP one read file by file);
-    tied weights (one storage under two names) are written once, the first name.
+    at a time (a ``full`` checkpoint is mapped, a DCP one read file by file).
+    Tied weights (one tensor under two names, as the checkpoint recorded them, or
+    one storage in an older ``full`` one) are written once under the name
+    Hugging Face keeps; each dropped name is recorded in the files' metadata as
+    ``{dropped: kept}``, as ``safetensors.torch.save_model`` does, and
+    ``transformers`` and :func:`~manygpu.weights.load_weights` re-tie it on load.
     ``step`` picks a checkpoint under a root (default: the newest good one);
     ``dtype`` (a key of :data:`DTYPES`) casts every floating tensor.
     """
@@ -93,6 +97,7 @@ def _export(
 
     source = open_checkpoint(step_path)
     try:
+        aliases = source.aliases()
         names = source.distinct()
         specs = {n: Spec(source.entries[n].shape, _cast_type(source.entries[n].dtype, cast))
                  for n in names}  # fmt: skip
@@ -103,7 +108,7 @@ def _export(
 
         written, error = sharded_files.write(
             out, specs, tensors, max_shard_bytes=max_shard_bytes,
-            metadata={"source": shown},
+            metadata={**aliases, "source": shown},
         )  # fmt: skip
     finally:
         source.close()
@@ -117,6 +122,7 @@ def _export(
         "dtypes": sorted({str(s.dtype).removeprefix("torch.") for s in specs.values()}),
         "files": len(files),
         "bytes": sum(f.stat().st_size for f in files),
+        "tied": aliases,
     }
 
 

@@ -378,6 +378,7 @@ class Checkpointer:
                 "batch_size": self.loader.batch_size or 0,
             }
         from manygpu._version import __version__
+        from manygpu.weights.save import tie_table
 
         return {
             "step": state.step,
@@ -389,6 +390,8 @@ class Checkpointer:
             "strategy": self.parts.strategy,
             "format": self.parts.format.name,
             "precision": self.parts.precision,
+            # Tied names (dropped -> kept): an export writes each tensor once.
+            "tied": tie_table(self.parts.model),
             "manygpu": __version__,
             "torch": torch.__version__,
             # The tracked run (par.log) and its last step: a resume continues it.

@@ -245,4 +245,6 @@ def run_export(ns: argparse.Namespace) -> int:
         f"parameters ({', '.join(summary['dtypes'])}), {summary['bytes']:,} bytes, "
         f"from {shown(summary['checkpoint'])}"
     )
+    for dropped, kept in summary["tied"].items():
+        print(f"tied: {shown(dropped)} is {shown(kept)}, stored once (recorded in the metadata)")
     return 0

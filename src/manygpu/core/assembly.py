@@ -111,6 +111,7 @@ def assemble(current: Current, job: JobFacts, environ: envmod.Environ) -> JobPar
         strategy=lambda: current.strategy, config=config, device=job.device,
         timeout_s=job.timeout_s, precision=job.precision, accumulator=accumulator,
         events=events, reports=reports, job_log=job_log, say=console.print,
+        is_main=job.is_main,
     )  # fmt: skip
     return JobParts(
         accumulator, console, events, reports, collectives, job_log, profiler, state, prep

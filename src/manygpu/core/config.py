@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+import difflib
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -148,6 +150,10 @@ class ParallelConfig:
         if removed:
             k = removed[0]
             raise UsageError(f"Parallel({k}=...) was removed: use strategy={REMOVED_KEYWORDS[k]}")
+        known = [f.name for f in dataclasses.fields(cls)]
+        unknown = [k for k in fields if k not in known]
+        if unknown:
+            raise UsageError(unknown_keyword(unknown[0], known))
         return super().__new__(cls)
 
     def _check_strategy(self) -> None:
@@ -205,6 +211,14 @@ class ParallelConfig:
             return self.strategy.name
         mesh = self.mesh if isinstance(self.mesh, MeshShape) else None
         return resolve_name(self.strategy, mesh, world_size, served)
+
+
+def unknown_keyword(name: str, known: Sequence[str]) -> str:
+    """One line for a keyword ``Parallel`` does not take: the nearest one, then every choice
+    (a misspelt ``precision=`` was a bare ``TypeError`` from the dataclass)."""
+    close = difflib.get_close_matches(name, known, n=1, cutoff=0.6)
+    hint = f" did you mean {close[0]}=?" if close else ""
+    return f"Parallel takes no keyword {name}=;{hint} it takes: {', '.join(known)}"
 
 
 def served_class(options: StrategySpec, launched_servers: int | None) -> type[Strategy[Any]]:

@@ -43,6 +43,7 @@ from manygpu.transforms.checkpointing import CheckpointBlocks
 from manygpu.transforms.fp8 import ToFloat8
 from manygpu.transforms.materialize import place
 from manygpu.transforms.pipeline import Around, ModelTransform, prepare_module
+from manygpu.warn import UnpreparedDataWarning, warn_user
 
 
 class Preparer:
@@ -52,7 +53,7 @@ class Preparer:
         self, *, strategy: Callable[[], Strategy[Any]], config: ParallelConfig,
         device: torch.device, timeout_s: float, precision: PrecisionPlugin,
         accumulator: Accumulator, events: StepEvents, reports: StepReports | None,
-        job_log: JobLog, say: Callable[[str], None],
+        job_log: JobLog, say: Callable[[str], None], is_main: bool = True,
     ) -> None:  # fmt: skip
         self._strategy, self._config, self._device = strategy, config, device
         self._timeout_s, self._precision, self._accumulator = timeout_s, precision, accumulator
@@ -63,6 +64,7 @@ class Preparer:
         self._optimizer_inputs: list[torch.optim.Optimizer] = []
         self._rebinder = ParameterRebinder()
         self._channels_last = False  # set when a prepared model runs channels_last
+        self._is_main, self._loaders, self._checked_data = is_main, 0, False
 
     # -- models ----------------------------------------------------------------
     def refuse_again(self, model: nn.Module) -> None:
@@ -158,11 +160,24 @@ class Preparer:
             inner, self._accumulator, self._precision, self._events, first=first
         )
         self.optimizers.append(prepared)
+        if first:
+            self._events.on_step("data", self._check_data)
         return prepared
+
+    def _check_data(self, step: int) -> None:
+        """At the job's first step (once), warn when no loader was prepared and the
+        strategy splits data: each rank would read the whole data set, silently."""
+        if self._checked_data:
+            return
+        self._checked_data = True
+        why = unprepared_data(self._strategy().data_shard()[1], self._loaders)
+        if why is not None and self._is_main:
+            warn_user(why, UnpreparedDataWarning)
 
     # -- loaders ---------------------------------------------------------------
     def loader(self, loader: DataLoader, *, train: bool) -> PreparedLoader:
         """This rank's share of ``loader`` on the device (``Parallel.prepare_loader``)."""
+        self._loaders += 1
         shard_index, shard_count = self._strategy().data_shard()
         config = self._config
         # A generator of ours (the user gave none) is re-seeded per epoch; ranks
@@ -204,3 +219,17 @@ class Preparer:
         """The loader's last batch: the coming backward ends the cycle and synchronises."""
         self._accumulator.force_boundary()
         self.set_grad_sync(True)
+
+
+def unprepared_data(shards: int, loaders: int) -> str | None:
+    """The warning for a job's first step, or None: ``shards`` data shards (the
+    strategy's split), ``loaders`` loaders prepared so far."""
+    if shards <= 1 or loaders:
+        return None
+    return (
+        f"training under a strategy that splits data over {shards} ranks, and no DataLoader "
+        "went through par.prepare: each rank reads whatever it was given, the whole data set "
+        "unless it chose its own share; pass the loader: model, opt, loader = "
+        "par.prepare(model, opt, loader). A job that shards its own data silences this with "
+        "warnings.simplefilter('ignore', manygpu.warn.UnpreparedDataWarning)"
+    )

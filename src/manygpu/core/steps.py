@@ -22,11 +22,12 @@ from dataclasses import dataclass
 Listener = Callable[[int], None]
 """Called with the job's step number just completed (1 for the first step)."""
 
-ORDER: tuple[str, ...] = ("fp8", "clock", "profiler")
+ORDER: tuple[str, ...] = ("fp8", "clock", "profiler", "data")
 """Listeners after the update, in the order they run: fp8's scales first (the next
 forward needs them, and their all-reduce belongs to the step's time), then the
 straggler clock closes the step, then the profiler's window (whose trace write
-must not land in the step the clock measured)."""
+must not land in the step the clock measured), then the first step's check that
+a loader was prepared."""
 
 BEFORE_ORDER: tuple[str, ...] = ("grad_rescale",)
 """Listeners before the update (gradients final, nothing applied yet)."""

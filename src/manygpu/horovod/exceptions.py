@@ -38,6 +38,7 @@ class HorovodCollectiveError(CollectiveTimeoutError, HorovodInternalError):
         self.rank = cause.rank
         self.operation = cause.operation
         self.timeout_s = cause.timeout_s
+        self.detail = getattr(cause, "detail", "")
         # The message is already built (with the missing ranks, or the lost peer):
         # keep it as is rather than composing it again from its parts.
         Exception.__init__(self, str(cause))

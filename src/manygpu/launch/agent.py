@@ -17,12 +17,15 @@ import signal
 import socket
 import sys
 import tempfile
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+import torch.distributed.launcher.api as launcher_api
 from torch.distributed import DistStoreError
+from torch.distributed.elastic.agent.server.api import RunResult, WorkerGroup
+from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
 from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, Std
 from torch.distributed.elastic.multiprocessing.api import SignalException
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
@@ -171,6 +174,7 @@ def _outcomes(err: ChildFailedError) -> list[blame.Outcome]:
 
 def _describe(o: blame.Outcome, failure: ProcessFailure) -> str:
     text = _recorded_message(failure)
+    text = blame.tidy(text) if o.consequence else text
     detail = f": {text}" if text else ""
     pid = f" (pid {failure.pid})" if o.how.startswith("was killed") else ""
     at = hangwatch.crash_site(o.rank, -failure.exitcode) if failure.exitcode < 0 else ""
@@ -186,6 +190,42 @@ def _lost_peers(outcomes: list[blame.Outcome], err: ChildFailedError) -> str:
     except OSError:
         hosts = ""
     return blame.lost_peers_line([o.rank for o in outcomes], texts, is_local_address, hosts)
+
+
+class _AnnouncingAgent(LocalElasticAgent):
+    """torch's agent, saying in one line why it restarts the workers (``--max-restarts``):
+    torch restarts them silently, and the next attempt's errors hid the first's cause."""
+
+    _last_failures: dict[int, ProcessFailure] | None = None
+
+    def _monitor_workers(self, worker_group: WorkerGroup) -> RunResult:
+        result = super()._monitor_workers(worker_group)
+        self._last_failures = dict(result.failures)
+        return result
+
+    def _restart_workers(self, worker_group: WorkerGroup) -> None:
+        failures, spec = self._last_failures, worker_group.spec
+        if failures:  # a failure, not a node joining (that restart is not counted)
+            outcomes = [blame.outcome(r, f.exitcode, f.timestamp, blame.read(f.error_file))
+                        for r, f in failures.items()]  # fmt: skip
+            root = blame.root_cause(outcomes)
+            attempt = spec.max_restarts - self._remaining_restarts
+            cause = _describe(root, failures[root.rank])
+            print(f"manygpu: {blame.restart_line(cause, attempt, spec.max_restarts)}",
+                  file=sys.stderr, flush=True)  # fmt: skip
+        self._last_failures = None
+        super()._restart_workers(worker_group)
+
+
+@contextlib.contextmanager
+def _announcing_restarts() -> Iterator[None]:
+    """``elastic_launch`` builds torch's agent by name: ours stands in while it runs."""
+    saved = launcher_api.LocalElasticAgent
+    launcher_api.LocalElasticAgent = _AnnouncingAgent  # type: ignore[misc]
+    try:
+        yield
+    finally:
+        launcher_api.LocalElasticAgent = saved  # type: ignore[misc]
 
 
 def report_failure(err: ChildFailedError, to_driver: bool = False) -> int:
@@ -249,7 +289,7 @@ def _run(spec: LaunchSpec, secret: JobSecret | None, log_dir: str | None) -> int
     config = build_config(spec, secret)
     executable, args = worker_command(spec)
     with watching(spec, log_dir) as watch, notices.forwarding():
-        code = _agent(spec, config, executable, args)
+        code = _agent(spec, config, executable, args, judged=lambda: watch.verdict is not None)
         if code == 0:
             _say_if_alone(watch.out, spec.nproc_per_node)
         if watch.verdict is not None:
@@ -339,9 +379,18 @@ def _host_label(spec: LaunchSpec) -> str:
     return socket.gethostname()
 
 
-def _agent(spec: LaunchSpec, config: LaunchConfig, executable: str, args: list[str]) -> int:
+def _agent(
+    spec: LaunchSpec,
+    config: LaunchConfig,
+    executable: str,
+    args: list[str],
+    judged: Callable[[], bool] = lambda: False,
+) -> int:
+    """Run torch's agent; ``judged``: whether a hang verdict stopped the job (its own
+    SIGTERM, which no one else sent: the verdict says why, not "stopped by SIGTERM")."""
     try:
-        elastic_launch(config, executable)(*args)
+        with _announcing_restarts():
+            elastic_launch(config, executable)(*args)
     except ChildFailedError as err:
         return report_failure(err, to_driver=spec.driven)
     except (RendezvousStateError, RendezvousConnectionError) as exc:
@@ -352,7 +401,7 @@ def _agent(spec: LaunchSpec, config: LaunchConfig, executable: str, args: list[s
         return 1
     except SignalException as exc:
         # The agent has already stopped the workers; exit like the signal did.
-        _say_stopped(int(exc.sigval), spec.nproc_per_node)
+        _say_stopped(int(exc.sigval), spec.nproc_per_node, judged())
         return 128 + int(exc.sigval)
     except KeyboardInterrupt:
         _say_stopped(signal.SIGINT, spec.nproc_per_node)
@@ -360,7 +409,8 @@ def _agent(spec: LaunchSpec, config: LaunchConfig, executable: str, args: list[s
     return 0
 
 
-def _say_stopped(signum: int, workers: int) -> None:
+def _say_stopped(signum: int, workers: int, judged: bool = False) -> None:
     """The one line for a job stopped by a signal (torch's own warning is silenced)."""
     why = "interrupted" if signum == signal.SIGINT else f"stopped by {signal.Signals(signum).name}"
+    why = "stopped after the hang verdict" if judged else why
     print(f"manygpu: {why}; stopped {workers} worker{'s' * (workers != 1)}", file=sys.stderr)

@@ -59,6 +59,17 @@ def is_peer_failure(exc: BaseException) -> bool:
     return from_backend and any(h in text for h in _PEER_HINTS)
 
 
+_BACKEND_SOURCE = re.compile(r"\[[^\]\s]*\.(?:cc|cpp|h):\d+\]\s*")
+
+
+def tidy(text: str) -> str:
+    """A peer failure's recorded words without the backend's source location and advice
+    ("RuntimeError: Read error [10.0.0.2]:41171: Connection reset by peer"), for the one
+    line a consequence gets; the address stays (it names the lost host)."""
+    short = _BACKEND_SOURCE.sub("", text)
+    return short.split(". This is typically", 1)[0].split(" GLHF", 1)[0].rstrip(". ")
+
+
 def peer_addresses(messages: list[str]) -> list[str]:
     """The peers' addresses that errors name ("Connection closed by peer [10.0.0.2]:41639",
     "Read error [10.0.0.2]:21173: Connection reset by peer"),
@@ -234,6 +245,12 @@ def _render(kind: str, where: str, rest: str, ranks: list[int]) -> str:
     if len(ranks) > 1 and rest.startswith("was "):
         rest = "were " + rest[4:]
     return f"{indent}{where}{ranks_text(ranks)} {rest}"
+
+
+def restart_line(cause: str, attempt: int, restarts: int) -> str:
+    """The one line before a restart: the rank that ended the attempt, how (``cause``:
+    "rank 1 was killed by SIGKILL (pid 123)"), and which restart of how many this is."""
+    return f"{cause}; restarting every worker (restart {attempt} of {restarts})"
 
 
 def root_cause(outcomes: list[Outcome]) -> Outcome:

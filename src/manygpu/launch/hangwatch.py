@@ -353,6 +353,7 @@ class HangWatch:
             where=verdict.own_frame(main),
             detail=detail,
             evidence=str(self.out / f"rank{rank}.json"),
+            extra={verdict.DEBUG_CHECK: "1"} if verdict.in_debug_check(main) else {},
         )
 
     def _outside(self, rank: int, pid: int) -> RankView:

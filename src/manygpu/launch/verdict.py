@@ -130,10 +130,17 @@ def _absent(
     return f"{line}; {wait_text} {name}", missing[0]
 
 
+DEBUG_CHECK = "debug_check"
+"""A view's ``extra`` key: the rank waits in ``MANYGPU_DEBUG``'s own check of its call."""
+
+
 def _mismatch(in_main: list[RankView], name: str) -> tuple[str, int]:
     """Every rank is in the same collective: do they agree on what it is?"""
     # Counted in rank order, so a tie names the same majority whatever order views came in.
     ordered = sorted(in_main, key=lambda v: v.rank)
+    checking = [v for v in ordered if v.extra.get(DEBUG_CHECK)]
+    if checking and len(checking) < len(ordered):
+        return _checked_alone(checking, [v for v in ordered if v not in checking], name)
     kinds = Counter((v.waiting.op, v.waiting.args) for v in ordered if v.waiting)
     if len(kinds) == 1:
         rank = min(v.rank for v in in_main)
@@ -159,6 +166,31 @@ def _mismatch(in_main: list[RankView], name: str) -> tuple[str, int]:
         f"the others as {common[0]}({common[1]})"
     )
     line += f"; rank {first.rank} is at {first.where}" if first.where else ""
+    return line, first.rank
+
+
+def _checked_alone(checking: list[RankView], others: list[RankView], name: str) -> tuple[str, int]:
+    """Some ranks wait in ``MANYGPU_DEBUG``'s check of a collective (which the check's
+    own all-gather stands for), the others in a collective of the framework's (DDP's
+    broadcast or all-reduce: never checked): the checked ranks called one the others do
+    not reach. Their call site is the user's line; the check's all-gather is no cause."""
+    number = name.split(" ", 1)[1] if " " in name else name
+    first = checking[0]
+    where = f" at {first.where}" if first.where else ""
+    said = [
+        f"rank {v.rank} is in {v.waiting.op}({v.waiting.args})"
+        + (f" at {v.where}" if v.where else "")
+        for v in others
+        if v.waiting
+    ]
+    verb = "calls" if len(checking) == 1 else "call"
+    line = (
+        f"{_group(checking)} {verb} a collective{where} that "
+        f"{ranks_text([v.rank for v in others])} never reach{'es' * (len(others) == 1)} "
+        f"(collective {number}: "
+        f"{'; '.join(said)}); a collective only some ranks call (under `if rank == 0:`?) "
+        "waits forever: call it on every rank"
+    )
     return line, first.rank
 
 
@@ -197,6 +229,12 @@ def own_frame(stack: list[list[object]], *, own_only: bool = False) -> str:
         last = stack[-1]
         return f"{os.path.basename(str(last[0]))}:{last[1]} in {last[2]}()"
     return ""
+
+
+def in_debug_check(stack: list[list[object]]) -> bool:
+    """Whether a stack waits in ``MANYGPU_DEBUG``'s check before a collective."""
+    check = os.path.join("manygpu", "comm", "debug.py")
+    return any(str(f[0]).endswith(check) for f in stack)
 
 
 def in_dataloader(stack: list[list[object]]) -> bool:

@@ -122,10 +122,10 @@ def measure_blocks(
 ) -> BlockBytes:
     """Saved-for-backward bytes inside the model's blocks (as checkpointing finds
     them), their inputs, and the outputs of the ops ``"selective"`` keeps."""
-    from manygpu.transforms.blocks import find_blocks
+    from manygpu.transforms.blocks import checkpoint_blocks_of
     from manygpu.transforms.checkpointing import SAVED_OPS
 
-    blocks = find_blocks(model)
+    blocks = checkpoint_blocks_of(model)
     tally = _Tally(SAVED_OPS, {p.data_ptr() for p in model.parameters()})
     handles = []
     for block in blocks:

@@ -308,3 +308,20 @@ def mlflow_tracking_uri(env: Environ) -> str | None:
 def mlflow_experiment(env: Environ) -> str | None:
     """``MLFLOW_EXPERIMENT_NAME``: the experiment a new MLflow run goes in."""
     return get_str(env, "MLFLOW_EXPERIMENT_NAME")
+
+
+def export_worker(*, rank: int, world_size: int, master_addr: str, master_port: int) -> None:
+    """Make this (forked) process rank ``rank`` of ``world_size`` on one machine, as
+    torchrun's variables say it, so ``Parallel()`` inside it joins the job
+    (``manygpu.notebook_launcher``)."""
+    os.environ.update(
+        {
+            "RANK": str(rank),
+            "LOCAL_RANK": str(rank),
+            "WORLD_SIZE": str(world_size),
+            "LOCAL_WORLD_SIZE": str(world_size),
+            "GROUP_RANK": "0",
+            "MASTER_ADDR": master_addr,
+            "MASTER_PORT": str(master_port),
+        }
+    )

@@ -99,3 +99,24 @@ def find_blocks(root: nn.Module, block_classes: Sequence[BlockClass] = ()) -> li
         and _has_trainable(c)
         and not _shares_outside(c, uses)
     ]
+
+
+def checkpoint_blocks_of(
+    root: nn.Module, block_classes: Sequence[BlockClass] = ()
+) -> list[nn.Module]:
+    """The blocks activation checkpointing wraps (and the planner counts for it).
+
+    With ``block_classes``: :func:`find_blocks`' choice. Otherwise only members
+    of layer containers that are layers of layers: checkpointing a lone
+    ``Linear`` keeps its input either way and saves nothing, so a model with no
+    block container (a two-Linear MLP, a ``Sequential`` of plain layers) has none.
+    """
+    if block_classes:
+        return find_blocks(root, block_classes)
+    inside = {id(b) for b in _container_blocks(root)}
+    return [b for b in find_blocks(root) if id(b) in inside and _has_layers(b)]
+
+
+def _has_layers(module: nn.Module) -> bool:
+    """Whether ``module`` holds layers of its own (a block, not one layer)."""
+    return any(_has_trainable(child) for child in module.children())

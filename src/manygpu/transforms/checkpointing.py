@@ -47,7 +47,7 @@ from torch.utils.checkpoint import (
 )
 
 from manygpu.errors import UsageError
-from manygpu.transforms.blocks import BlockClass, find_blocks
+from manygpu.transforms.blocks import BlockClass, checkpoint_blocks_of
 from manygpu.transforms.running_stats import with_running_stats_kept
 
 Mode = Literal["full", "selective"]
@@ -135,13 +135,17 @@ def checkpoint_blocks(
     Returns the blocks changed; a model without blocks is refused in one line.
     """
     classes = tuple(spec.block_classes) or tuple(fallback)
-    blocks = find_blocks(model, classes)
+    blocks = checkpoint_blocks_of(model, classes)
     if not blocks:
-        where = f"no module of class {', '.join(map(_name, classes))}" if classes else "no blocks"
+        where = (
+            f"no module of class {', '.join(map(_name, classes))}"
+            if classes
+            else "no blocks (layers of layers in an nn.ModuleList or nn.Sequential)"
+        )
         raise UsageError(
             f"activation_checkpointing: {type(model).__name__} has {where} to checkpoint; "
             "name its block class, e.g. activation_checkpointing=ActivationCheckpointing("
-            "block_classes=('LlamaDecoderLayer',)) or FSDP(block_classes=...)"
+            "block_classes=('LlamaDecoderLayer',)) or FSDP(block_classes=...), or leave it off"
         )
     chosen = blocks[:: spec.every]
     for block in blocks:  # the latest setting wins: from each block's own class again
@@ -316,5 +320,23 @@ class CheckpointBlocks:
         return "activation checkpointing"
 
     def convert(self, model: nn.Module) -> str | None:
-        apply(model, self.value, self.options)
-        return None
+        """Checkpoint ``model``'s blocks; the line that says which (none when off)."""
+        chosen = apply(model, self.value, self.options)
+        spec = parse(self.value)
+        if spec is None:
+            return None
+        classes = tuple(spec.block_classes) or strategy_block_classes(self.options)
+        return wrapped_line(chosen, spec, len(checkpoint_blocks_of(model, classes)))
+
+
+def wrapped_line(chosen: Sequence[nn.Module], spec: ActivationCheckpointing, total: int) -> str:
+    """``manygpu: activation checkpointing ('full'): 12 GPT2Block``: what was wrapped,
+    counted by class (a user sees at once whether those are the layers they meant)."""
+    counts: dict[str, int] = {}
+    for block in chosen:
+        name = type(block).__name__  # the checkpointed class keeps its base's name
+        counts[name] = counts.get(name, 0) + 1
+    what = ", ".join(f"{n} {name}" for name, n in counts.items())
+    every = f", every {spec.every}" if spec.every > 1 else ""
+    of = f" of {total} blocks" if len(chosen) < total else ""
+    return f"manygpu: activation checkpointing ({spec.mode!r}{every}): {what}{of}"

@@ -26,19 +26,27 @@ SavedWeights = sharded_files.SavedWeights
 
 
 def saved_names(model: nn.Module) -> dict[str, torch.Tensor]:
-    """The names a save writes, each tensor once: of tied names, the one Hugging Face keeps.
+    """The names a save writes, each tensor once: of tied names, the one Hugging Face keeps
+    (:func:`tie_table` lists the others)."""
+    dropped = tie_table(model)
+    return {n: t for n, t in model_tensors(model).items() if n not in dropped}
+
+
+def tie_table(model: nn.Module) -> dict[str, str]:
+    """Each tied name a save drops, and the name it keeps in its place.
 
     ``transformers`` drops the names its ``_tied_weights_keys`` lists (a list of
     names or patterns, or a ``{tied: source}`` table) and re-ties them in
     ``from_pretrained``; otherwise the first name in state-dict order is kept.
+    The table goes into the file's metadata, as ``safetensors.torch.save_model``
+    records the names it drops, so a reader sees where each one went.
     """
     tied = [k for k in getattr(model, "_tied_weights_keys", None) or [] if isinstance(k, str)]
-    tensors = model_tensors(model)
     out = {}
     for names in state_names(model):
         kept = [n for n in names if not any(n == k or _search(k, n) for k in tied)]
         name = (kept or list(names))[0]
-        out[name] = tensors[name]
+        out.update({n: name for n in names if n != name})
     return out
 
 
@@ -64,8 +72,9 @@ def save_weights(
     :func:`~manygpu.weights.load_weights` and, for a ``transformers`` model whose
     ``config.json`` is beside it, by ``from_pretrained``. Sharded tensors are
     gathered one at a time (a collective per DTensor, in state-dict order), so no
-    rank ever holds more of the model than its own part and one tensor. ``dtype``
-    casts floating tensors.
+    rank ever holds more of the model than its own part and one tensor. Tied
+    weights are written once, the dropped names recorded in the metadata
+    (:func:`tie_table`). ``dtype`` casts floating tensors.
 
     Raises:
         UsageError: a pipeline stage (ranks holding different tensors), or a bad
@@ -74,7 +83,7 @@ def save_weights(
     """
     if not isinstance(max_shard_bytes, int) or max_shard_bytes < 1:
         raise UsageError(f"max_shard_bytes={max_shard_bytes!r}; give a size in bytes, >= 1")
-    tensors = saved_names(model)
+    tensors, aliases = saved_names(model), tie_table(model)
     specs = {name: Spec(tuple(t.shape), _cast_type(t.dtype, dtype)) for name, t in tensors.items()}
     _same_everywhere(specs, timeout_s)
 
@@ -84,7 +93,7 @@ def save_weights(
 
     main = not dist.is_initialized() or dist.get_rank() == 0
     written, error = sharded_files.write(
-        Path(path), specs, values, main=main, max_shard_bytes=max_shard_bytes
+        Path(path), specs, values, main=main, max_shard_bytes=max_shard_bytes, metadata=aliases
     )
     agree(error, "save_weights", timeout_s)
     return written

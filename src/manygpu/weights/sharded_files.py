@@ -134,9 +134,18 @@ def _close(out: StreamingFile, path: Path) -> str | None:
     return None
 
 
+WHY_CHARS = 400
+"""How much of an error's text a failed write keeps (all of it, on one line, up to this)."""
+
+
 def _why(path: Path, exc: BaseException) -> str:
-    why = getattr(exc, "strerror", None) or str(exc).splitlines()[0][:200]
-    return f"cannot write {path} ({why}); give a writable path with room for the weights"
+    """One line for a failed write: the disk's error blames the path; any other keeps
+    its whole reason (a library's message may start with an empty line)."""
+    if isinstance(exc, OSError):
+        why = exc.strerror or " ".join(str(exc).split()) or type(exc).__name__
+        return f"cannot write {path} ({why}); give a writable path with room for the weights"
+    why = " ".join(str(exc).split())[:WHY_CHARS] or type(exc).__name__
+    return f"cannot write {path}: {type(exc).__name__}: {why}"
 
 
 class _Target:

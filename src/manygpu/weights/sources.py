@@ -74,9 +74,20 @@ class Source(ABC):
     def whole(self, names: Sequence[str]) -> Iterator[torch.Tensor]:
         """Each named tensor whole, on CPU, in order (for an export: one file's worth)."""
 
+    tied: Mapping[str, str] = {}
+    """Tied names a checkpoint recorded (``meta.json``'s ``tied``): dropped name -> kept name."""
+
+    def aliases(self) -> dict[str, str]:
+        """The tied names an export drops, each with the name it keeps instead (the
+        recorded table, where both names hold the same shape and dtype)."""
+        have = self.entries
+        same = {a: k for a, k in self.tied.items() if k in have and have.get(a) == have[k]}
+        return {a: k for a, k in same.items() if a != k}
+
     def distinct(self) -> list[str]:
-        """The names to export, each stored tensor once (tied names share storage)."""
-        return list(self.entries)
+        """The names to export, each stored tensor once (:meth:`aliases` dropped)."""
+        dropped = self.aliases()
+        return [n for n in self.entries if n not in dropped]
 
 
 class SlicedSource(Source):
@@ -176,15 +187,19 @@ class MappedSource(SlicedSource):
         tensor = self.state[name]
         return tensor if index is None else tensor[index]
 
-    def distinct(self) -> list[str]:
-        seen: set[tuple[Any, ...]] = set()
-        out = []
+    def aliases(self) -> dict[str, str]:
+        """The recorded table; for a checkpoint without one, the names that share one
+        storage (the first name in order kept)."""
+        if self.tied:
+            return super().aliases()
+        first: dict[tuple[Any, ...], str] = {}
+        out = {}
         for name, tensor in self.state.items():
             key = (tensor.untyped_storage().data_ptr(), tensor.storage_offset(), tensor.dtype,
                    tuple(tensor.shape), tensor.stride())  # fmt: skip
-            if tensor.numel() == 0 or key not in seen:
-                out.append(name)
-            seen.add(key)
+            if tensor.numel() and key in first:
+                out[name] = first[key]
+            first.setdefault(key, name)
         return out
 
     def close(self) -> None:
@@ -324,13 +339,19 @@ def open_checkpoint(path: Path) -> Source:
     """
     step = layout.locate(path, hashes=False)
     layout.verify(step, hashes=False)
+    source: Source
     if formats.detect(step) == "dcp":
-        return DcpSource(step)
-    state = formats.load_file(step / formats.MODEL, mmap=True)
-    if not isinstance(state, dict):
-        raise CheckpointError(f"checkpoint file {step / formats.MODEL} holds no state dict")
-    tensors = {k: v for k, v in state.items() if isinstance(v, torch.Tensor)}
-    return MappedSource(str(step), tensors)
+        source = DcpSource(step)
+    else:
+        state = formats.load_file(step / formats.MODEL, mmap=True)
+        if not isinstance(state, dict):
+            raise CheckpointError(f"checkpoint file {step / formats.MODEL} holds no state dict")
+        tensors = {k: v for k, v in state.items() if isinstance(v, torch.Tensor)}
+        source = MappedSource(str(step), tensors)
+    tied = layout.read_meta(step).get("tied")
+    if isinstance(tied, dict):  # written by Checkpointer (weights.save.tie_table)
+        source.tied = {k: v for k, v in tied.items() if isinstance(k, str) and isinstance(v, str)}
+    return source
 
 
 def _first(exc: BaseException) -> str:

@@ -211,13 +211,19 @@ def main() -> None:
 
 
 def _print_error(exc: BaseException) -> None:
-    """The traceback, except for a configuration error (a :class:`UsageError`): that one
-    line is the launcher's to say, once for every rank that hit it, unless
+    """The traceback, except for a configuration error (a :class:`UsageError`) and a
+    collective that lost its peer (:class:`PeerLostError`, the backend's words in
+    it): those are one line, the launcher's to say (once for every rank alike; a
+    dead peer's consequences after the peer's own death), unless
     ``MANYGPU_TRACEBACK=1``; with no launcher to read the error file, this rank says it."""
-    from manygpu.errors import UsageError
+    from manygpu.errors import CollectiveTimeoutError, PeerLostError, UsageError, peer_lost
 
     env = envmod.current()
-    if not isinstance(exc, UsageError) or envmod.traceback_wanted(env):
+    if isinstance(exc, CollectiveTimeoutError):  # ours: a timeout keeps its traceback
+        lost = isinstance(exc, PeerLostError) or peer_lost(str(exc))  # Horovod's form too
+    else:  # the backend's own (FSDP's all-gather raises gloo's RuntimeError as it is)
+        lost = blame.is_peer_failure(exc)
+    if not (isinstance(exc, UsageError) or lost) or envmod.traceback_wanted(env):
         traceback.print_exc()
     elif not envmod.error_file(env):
         print(f"manygpu: rank {env.get('RANK', '?')}: {exc}", file=sys.stderr)
