@@ -27,7 +27,8 @@ def test_one_worker_says_there_is_one_device(tmp_path: Path) -> None:
     assert result["single_worker_samples_per_s"] is None
     # Every training step went to the run, with the samples/s par.log adds by itself.
     (home,) = runs.iterdir()
-    assert f"logged run {home.name} (jsonl) to {runs}/{home.name}" in stdout
+    assert f"manygpu: logging run {home.name}: jsonl in {runs}/{home.name}/" in stdout
+    assert f"logged run {home.name}: jsonl in {runs}/{home.name}/" in stdout
     records = read.jsonl(home / "metrics.jsonl")
     assert records[0]["config"]["world_size"] == 1
     steps = [r for r in records if "step" in r]

@@ -11,6 +11,7 @@ import tracking_read as read
 from manygpu import Parallel, ParallelConfig
 from manygpu.errors import UsageError
 from manygpu.tracking.reducer import as_vector, disagreement, reduce_rows
+from manygpu.tracking.run import where_text
 
 
 def test_an_unknown_tracker_is_one_line_with_a_guess() -> None:
@@ -47,6 +48,23 @@ def test_bad_values_are_one_line(tmp_path: Path) -> None:
             par.log({"x": torch.ones(3)})
         with pytest.raises(UsageError, match="choose one of mean, sum, max, min"):
             par.log({"x": 1.0}, reduce={"x": "median"})
+
+
+def test_a_run_says_once_where_it_writes(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with Parallel(log_with=["jsonl", "tensorboard"], run_dir=str(tmp_path)) as par:
+        assert "manygpu: logging" not in capsys.readouterr().out  # nothing logged yet
+        par.log({"loss": 1.0})
+        par.log({"loss": 2.0})
+        run_id = par.job_state.tracking()["run_id"]  # type: ignore[index]
+    out = capsys.readouterr().out
+    assert out.count("manygpu: logging run") == 1
+    assert (
+        f"manygpu: logging run {run_id}: jsonl, tensorboard in {tmp_path}/{run_id}/ "
+        f"(see it: tensorboard --logdir {tmp_path})"
+    ) in out
+    assert where_text(("mlflow",), "runs", "x") == "mlflow at runs/mlruns"
 
 
 def test_jsonl_resumes_the_stored_run_with_the_resumed_values(tmp_path: Path) -> None:

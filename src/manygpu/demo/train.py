@@ -37,6 +37,7 @@ from manygpu.demo.windows import (
     spread,
 )
 from manygpu.runtime import handoff
+from manygpu.tracking.run import where_text
 
 
 @dataclass
@@ -192,12 +193,8 @@ def where_logged(par: Parallel, config: DemoConfig) -> None:
     state = par.job_state.tracking()
     if state is None:
         return
-    root = config.run_dir or "runs"
-    view = f"; see it: tensorboard --logdir {root}" if "tensorboard" in config.log_with else ""
-    par.print(
-        f"logged run {state['run_id']} ({', '.join(config.log_with)}) to "
-        f"{root}/{state['run_id']}{view}"
-    )
+    where = where_text(tuple(config.log_with), config.run_dir or "runs", state["run_id"])
+    par.print(f"logged run {state['run_id']}: {where}", markup=False)
 
 
 def timing_window(par: Parallel, solo: SoloWorker | None, rate: float, steps: int) -> Window:

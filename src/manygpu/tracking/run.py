@@ -15,6 +15,7 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
+from manygpu.runtime import env as envmod
 from manygpu.tracking.base import RunInfo, Tracker
 from manygpu.tracking.registry import check_installed, check_store, open_tracker
 from manygpu.warn import warn_user
@@ -22,15 +23,51 @@ from manygpu.warn import warn_user
 Describe = Callable[[], dict[str, Any]]
 """The job's resolved configuration, asked for once, when a new run opens (main rank)."""
 
+_UNDER_RUN = ("tensorboard", "jsonl", "wandb")
+"""Trackers that write under ``<run_dir>/<run_id>/`` (wandb in its ``wandb`` folder)."""
+
+
+def where_text(names: tuple[str, ...], run_dir: str | Path, run_id: str) -> str:
+    """Where run ``run_id`` of trackers ``names`` goes, and how to look at it: one
+    sentence shared by the line a run prints when it opens and the demo's last line,
+    so a script's user learns it as the demo's does.
+
+    >>> where_text(("tensorboard", "jsonl"), "runs", "ab12")
+    'tensorboard, jsonl in runs/ab12/ (see it: tensorboard --logdir runs)'
+    """
+    parts = []
+    local = [n for n in names if n in _UNDER_RUN]
+    if local:
+        parts.append(f"{', '.join(local)} in {Path(run_dir) / run_id}/")
+    if "mlflow" in names:
+        uri = envmod.mlflow_tracking_uri(envmod.current())
+        parts.append(f"mlflow at {uri or Path(run_dir) / 'mlruns'}")
+    text = "; ".join(parts)
+    if "tensorboard" in names:
+        text += f" (see it: tensorboard --logdir {run_dir})"
+    return text
+
+
+def _print_now(line: str) -> None:
+    print(line, flush=True)  # before the step's own output, under a launcher's pipes too
+
 
 class TrackingRun:
     """Trackers ``names`` writing run ``run_id`` under ``run_dir``."""
 
     def __init__(
-        self, names: tuple[str, ...], run_dir: str | Path, *, is_main: bool, describe: Describe
+        self,
+        names: tuple[str, ...],
+        run_dir: str | Path,
+        *,
+        is_main: bool,
+        describe: Describe,
+        say: Callable[[str], None] | None = None,
     ) -> None:
+        """``say``: how the main rank prints the one line naming where the run goes
+        (a script with ``log_with`` would otherwise never learn where its records went)."""
         self.names, self.run_dir, self.is_main = names, Path(run_dir), is_main
-        self._describe = describe
+        self._describe, self._say = describe, say or _print_now
         self.run_id = uuid.uuid4().hex[:16]
         """The run's id; a resume replaces it with the stored one (main rank's counts)."""
         self.last_step = 0
@@ -75,6 +112,9 @@ class TrackingRun:
             self._trackers = {}
             for name in self.names:
                 self._trackers[name] = open_tracker(name, info)
+            verb = "continuing" if self._resumed_at is not None else "logging"
+            where = where_text(self.names, self.run_dir, self.run_id)
+            self._say(f"manygpu: {verb} run {self.run_id}: {where}")
         return self._trackers
 
     def state(self) -> dict[str, Any]:
