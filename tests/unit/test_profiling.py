@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -13,6 +14,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from manygpu import Parallel
 from manygpu.errors import UsageError
+from manygpu.observe.kineto_quiet import QuietProfilerCalls
 from manygpu.observe.profile_split import ProfileSummary, RankTimes, Span, split
 from manygpu.observe.profiling import default_dir, local_name, torchrun_id, trace_name
 
@@ -118,7 +120,7 @@ def _marks(trace: Path, prefix: str) -> list[str]:
 
 
 def test_a_window_records_its_steps_only_and_prints_the_summary(
-    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+    tmp_path: Path, capfd: pytest.CaptureFixture[str]
 ) -> None:
     with Parallel(strategy="single") as par:
         window = par.profile(steps=range(2, 4), dir=tmp_path)
@@ -130,7 +132,28 @@ def test_a_window_records_its_steps_only_and_prints_the_summary(
     assert json.loads(window.trace.read_text())["manygpu"]["steps"] == [2, 4]
     assert window.summary is not None and window.summary.ranks[0].steps == 2
     assert window.summary.ranks[0].input_ms is not None  # the DataLoader's waits were seen
-    assert "manygpu: profile of steps 2..3 on 1 rank(s)" in capsys.readouterr().out
+    out, err = capfd.readouterr()  # the descriptors: torch's C++ writes to 2 itself
+    assert "manygpu: profile of steps 2..3 on 1 rank(s)" in out
+    assert "profiler_start" not in err and "profiler_stop" not in err and "USDT" not in err
+
+
+def test_kinetos_progress_lines_are_dropped_and_its_errors_kept(
+    capfd: pytest.CaptureFixture[str],
+) -> None:
+    quiet = QuietProfilerCalls()
+    for word in ("start", "stop"):
+        with quiet():
+            os.write(2, f"USDT:2026-11-28 02:36:37 1:1 Sync.cpp:52] profiler_{word}\n".encode())
+            os.write(2, b"STAGE:2026-11-28 02:36:37 1:1 Sync.cpp:51] Completed Stage: Warm Up\n")
+            os.write(2, f"ERROR:2026-11-28 02:36:37 1:1 Cupti.cpp:9] failed {word}\n".encode())
+    quiet.close()
+    os.write(2, b"after\n")
+    err = capfd.readouterr().err
+    assert err.splitlines() == [
+        "ERROR:2026-11-28 02:36:37 1:1 Cupti.cpp:9] failed start",
+        "ERROR:2026-11-28 02:36:37 1:1 Cupti.cpp:9] failed stop",
+        "after",
+    ]
 
 
 @pytest.mark.parametrize("window_steps", [range(3, 4), range(4, 6), range(6, 8)])

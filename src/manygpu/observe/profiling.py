@@ -28,6 +28,7 @@ import torch
 
 from manygpu.comm.objects import all_gather_json, broadcast_json, parse_each
 from manygpu.errors import UsageError
+from manygpu.observe.kineto_quiet import QuietProfilerCalls
 from manygpu.observe.profile_split import ProfileSummary, RankTimes, Span, split
 from manygpu.runtime import env as envmod
 from manygpu.warn import warn_user
@@ -107,6 +108,7 @@ class ProfileWindow:
         # not free, and the first recorded step should not pay for it.
         self._begin = steps.start - (1 if steps.start > done else 0)
         self._prof: TorchProfile | None = None
+        self._quiet = QuietProfilerCalls()  # torch's start/stop lines, not on every rank
         self._ended = False
         self._start_if_due()
 
@@ -121,7 +123,8 @@ class ProfileWindow:
             return
         self._done += 1
         if self._prof is not None:
-            self._prof.step()  # at the last step this stops the trace and calls _ready
+            with self._quiet():
+                self._prof.step()  # at the last step this stops the trace and calls _ready
         self._start_if_due()
         if self._done >= self.steps.stop:
             self._finish(gather=True)
@@ -135,7 +138,8 @@ class ProfileWindow:
                 "host": self.host,
                 "steps": [self.steps.start, self.steps.stop],
             }
-            self._prof = _start(self.steps, self._begin, self._device, self._ready, about)
+            with self._quiet():
+                self._prof = _start(self.steps, self._begin, self._device, self._ready, about)
 
     def close(self, *, gather: bool = False) -> None:
         """End the window now (training ended first): write what was recorded, if anything."""
@@ -168,7 +172,9 @@ class ProfileWindow:
     def _finish(self, *, gather: bool) -> None:
         prof, self._prof, self._ended = self._prof, None, True
         if prof is not None:
-            prof.__exit__(None, None, None)  # a cut-short window exports here (_ready)
+            with self._quiet():
+                prof.__exit__(None, None, None)  # a cut-short window exports here (_ready)
+        self._quiet.close()
         if gather and self._times is not None:
             self.summary = self._gather(self._times)
             for line in self.summary.lines():
