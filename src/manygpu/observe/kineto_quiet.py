@@ -46,7 +46,7 @@ class QuietProfilerCalls:
             yield
             return
         if self._scratch is None:
-            self._scratch = tempfile.TemporaryFile()
+            self._scratch = tempfile.TemporaryFile()  # noqa: SIM115 (kept for the window; close())
         scratch = self._scratch
         start = scratch.seek(0, os.SEEK_END)
         os.dup2(scratch.fileno(), 2)
