@@ -97,6 +97,19 @@ def test_windows_are_numbered_and_start_afresh(monkeypatch: pytest.MonkeyPatch) 
     ]
 
 
+def test_time_that_was_not_training_is_left_out_of_the_next_step(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    rig = Rig(monkeypatch, every=2)
+    rig.clock.exclude(5.0)  # before the first step: nothing to leave out
+    rig.step(0.0, 1.0)
+    rig.ns += round(900 * 1e6)  # a profile window writes its trace after the step
+    rig.clock.exclude(0.9)
+    rig.step(1.0, 9.0)
+    rig.step(1.0, 9.0)
+    assert [(s.step_ms, s.compute_ms) for s in rig.sent] == [(10.0, 9.0)]
+
+
 def test_input_wait_longer_than_the_step_leaves_no_negative_compute(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:

@@ -103,6 +103,7 @@ def assemble(current: Current, job: JobFacts, environ: envmod.Environ) -> JobPar
         rank=cluster.rank, device=job.device, timeout_s=job.timeout_s, run_dir=config.run_dir,
         run_id=job_log.run_id if config.log_with else None, steps_done=lambda: events.done,
         say=lambda line: console.print(line, markup=False),
+        paused=functools.partial(_not_training, job_log, reports),
     )  # fmt: skip
     events.on_step("profiler", profiler.after_step)
     state = JobState(events=events, log=job_log, parts=functools.partial(parts, current, job))
@@ -116,6 +117,17 @@ def assemble(current: Current, job: JobFacts, environ: envmod.Environ) -> JobPar
     return JobParts(
         accumulator, console, events, reports, collectives, job_log, profiler, state, prep
     )
+
+
+def _not_training(
+    job_log: JobLog, reports: straggler_board.StepReports | None, seconds: float
+) -> None:
+    """``seconds`` after a step went to a profile window's own work (its trace written):
+    out of the samples/s figure and the step clock, so one step's write does not read
+    as a step 30 times slower."""
+    job_log.exclude(seconds)
+    if reports is not None:
+        reports.clock.exclude(seconds)
 
 
 def facts(current: Current, job: JobFacts) -> dict[str, Any]:

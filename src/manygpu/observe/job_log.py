@@ -136,6 +136,12 @@ class JobLog:
             loader.also_on_batch(self._meter.count)
         return loader
 
+    def exclude(self, seconds: float) -> None:
+        """Leave ``seconds`` that were not training (a profile's trace write) out of the
+        samples/s figure."""
+        if self._meter is not None:
+            self._meter.exclude(seconds)
+
     def _throughput(self) -> dict[str, float]:
         """Samples/s over every data shard since the last log (main rank; every rank resets)."""
         if self._meter is None:

@@ -96,9 +96,12 @@ class ProfileWindow:
     def __init__(
         self, steps: range, directory: Path, *, done: int, rank: int, host: str,
         device: torch.device, timeout_s: float, say: Callable[[str], None],
+        paused: Callable[[float], None] = lambda _s: None,
     ) -> None:  # fmt: skip
+        """``paused``: told how long the profiler's own work after a step took (its start,
+        the trace's write, the summary), which the step timings then leave out."""
         self.steps, self.directory, self.rank, self.host = steps, directory, rank, host
-        self._timeout_s, self._say = timeout_s, say
+        self._timeout_s, self._say, self._paused = timeout_s, say, paused
         self.trace: Path | None = None
         self.summary: ProfileSummary | None = None
         self._times: RankTimes | None = None
@@ -121,6 +124,13 @@ class ProfileWindow:
         """An optimizer step ended: advance torch's schedule; finish after the last step."""
         if self._ended:
             return
+        began = time.perf_counter()
+        try:
+            self._advance()
+        finally:
+            self._paused(time.perf_counter() - began)
+
+    def _advance(self) -> None:
         self._done += 1
         if self._prof is not None:
             with self._quiet():
@@ -145,6 +155,13 @@ class ProfileWindow:
         """End the window now (training ended first): write what was recorded, if anything."""
         if self._ended:
             return
+        began = time.perf_counter()
+        try:
+            self._close(gather=gather)
+        finally:
+            self._paused(time.perf_counter() - began)
+
+    def _close(self, *, gather: bool) -> None:
         if self._done < self.steps.stop:
             warn_user(
                 f"profile of steps {self.steps.start}..{self.steps.stop - 1} ended at step "
@@ -224,13 +241,15 @@ class Profiler:
     def __init__(
         self, *, rank: int, device: torch.device, timeout_s: float, run_dir: str | None,
         run_id: Callable[[], str] | None, steps_done: Callable[[], int],
-        say: Callable[[str], None],
+        say: Callable[[str], None], paused: Callable[[float], None] = lambda _s: None,
     ) -> None:  # fmt: skip
         """``run_id``: the trackers' run id when the job logs (``None``: it does not);
-        ``steps_done``: the job's optimizer steps so far (a resume's step included)."""
+        ``steps_done``: the job's optimizer steps so far (a resume's step included);
+        ``paused``: told the seconds a window's own work took after a step (a trace
+        written), which the step clock and the samples/s figure leave out."""
         self._rank, self._device, self._timeout_s = rank, device, timeout_s
         self._run_dir, self._run_id = run_dir, run_id
-        self._steps_done, self._say = steps_done, say
+        self._steps_done, self._say, self._paused = steps_done, say, paused
         self.window: ProfileWindow | None = None
 
     def profile(self, steps: range, *, dir: str | Path | None = None) -> ProfileWindow:
@@ -256,7 +275,7 @@ class Profiler:
         self.window = ProfileWindow(
             steps, directory, done=done, rank=self._rank,
             host=envmod.host_name(env), device=self._device,
-            timeout_s=self._timeout_s, say=self._say,
+            timeout_s=self._timeout_s, say=self._say, paused=self._paused,
         )  # fmt: skip
         return self.window
 

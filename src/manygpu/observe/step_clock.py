@@ -84,6 +84,13 @@ class StepClock:
         """Time the training loop spent in the prepared loader for the current step."""
         self._input += seconds
 
+    def exclude(self, seconds: float) -> None:
+        """``seconds`` since the last step were not training (a profile window writing its
+        trace after it): the next step's time starts that much later."""
+        if self._last is not None:
+            self._last += seconds
+            self._last_ns += int(seconds * 1e9)
+
     def step(self) -> None:
         """One optimizer step is done (called on sync steps only)."""
         now, now_ns = time.perf_counter(), time.time_ns()

@@ -49,6 +49,12 @@ class SampleMeter:
             self._since = self._clock() - max(waited_s, 0.0)
         self._samples += samples
 
+    def exclude(self, seconds: float) -> None:
+        """``seconds`` of the interval were not training (a profile window writing its
+        trace): left out of the figure, as if the interval began that much later."""
+        if self._since is not None:
+            self._since += seconds
+
     def started(self, waited_s: float) -> None:
         """A loader's wait callback: a batch came after ``waited_s`` (:meth:`count` counts it)."""
         self.batch(0, waited_s)
