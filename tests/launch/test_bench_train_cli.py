@@ -17,7 +17,8 @@ def test_real_run_one_then_two_processes(tmp_path: Path) -> None:
     runs = tmp_path / "results" / "runs"
     cmd = [sys.executable, "-m", "manygpu", "bench", "train", "--model", "demo-cnn",
            "--workers", "1,2", "--batch", "8", "--steps", "4", "--warmup", "1", "--block", "2",
-           "--json", str(out), "--log-with", "jsonl", "--run-dir", str(runs)]  # fmt: skip
+           "--threads", "1", "--json", str(out),
+           "--log-with", "jsonl", "--run-dir", str(runs)]  # fmt: skip
     # Started in tmp_path: the files go where --json says and nowhere else.
     env = subprocess_env() | {"CUDA_VISIBLE_DEVICES": ""}
     res = subprocess.run(cmd, capture_output=True, text=True, timeout=150, env=env, cwd=tmp_path)
@@ -43,7 +44,10 @@ def test_real_run_one_then_two_processes(tmp_path: Path) -> None:
         assert parts == pytest.approx(row["step_s"], rel=1e-9)
     assert one["nosync_compute_s"] is None and two["nosync_compute_s"] > 0
     # Per-worker scaling: the same CPU threads per worker at every count.
-    assert one["threads_per_worker"] == two["threads_per_worker"] >= 1
+    assert one["threads_per_worker"] == two["threads_per_worker"] == 1
+    # The launcher's thread line names the count the workers keep (--threads).
+    said = [w for line in res.stderr.splitlines() for w in line.split() if "OMP_NUM_THREADS=" in w]
+    assert said and set(said) == {"OMP_NUM_THREADS=1"}, res.stderr
     assert one["comm_s"] == 0.0 and two["strategy"] == "ddp"
     speedup = two["samples_per_s"] / one["samples_per_s"]
     assert two["speedup"] == pytest.approx(speedup) and two["efficiency"] == pytest.approx(

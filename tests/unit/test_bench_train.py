@@ -11,13 +11,14 @@ from manygpu.bench import mfu, models, nets, train_report
 from manygpu.bench.train import (
     RunStats,
     TrainBenchConfig,
+    TrainJob,
     measure,
     parallel_options,
     resolved_precision,
     split_step,
     steps_per_epoch,
 )
-from manygpu.cli.bench_train import bench_config, parse_workers, view_paths
+from manygpu.cli.bench_train import bench_config, job_env, parse_workers, view_paths
 from manygpu.cli.main import build_parser, main
 from manygpu.core.parallel import Parallel
 from manygpu.errors import UsageError
@@ -159,6 +160,15 @@ def test_cli_options_reach_the_config() -> None:
         False, "auto", None,
     )  # fmt: skip
     assert ns.json == ""  # no file unless asked
+
+
+def test_the_workers_thread_count_is_the_one_the_launcher_names(tmp_path: Path) -> None:
+    """The launcher's ``OMP_NUM_THREADS=`` line names the variable the workers get."""
+    config = bench_config(build_parser().parse_args(["bench", "train"]))
+    pinned = job_env(TrainJob(bench=config, threads=1, out=str(tmp_path / "a.json")))
+    assert pinned["OMP_NUM_THREADS"] == "1"
+    gpus = job_env(TrainJob(bench=config, threads=0, out=str(tmp_path / "b.json")))
+    assert "OMP_NUM_THREADS" not in gpus  # torch's choice: the launcher's own line stands
 
 
 def test_files_only_where_asked(tmp_path: Path) -> None:

@@ -19,7 +19,7 @@ from manygpu.flags import positive_float, positive_int
 
 if TYPE_CHECKING:
     from manygpu.bench import train_report
-    from manygpu.bench.train import TrainBenchConfig
+    from manygpu.bench.train import TrainBenchConfig, TrainJob
 
 DESCRIPTION = """Train a model for a few steps on 1, 2, ... N workers (one job per count,
 under the launcher) and report samples/s, speed-up, scaling efficiency and each
@@ -156,7 +156,6 @@ def _validate(ns: argparse.Namespace) -> tuple[list[int], TrainBenchConfig, int]
 def run_train(ns: argparse.Namespace) -> int:
     from manygpu.bench import train_report
     from manygpu.bench.train import RunStats, TrainJob
-    from manygpu.runtime import handoff
 
     counts, config, threads = _validate(ns)
     runs: list[RunStats] = []
@@ -170,7 +169,7 @@ def run_train(ns: argparse.Namespace) -> int:
             note(job_note(index, len(jobs), count, ns.model, config))
             options = copy.copy(ns)
             options.nproc_per_node = count
-            env = handoff.worker_env(job)
+            env = job_env(job)
             start = time.monotonic()
             rc = launch_job(options, "manygpu.bench.train_worker", True, (), worker_env=env)
             if rc != 0:
@@ -185,6 +184,18 @@ def run_train(ns: argparse.Namespace) -> int:
     train_report.print_table(rows)
     write_views(ns, rows)
     return 0
+
+
+def job_env(job: TrainJob) -> dict[str, str]:
+    """The job handed to its workers, and their thread count when the bench sets it: the
+    launcher's ``OMP_NUM_THREADS=<CPUs / workers>`` line would otherwise name a count
+    the workers do not keep (they set ``job.threads``)."""
+    from manygpu.runtime import handoff
+
+    env = handoff.worker_env(job)
+    if job.threads:
+        env["OMP_NUM_THREADS"] = str(job.threads)
+    return env
 
 
 def job_note(index: int, jobs: int, workers: int, model: str, config: TrainBenchConfig) -> str:
