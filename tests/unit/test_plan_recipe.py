@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import io
 import json
 from pathlib import Path
 
@@ -9,9 +10,11 @@ import pytest
 
 import manygpu
 from manygpu.cli.main import main
+from manygpu.cli.plan import table as plan_table
 from manygpu.core.config import ParallelConfig
 from manygpu.plan.desc import ModelDesc, transformer
-from manygpu.plan.hardware import preset
+from manygpu.plan.devices import cpu_device
+from manygpu.plan.hardware import Cluster, preset
 from manygpu.plan.recommend import recommend
 from manygpu.strategies.registry import card
 
@@ -28,7 +31,7 @@ def test_params_alone_print_no_nan_and_call_nothing_fastest(
     said = [line for line in text.splitlines() if "speed not estimated" in line]
     assert len(said) == 1 and "--layers, --hidden and --seq" in said[0]
     assert "ranked by memory fit only" in said[0]
-    assert "step ms" not in text  # no column of n/a when nothing could be timed
+    assert "exposed" not in text and "n/a" not in text  # no speed columns: nothing timed
     plan = json.loads(out.read_text())["plan"]  # strict JSON: null, not NaN
     assert plan["samples_per_s"] is None and plan["efficiency"] is None
 
@@ -48,6 +51,33 @@ def test_the_recommendation_prints_the_parallel_line_it_counted(
     # bf16 on an H100: ZeRO-2 fits only with 16-bit gathers; the line says so.
     assert "recommended: zero2 (dp 8)" in text
     assert 'run it with: Parallel(strategy=Zero2(param_dtype="bf16"), precision="bf16")' in text
+
+
+def test_fp32_on_a_cpu_is_plain_fp32_and_strict_where_tf32_exists() -> None:
+    desc = transformer("t", parameters=10**8, layers=8, hidden=768, seq_len=256)
+    cpu = Cluster(name="this machine (2 CPU processes)", gpus_per_node=2, memory_gb=16.0,
+                  device=cpu_device(0.1, 16.0), peak_tflops=0.1, intra_bw_gbs=2.0,
+                  intra_latency_us=50.0, inter_bw_gbs=2.0, inter_latency_us=50.0,
+                  overlap=False)  # fmt: skip
+    on_cpu = recommend(desc, cpu, batch=2, precision="fp32")
+    assert on_cpu.parallel_line.endswith('precision="fp32")'), on_cpu.parallel_line
+    on_gpu = recommend(desc, preset("h100"), batch=2, precision="fp32")
+    assert on_gpu.parallel_line.endswith('precision="fp32-strict")'), on_gpu.parallel_line
+
+
+def test_the_tables_headers_are_never_cut() -> None:
+    from rich.console import Console
+
+    desc = transformer("t", parameters=10**9, layers=16, hidden=2048, seq_len=512)
+    plan = recommend(desc, preset("h100"), batch=1, precision="bf16")
+    texts = {}
+    for width in (160, 120):  # a header a word a line: 160 columns hold the whole table
+        console = Console(width=width, record=True, file=io.StringIO())
+        console.print(plan_table(plan))
+        texts[width] = console.export_text()
+        assert "…" not in texts[width], texts[width]  # narrower: folded, nothing cut
+    for word in ("gathered", "checkpointing", "efficiency", "samples/s"):
+        assert word in texts[160]
 
 
 def _runs(line: str) -> ParallelConfig:

@@ -150,7 +150,11 @@ def table(plan: Plan, acts_known: bool = True) -> Table:
                  "acts GB", "total GB", "prepare GB", "fits", "checkpointing",
                  *(SPEED_COLUMNS if timed else ())):  # fmt: skip
         words = name in ("strategy", "layout")
-        out.add_column(name, justify="left" if words else "right", no_wrap=words)
+        # One word a line ("gathered" over "GB"): the columns are as narrow as their
+        # words, so the table fits where it fits at all; a terminal narrower still
+        # folds a header or a value rather than cutting it ("gather…").
+        out.add_column(name.replace(" ", "\n"), justify="left" if words else "right",
+                       no_wrap=words, overflow="fold")  # fmt: skip
     for c in plan.candidates:
         m, step = c.memory, c.step
         speed = ["n/a"] * 4

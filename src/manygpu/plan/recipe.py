@@ -33,6 +33,9 @@ class Recipe:
     checkpointing: str | None = None
     """Activation checkpointing's mode (``"full"``, ``"selective"``) where the
     candidate fits only with it; ``None``: off."""
+    tf32: bool = True
+    """Whether the devices have TF32 matmuls (False: a CPU, whose ``precision="fp32"``
+    is already strict, so the line says the plain ``"fp32"``)."""
 
     @property
     def card(self) -> StrategyCard:
@@ -101,7 +104,8 @@ class Recipe:
         if c.plan_axis() is not None:
             sizes = ", ".join(f'"{dim}": {size}' for dim, size in self.mesh().items())
             args.append(f"mesh={{{sizes}}}")
-        args.append(f'precision="{PARALLEL_PRECISION[self.precision]}"')
+        strict = self.precision == "fp32" and not self.tf32
+        args.append(f'precision="{"fp32" if strict else PARALLEL_PRECISION[self.precision]}"')
         if self.checkpointing is not None:
             args.append(f'activation_checkpointing="{self.checkpointing}"')
         return f"Parallel({', '.join(args)})"

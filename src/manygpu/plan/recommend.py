@@ -71,6 +71,12 @@ class Plan:
     candidates: tuple[Candidate, ...]
 
 
+def _has_tf32(cluster: Cluster) -> bool:
+    """Whether ``precision="fp32"`` would run TF32 matmuls there: a known device with a
+    TF32 peak, or an unknown one (the strict spelling is then the safe one)."""
+    return cluster.device is None or "tf32" in cluster.device.peak_tflops
+
+
 def _candidates(
     desc: ModelDesc,
     cluster: Cluster,
@@ -91,7 +97,7 @@ def _candidates(
         mem, mode, plain = _fitting_memory(desc, strategy, world, ways, batch, precision,
                                            optimizer, cluster.memory_gb)  # fmt: skip
         recipe = Recipe(strategy=strategy, world=world, ways=ways, precision=precision,
-                        checkpointing=mode)  # fmt: skip
+                        checkpointing=mode, tf32=_has_tf32(cluster))  # fmt: skip
         try:
             step = perf.estimate(desc, cluster, strategy, batch=batch, precision=precision,
                                  world=ways if card(strategy).one_process else world, stages=ways,
