@@ -102,6 +102,12 @@ CLI_BAD: list[tuple[list[str], str]] = [
     (["checkpoint", "inspect", "/nonexistent"], "does not exist"),
     (["checkpoint", "export", "/nonexistent", "/tmp/x.safetensors"], "does not exist"),
     (["doctor", "--bogus"], "unrecognized arguments"),
+    (
+        ["launch", "--nproc", "2", "train.py"],
+        "manygpu launch: error: unrecognized argument --nproc; did you mean --nproc-per-node?",
+    ),
+    (["launch", "--max-restart=1", "train.py"], "did you mean --max-restarts?"),
+    (["launch", "--nprocs-per-node", "2", "train.py"], "did you mean --nproc-per-node?"),
     (["nosuchcmd"], "invalid choice"),
 ]
 

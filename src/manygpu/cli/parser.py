@@ -9,6 +9,7 @@ filled in when help is shown (:meth:`OneLineParser.help_later`).
 from __future__ import annotations
 
 import argparse
+import difflib
 import sys
 from collections.abc import Callable, Iterable
 from typing import Any, NoReturn
@@ -26,6 +27,34 @@ class OneLineParser(argparse.ArgumentParser):
     def error(self, message: str) -> NoReturn:
         print(f"{self.prog}: error: {message} (see {self.prog} --help)", file=sys.stderr)
         raise SystemExit(2)
+
+    def parse_known_args(  # type: ignore[override]
+        self, args: list[str] | None = None, namespace: argparse.Namespace | None = None
+    ) -> tuple[argparse.Namespace, list[str]]:
+        """argparse's, and a flag this (sub)command does not take that is close to one it
+        does is refused here, by its own name: ``--nproc`` -> ``--nproc-per-node``."""
+        ns, extras = super().parse_known_args(args, namespace)
+        for extra in extras:
+            guess = self.close_flag(extra)
+            if guess is not None:
+                flag = extra.split("=", 1)[0]
+                self.error(f"unrecognized argument {flag}; did you mean {guess}?")
+        return ns, extras
+
+    def close_flag(self, given: str) -> str | None:
+        """The flag ``given`` probably meant: one it begins (its ``-`` spelling first),
+        else the closest by spelling; ``None`` for no flag or no close one."""
+        flag = given.split("=", 1)[0]
+        if not flag.startswith("--"):
+            return None
+        known = sorted(o for o in self._option_string_actions if o.startswith("--"))
+        longer = [o for o in known if o.startswith(flag)]
+        if longer:
+            return min(longer, key=lambda o: (o.count("_"), len(o)))
+        # Names without their dashes: "--" alike in every flag makes "--bogus" "--gpus".
+        names = {o[2:]: o for o in known}
+        close = difflib.get_close_matches(flag[2:], list(names), n=1, cutoff=0.75)
+        return names[close[0]] if close else None
 
     def help_later(self, action: argparse.Action, text: Callable[[], str]) -> None:
         """Give ``action`` the help ``text()``, computed only when help is printed.
