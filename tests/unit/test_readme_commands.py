@@ -166,3 +166,12 @@ def test_the_check_refuses_what_the_cli_refuses() -> None:
 def test_every_allowed_non_command_is_still_in_the_readme() -> None:
     lines = {line.strip() for line in _blocks(README.read_text())}
     assert set(NOT_COMMANDS) <= lines
+
+
+def test_a_bf16_example_tells_a_cpu_user_to_use_fp32() -> None:
+    """The first example a user copies asks for bf16, which a CPU emulates (2.3x slower
+    measured on the demo's loop): the paragraph after it says what to use there."""
+    text = README.read_text()
+    example = text.index('precision="bf16")')
+    after = text[text.index("```\n", example) + 4 :].strip().split("\n\n", 1)[0]
+    assert "On a CPU" in after and '"fp32"' in after, after
