@@ -266,15 +266,21 @@ def test_render_lists_ranks_in_order_one_decimal_dashes_for_unknowns() -> None:
         "input ms",
         "compute ms",
         "exposed comm ms",
+        "rest ms",
         "link ms",
     ):
         assert title in text
     rows = [line.split() for line in text.splitlines() if "alpha" in line or "beta" in line]
     cells = [[c for c in row if c not in "│┃|"] for row in rows]
+    # rest: the step less its parts (medians each: below 0 where they overlap); no
+    # exposed comm known counts as 0.
     assert cells == [
-        ["0", "alpha", "30.0", "1.5", "18.3", "10.5", "0.7"],  # one decimal
-        ["3", "beta", "31.5", "2.3", "20.0", "-", "-"],
+        ["0", "alpha", "30.0", "1.5", "18.3", "10.5", "-0.3", "0.7"],  # one decimal
+        ["3", "beta", "31.5", "2.3", "20.0", "-", "9.2", "-"],
     ]
+    said = " ".join(text.split())
+    assert "need not add up to the step" in said and "rest ms is the step less its parts" in said
+    assert "one rank per host times its host's round trip" in said
 
 
 def test_a_sample_older_than_every_remembered_step_pairs_with_none(

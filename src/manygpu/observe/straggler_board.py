@@ -190,15 +190,35 @@ _COLUMNS = (
 )
 
 
+NOTE = (
+    "each column is the median over the steps of its own figure, so the parts need not "
+    "add up to the step: rest ms is the step less its parts (below 0 when they overlap); "
+    "link ms: one rank per host times its host's round trip to the job's store, "
+    "- for that host's other ranks"
+)
+"""Said under the table, so a row that does not add up or a ``-`` is not read as a bug."""
+
+
+def rest_ms(row: dict[str, Any]) -> float:
+    """The step's median less its parts' medians (exposed comm counted as 0 where the
+    strategy cannot tell it apart from compute)."""
+    parts = row["input_ms"] + row["compute_ms"] + (row["comm_ms"] or 0.0)
+    return float(row["step_ms"] - parts)
+
+
 def render(rows: list[dict[str, Any]]) -> Any:
     """The per-rank table of :attr:`~manygpu.Parallel.step_times`, for the console."""
     from rich.table import Table
 
-    table = Table(title=f"step times per rank (median of {rows[0]['steps']} steps)")
-    for title, _ in _COLUMNS:
+    table = Table(title=f"step times per rank (median of {rows[0]['steps']} steps)", caption=NOTE)
+    titles = [title for title, _ in _COLUMNS]
+    titles.insert(-1, "rest ms")  # beside the parts it completes, before link ms
+    for title in titles:
         table.add_column(title, justify="left" if title == "host" else "right")
     for row in sorted(rows, key=lambda r: r["rank"]):
-        table.add_row(*(_cell(row[k]) for _, k in _COLUMNS))
+        cells = [_cell(row[k]) for _, k in _COLUMNS]
+        cells.insert(-1, _cell(rest_ms(row)))
+        table.add_row(*cells)
     return table
 
 
