@@ -192,7 +192,7 @@ _COLUMNS = (
 
 NOTE = (
     "each column is the median over the steps of its own figure, so the parts need not "
-    "add up to the step: rest ms is the step less its parts (below 0 when they overlap); "
+    "add up to the step: rest ms is the step less its parts (below 0 where they sum past it); "
     "link ms: one rank per host times its host's round trip to the job's store, "
     "- for that host's other ranks"
 )
