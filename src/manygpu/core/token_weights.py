@@ -70,6 +70,15 @@ class TokenWeights:
 
     def note(self, loss: torch.Tensor, tokens: int | torch.Tensor | None, strategy: Any) -> None:
         """One micro-step's backward: its count (``None``: plain ``backward(loss)``)."""
+        if isinstance(type(strategy), abilities.PlacesRanks):
+            # Parameter servers: a server never runs the loop, so no count reaches every
+            # rank; their workers' gradients are combined on the servers, not averaged.
+            if tokens is not None:
+                raise UsageError(
+                    "par.backward(loss, tokens=...) is not supported under strategy 'ps' (a "
+                    "server never joins the count): divide the loss by its tokens yourself"
+                )
+            self._weighted = False
         if tokens is None:
             self._without += 1
             return
