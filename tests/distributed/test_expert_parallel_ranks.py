@@ -22,7 +22,6 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
@@ -204,19 +203,10 @@ def test_ep2_equals_one_process_and_a_gradient_scaled_by_ep_does_not() -> None:
     assert local["layers.0.experts.w1"][0] == 2 and "layers.0.router.weight" not in local
 
 
-@pytest.mark.parametrize("world", [4])
-def test_dp2_x_ep2_equals_one_process(world: int) -> None:
-    cases = [("grouped", {"dp": 2, "ep": 2}, 1.0), ("mixtral", {"dp": 2, "ep": 2}, 1.0)]
-    per_rank = run_ranks(_cases, world, cases, timeout=300)
-    for index, (kind, _, _) in enumerate(cases):
-        ref = reference(kind)
-        wrong = [mismatches(ranks[index], ref) for ranks in per_rank]
-        assert wrong == [[]] * world, wrong
-
-
 def _job(strategy: str | None, mesh: dict[str, int] | None, directory: str, save_at: int) -> Any:
     """The grouped model trained to ``STEPS`` from a DCP checkpoint in ``directory`` when
-    there is one, saving at step ``save_at``; its parameters and the step it resumed at."""
+    there is one, saving at step ``save_at``; its parameters at the end, the step it
+    resumed at and the optimizer's state just after the resume (by parameter name)."""
     from manygpu.checkpoint import Checkpointer
 
     par = Parallel(strategy=strategy, mesh=mesh)
@@ -225,7 +215,7 @@ def _job(strategy: str | None, mesh: dict[str, int] | None, directory: str, save
         opt = par.prepare(_optimizer(model.parameters()))
         ckpt = Checkpointer(par, directory, model=model, optimizer=opt, format="dcp")
         state = ckpt.resume(fresh_ok=True)
-        started = state.step
+        started, resumed = state.step, _adam_state(par.unwrap(model), opt)
         shard, shards = par.strategy.data_shard()
         per = GLOBAL // shards
         for tokens in batches()[state.step :]:
@@ -238,25 +228,75 @@ def _job(strategy: str | None, mesh: dict[str, int] | None, directory: str, save
                 ckpt.save(state)
         ckpt.close()
         params = {n: _full(p) for n, p in par.unwrap(model).named_parameters()}
-        return {"started": started, "params": params}
+        return {"started": started, "params": params, "adam": resumed}
     finally:
         par.close()
 
 
-def _ep_checkpoints(saved_by_ep: str, saved_alone: str) -> list[Any]:
-    return [_job(None, {"ep": 2}, saved_by_ep, 2), _job(None, {"ep": 2}, saved_alone, -1)]
+def _adam_state(model: nn.Module, opt: Any) -> dict[str, torch.Tensor]:
+    """AdamW's moments and step count per parameter name, whole tensors."""
+    inner = getattr(opt, "optimizer", opt)
+    state: dict[str, torch.Tensor] = {}
+    for name, p in model.named_parameters():
+        for key, value in inner.state.get(p, {}).items():
+            state[f"{name}.{key}"] = _full(value)
+    return state
 
 
-def test_an_ep_checkpoint_resumes_without_ep_and_back(tmp_path: Path) -> None:
-    """DCP stores the experts whole: 2 EP ranks save at step 2 and one process (a 1-rank
-    ddp job) resumes there; one process saves at step 2 and 2 EP ranks resume there. Every
-    run ends on one process's parameters after 3 steps, optimizer state included."""
-    by_ep, alone = str(tmp_path / "by_ep"), str(tmp_path / "alone")
-    first = _job("ddp", None, alone, 2)
-    per_rank = run_ranks(_ep_checkpoints, 2, by_ep, alone, timeout=240)
-    resumed = _job("ddp", None, by_ep, -1)
-    ref = reference("grouped")["params"]
-    runs = [first, resumed, *(r for ranks in per_rank for r in ranks)]
-    assert [r["started"] for r in runs] == [0, 2, 0, 2, 0, 2]
+def reference_adam_at(step: int) -> dict[str, torch.Tensor]:
+    """One process's AdamW state after ``step`` steps of the grouped model (clipped)."""
+    model = make("grouped")
+    opt = _optimizer(model.parameters())
+    for tokens in batches()[:step]:
+        loss_of("grouped", model, tokens).backward()
+        nn.utils.clip_grad_norm_(model.parameters(), CLIP)
+        opt.step()
+        opt.zero_grad()
+    return _adam_state(model, opt)
+
+
+def _run(calls: list[tuple[Any, ...]]) -> list[Any]:
+    """Several cases on this rank in one process start: ``("train", ...)`` or ``("job", ...)``."""
+    return [_train(*args) if what == "train" else _job(*args) for what, *args in calls]
+
+
+def test_at_4_ranks_dp2_x_ep2_equals_one_process_and_checkpoints_resume_across_ep(
+    tmp_path: Path,
+) -> None:
+    """dp=2 x ep=2 trains as one process; and DCP stores the experts whole, so a checkpoint
+    resumes on any ep size and on a job without EP: one process (a 1-rank ddp job), 2 EP
+    ranks, dp2 x ep2 and 4 EP ranks (4 experts: one per rank) each save at step 2, and
+    jobs of another kind resume there (1 -> 2, 1 -> 4, 2 -> 1, dp2xep2 -> ep4, ep4 -> ep2).
+    Every run ends on one process's parameters after 3 steps (within ``TOL``), and the
+    AdamW state just after each resume is one process's after 2 steps."""
+    d = {k: str(tmp_path / k) for k in ("alone", "ep2", "dp2ep2", "ep4")}
+    first = _job("ddp", None, d["alone"], 2)
+    four = [
+        ("train", "grouped", {"dp": 2, "ep": 2}, 1.0),
+        ("train", "mixtral", {"dp": 2, "ep": 2}, 1.0),
+    ]
+    four += [
+        ("job", None, {"dp": 2, "ep": 2}, d["dp2ep2"], 2),
+        ("job", None, {"ep": 4}, d["dp2ep2"], -1),
+        ("job", None, {"ep": 4}, d["ep4"], 2),
+        ("job", None, {"ep": 4}, d["alone"], -1),
+    ]
+    per_four = run_ranks(_run, 4, four, timeout=300)
+    two = [("job", None, {"ep": 2}, d["ep2"], 2), ("job", None, {"ep": 2}, d["alone"], -1)]
+    two.append(("job", None, {"ep": 2}, d["ep4"], -1))
+    per_two = run_ranks(_run, 2, two, timeout=240)
+    resumed = _job("ddp", None, d["ep2"], -1)
+    for index, kind in enumerate(("grouped", "mixtral")):
+        ref = reference(kind)
+        wrong = [mismatches(ranks[index], ref) for ranks in per_four]
+        assert wrong == [[]] * 4, wrong
+    ref, adam = reference("grouped")["params"], reference_adam_at(2)
+    assert len(adam) == 3 * len(ref)  # step, exp_avg, exp_avg_sq of every parameter
+    runs = [first, resumed] + [r for ranks in per_four for r in ranks[2:]]
+    runs += [r for ranks in per_two for r in ranks]
+    assert [r["started"] for r in runs] == [0, 2] + [0, 2, 0, 2] * 4 + [0, 2, 2] * 2
     for run in runs:
         assert [n for n, v in ref.items() if (run["params"][n] - v).abs().max() > TOL] == []
+        if run["started"]:
+            assert run["adam"].keys() == adam.keys()
+            assert [k for k, v in adam.items() if (run["adam"][k] - v).abs().max() > TOL] == []
