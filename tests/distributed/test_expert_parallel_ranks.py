@@ -152,10 +152,6 @@ def _train(kind: str, mesh: dict[str, int], scale_experts: float, accum: int = 1
         par.close()
 
 
-def _cases(cases: list[tuple[Any, ...]]) -> list[dict[str, Any]]:
-    return [_train(*case) for case in cases]
-
-
 def mismatches(got: dict[str, Any], ref: dict[str, Any]) -> list[str]:
     """What differs from one process by more than ``TOL`` (empty: equal)."""
     wrong = [
@@ -180,11 +176,17 @@ def _check_loads(results: list[dict[str, Any]]) -> None:
     assert any(max(c) > 2 * min(c) + 1 for c in loads), loads
 
 
-def test_ep2_equals_one_process_and_a_gradient_scaled_by_ep_does_not() -> None:
+def test_ep2_equals_one_process_and_a_gradient_scaled_by_ep_does_not(tmp_path: Path) -> None:
+    """Also: a Hugging Face Mixtral file loads with ``weights=`` into a model built
+    empty, each rank reading its experts only (:func:`check_weights`)."""
     cases = [("grouped", {"ep": 2}, 1.0), ("mixtral", {"ep": 2}, 1.0), ("grouped", {"ep": 2}, 2.0)]
     cases += [("mixtral-aux", {"ep": 2}, 1.0), ("mixtral-local-aux", {"ep": 2}, 1.0)]
     cases.append(("mixtral", {"ep": 2}, 1.0, 2))  # accumulation: synced once per 2 backwards
-    per_rank = run_ranks(_cases, 2, cases, timeout=240)
+    saved = mixtral(seed=11)
+    saved.save_pretrained(tmp_path)
+    loads = [("weights", {"ep": 2}, str(tmp_path)), ("weights", {"ep": 2}, None)]
+    per_rank = run_ranks(_run, 2, [("train", *c) for c in cases] + loads, timeout=240)
+    check_weights([out for ranks in per_rank for out in ranks[len(cases) :]], saved, ep=2)
     refs = {kind: reference(kind) for kind in ("grouped", "mixtral", "mixtral-aux")}
     refs["mixtral-local-aux"] = refs["mixtral-aux"]
     for index, (kind, _, scale, *_) in enumerate(cases):
@@ -255,9 +257,54 @@ def reference_adam_at(step: int) -> dict[str, torch.Tensor]:
     return _adam_state(model, opt)
 
 
+def _weights(mesh: dict[str, int], directory: str | None) -> dict[str, Any]:
+    """A Mixtral built empty (``par.init_module()``) under EP, its values from the
+    Hugging Face file in ``directory`` (per-expert tensors) or, with none, from
+    manygpu's seeded init; the whole parameters, and the bytes a second load reads."""
+    from manygpu.weights import load_weights
+
+    par = Parallel(mesh=mesh)
+    try:
+        with par.init_module():
+            model = mixtral()
+        inner = par.unwrap(par.prepare(model, weights=directory))
+        read = load_weights(inner, directory).bytes_read if directory else 0
+        params = {n: _full(p) for n, p in inner.named_parameters()}
+        return {"params": params, "read": read, "strategy": par.strategy.name}
+    finally:
+        par.close()
+
+
+def reference_empty_init() -> dict[str, torch.Tensor]:
+    """One process's Mixtral built under ``init_module()``: manygpu's seeded values."""
+    par = Parallel()
+    try:
+        with par.init_module():
+            model = mixtral()
+        model = par.unwrap(par.prepare(model))
+        return {n: p.detach().clone() for n, p in model.named_parameters()}
+    finally:
+        par.close()
+
+
+def check_weights(results: list[dict[str, Any]], saved: nn.Module, ep: int) -> None:
+    """Each rank's model is the file's values (or one process's init, exactly), and a
+    load reads the replicated tensors whole but only ``1/ep`` of the experts."""
+    loaded, empty = results[0::2], results[1::2]
+    want, init = dict(saved.named_parameters()), reference_empty_init()
+    for out in loaded:
+        assert out["strategy"] == "ep"
+        assert [n for n, v in want.items() if not torch.equal(out["params"][n], v)] == []
+        experts = sum(v.numel() * 4 for n, v in want.items() if ".experts." in n)
+        assert out["read"] == sum(v.numel() * 4 for v in want.values()) - experts + experts // ep
+    for out in empty:
+        assert [n for n, v in init.items() if not torch.equal(out["params"][n], v)] == []
+
+
 def _run(calls: list[tuple[Any, ...]]) -> list[Any]:
-    """Several cases on this rank in one process start: ``("train", ...)`` or ``("job", ...)``."""
-    return [_train(*args) if what == "train" else _job(*args) for what, *args in calls]
+    """Several cases on this rank in one process start: ``train``, ``job`` or ``weights``."""
+    run = {"train": _train, "job": _job, "weights": _weights}
+    return [run[what](*args) for what, *args in calls]
 
 
 def test_at_4_ranks_dp2_x_ep2_equals_one_process_and_checkpoints_resume_across_ep(
@@ -269,8 +316,10 @@ def test_at_4_ranks_dp2_x_ep2_equals_one_process_and_checkpoints_resume_across_e
     jobs of another kind resume there (1 -> 2, 1 -> 4, 2 -> 1, dp2xep2 -> ep4, ep4 -> ep2).
     Every run ends on one process's parameters after 3 steps (within ``TOL``), and the
     AdamW state just after each resume is one process's after 2 steps."""
-    d = {k: str(tmp_path / k) for k in ("alone", "ep2", "dp2ep2", "ep4")}
+    d = {k: str(tmp_path / k) for k in ("alone", "ep2", "dp2ep2", "ep4", "hf")}
     first = _job("ddp", None, d["alone"], 2)
+    saved = mixtral(seed=11)
+    saved.save_pretrained(d["hf"])
     four = [
         ("train", "grouped", {"dp": 2, "ep": 2}, 1.0),
         ("train", "mixtral", {"dp": 2, "ep": 2}, 1.0),
@@ -280,8 +329,11 @@ def test_at_4_ranks_dp2_x_ep2_equals_one_process_and_checkpoints_resume_across_e
         ("job", None, {"ep": 4}, d["dp2ep2"], -1),
         ("job", None, {"ep": 4}, d["ep4"], 2),
         ("job", None, {"ep": 4}, d["alone"], -1),
+        ("weights", {"ep": 4}, d["hf"]),
+        ("weights", {"ep": 4}, None),
     ]
     per_four = run_ranks(_run, 4, four, timeout=300)
+    check_weights([out for ranks in per_four for out in ranks[-2:]], saved, ep=4)
     two = [("job", None, {"ep": 2}, d["ep2"], 2), ("job", None, {"ep": 2}, d["alone"], -1)]
     two.append(("job", None, {"ep": 2}, d["ep4"], -1))
     per_two = run_ranks(_run, 2, two, timeout=240)
@@ -292,7 +344,7 @@ def test_at_4_ranks_dp2_x_ep2_equals_one_process_and_checkpoints_resume_across_e
         assert wrong == [[]] * 4, wrong
     ref, adam = reference("grouped")["params"], reference_adam_at(2)
     assert len(adam) == 3 * len(ref)  # step, exp_avg, exp_avg_sq of every parameter
-    runs = [first, resumed] + [r for ranks in per_four for r in ranks[2:]]
+    runs = [first, resumed] + [r for ranks in per_four for r in ranks[2:-2]]
     runs += [r for ranks in per_two for r in ranks]
     assert [r["started"] for r in runs] == [0, 2] + [0, 2, 0, 2] * 4 + [0, 2, 2] * 2
     for run in runs:

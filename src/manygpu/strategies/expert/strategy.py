@@ -93,10 +93,15 @@ class ExpertParallelStrategy(MeshStrategy[ExpertParallel]):
 
 
 def _shard_experts(experts: nn.Module, site: ExpertsSite, ep_mesh: DeviceMesh) -> None:
-    """Each stacked weight as a DTensor sharded on dim 0: this rank's experts only."""
+    """Each stacked weight as a DTensor sharded on dim 0: this rank's experts only.
+
+    Real weights are scattered from the ``ep`` group's first rank, so every rank
+    holds the values one process built; a meta model's (``par.init_module()``)
+    are cut locally, with no communication, and filled after ``place``."""
     for name in site.params:
         param = getattr(experts, name)
-        sharded = distribute_tensor(param.detach(), ep_mesh, [Shard(0)])
+        src = None if param.is_meta else 0
+        sharded = distribute_tensor(param.detach(), ep_mesh, [Shard(0)], src_data_rank=src)
         experts.register_parameter(name, nn.Parameter(sharded, requires_grad=param.requires_grad))
 
 
