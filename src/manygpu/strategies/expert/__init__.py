@@ -8,7 +8,8 @@ a token travels to the rank holding its expert and back with all-to-alls of
 uneven sizes, forward and backward. The other parameters are replicated over
 every rank (``dp`` x ``ep``) and their gradients averaged, as under DDP.
 ``Parallel(mesh={"ep": 2})`` picks it; ``{"dp": 2, "ep": 2}`` also replicates
-the experts over ``dp``.
+the experts over ``dp``; ``{"fsdp": 2, "ep": 2}`` shards every parameter with
+FSDP2 as well (the experts over ``fsdp``, the rest over all ranks: :mod:`.fsdp`).
 """
 
 from __future__ import annotations
@@ -43,7 +44,7 @@ class ExpertParallel(StrategySpec):
     card: ClassVar[StrategyCard] = StrategyCard(
         simplicity=11, changes_loop=False, checkpoint=DCP, memory=MemoryModel(experts="ways"),
         comm=CommModel(grads="all_reduce", token_all_to_alls=4), one_process=False,
-        plan_ways="axis", ways_option="ep", mesh_axes=("dp", "ep"), mesh_default="ep",
+        plan_ways="axis", ways_option="ep", mesh_axes=("dp", "fsdp", "ep"), mesh_default="ep",
         hybrid_for="ep",
     )  # fmt: skip
 
