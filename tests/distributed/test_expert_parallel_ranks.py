@@ -1,4 +1,4 @@
-"""Expert parallelism (``mesh={"ep": 2}``, ``{"dp": 2, "ep": 2}``) equals one process.
+"""Expert parallelism (``mesh={"ep": 2}``, ``{"dp"|"fsdp": 2, "ep": 2}``) equals one process.
 
 A tiny Hugging Face Mixtral (4 experts, top-2, hidden 32, 2 layers) and a
 torchtitan-style grouped MoE (tests/helpers/moe_models.py) train 3 AdamW steps
@@ -117,8 +117,10 @@ def _train(kind: str, mesh: dict[str, int], scale_experts: float, accum: int = 1
         opt = par.prepare(_optimizer(model.parameters()))
         inner = par.unwrap(model)
         sync = par.strategy.grad_sync(inner)  # type: ignore[attr-defined]
-        if sync is not None:  # None under fsdp: FSDP2 reduces
+        if sync is not None:
             sync.scale_experts = scale_experts
+        else:  # under fsdp, FSDP2 reduces: the bug is dividing by fsdp's size instead
+            _scale_fsdp_experts(inner, scale_experts, par.strategy.data_shard()[1])
         seen: list[list[int]] = []
         _loads(inner, seen)
         shard, shards = par.strategy.data_shard()
@@ -151,6 +153,14 @@ def _train(kind: str, mesh: dict[str, int], scale_experts: float, accum: int = 1
         }  # fmt: skip
     finally:
         par.close()
+
+
+def _scale_fsdp_experts(model: nn.Module, scale: float, data_ranks: int) -> None:
+    from torch.distributed.fsdp import FSDPModule
+
+    for name, module in model.named_modules():
+        if name.endswith("experts") and isinstance(module, FSDPModule):
+            module.set_gradient_divide_factor(data_ranks / scale)
 
 
 def mismatches(got: dict[str, Any], ref: dict[str, Any]) -> list[str]:
@@ -311,22 +321,30 @@ def _run(calls: list[tuple[Any, ...]]) -> list[Any]:
     return [run[what](*args) for what, *args in calls]
 
 
-def test_at_4_ranks_dp2_x_ep2_equals_one_process_and_checkpoints_resume_across_ep(
+def test_at_4_ranks_dp_or_fsdp_x_ep_equals_one_process_and_checkpoints_resume_across_ep(
     tmp_path: Path,
 ) -> None:
-    """dp=2 x ep=2 trains as one process; and DCP stores the experts whole, so a checkpoint
+    """dp=2 x ep=2 and fsdp=2 x ep=2 train as one process (and fsdp x ep with FSDP2's own
+    divide factor on the experts does not); DCP stores the experts whole, so a checkpoint
     resumes on any ep size and on a job without EP: one process (a 1-rank ddp job), 2 EP
-    ranks, dp2 x ep2 and 4 EP ranks (4 experts: one per rank) each save at step 2, and
-    jobs of another kind resume there (1 -> 2, 1 -> 4, 2 -> 1, dp2xep2 -> ep4, ep4 -> ep2).
+    ranks, dp2 x ep2, fsdp2 x ep2 and 4 EP ranks (4 experts: one per rank) each save at
+    step 2, and jobs of another kind resume there (1 -> 2, 1 -> 4, 1 -> fsdp2xep2, 2 -> 1,
+    dp2xep2 -> ep4, ep4 -> ep2, fsdp2xep2 -> ep2). A Hugging Face Mixtral file loads with
+    ``weights=`` at ep=4 and at fsdp2 x ep2 (:func:`check_weights`).
     Every run ends on one process's parameters after 3 steps (within ``TOL``), and the
     AdamW state just after each resume is one process's after 2 steps."""
     d = {k: str(tmp_path / k) for k in ("alone", "ep2", "dp2ep2", "ep4", "fsdp2ep2", "hf")}
     first = _job("ddp", None, d["alone"], 2)
     saved = mixtral(seed=11)
     saved.save_pretrained(d["hf"])
-    trained = [(kind, mesh) for mesh in ({"dp": 2, "ep": 2}, {"fsdp": 2, "ep": 2})
-               for kind in ("grouped", "mixtral")]  # fmt: skip
-    four: list[tuple[Any, ...]] = [("train", kind, mesh, 1.0) for kind, mesh in trained]
+    fsdp = {"fsdp": 2, "ep": 2}
+    trained: list[tuple[Any, ...]] = [
+        (kind, mesh, 1.0) for mesh in ({"dp": 2, "ep": 2}, fsdp) for kind in ("grouped", "mixtral")
+    ]
+    # FSDP2's own divide factor (fsdp's size) on the experts: their gradients ep times
+    # too big (pytorch#160285), which must fail.
+    trained.append(("grouped", fsdp, 2.0))
+    four: list[tuple[Any, ...]] = [("train", *case) for case in trained]
     four += [
         ("job", None, {"dp": 2, "ep": 2}, d["dp2ep2"], 2),
         ("job", None, {"ep": 4}, d["dp2ep2"], -1),
@@ -347,9 +365,12 @@ def test_at_4_ranks_dp2_x_ep2_equals_one_process_and_checkpoints_resume_across_e
     per_two = run_ranks(_run, 2, two, timeout=240)
     resumed = _job("ddp", None, d["ep2"], -1)
     refs = {kind: reference(kind) for kind in ("grouped", "mixtral")}
-    for index, (kind, mesh) in enumerate(trained):
+    for index, (kind, mesh, scale, *_) in enumerate(trained):
         wrong = [mismatches(ranks[index], refs[kind]) for ranks in per_four]
-        assert wrong == [[]] * 4, (mesh, wrong)
+        if scale == 1.0:
+            assert wrong == [[]] * 4, (mesh, wrong)
+        else:
+            assert all("grads:layers.0.experts.w1" in w and "norms" in w for w in wrong), wrong
     ref, adam = reference("grouped")["params"], reference_adam_at(2)
     assert len(adam) == 3 * len(ref)  # step, exp_avg, exp_avg_sq of every parameter
     runs = [first, resumed] + [r for ranks in per_four for r in ranks[len(trained) : -4]]
