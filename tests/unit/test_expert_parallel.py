@@ -13,6 +13,7 @@ from manygpu import ExpertParallel, MeshShape, Parallel, UsageError
 from manygpu.core.config import ParallelConfig
 from manygpu.strategies.expert.dispatch import route, sort_routed
 from manygpu.strategies.expert.finding import check_divisible, find_experts
+from manygpu.strategies.expert.fsdp import check_fsdp_mesh
 
 
 def test_experts_are_found_by_structure_in_mixtral_and_grouped_models() -> None:
@@ -118,8 +119,8 @@ def test_routed_copies_sort_by_expert_and_drop_the_sentinel() -> None:
         ({"strategy": "ddp", "mesh": {"ep": 2}}, r"'ddp' cannot use mesh dimension\(s\) ep=2"),
         ({"strategy": "tensor", "mesh": {"ep": 2}}, r"'tensor' cannot use mesh dimension\(s\) ep"),
         (
-            {"mesh": {"ep": 2, "fsdp": 2}},
-            r"'ep' cannot use mesh dim.*fsdp=2; it takes dp, ep",
+            {"strategy": "ep", "mesh": {"ep": 2, "tp": 2}},
+            r"'ep' cannot use mesh dim.*tp=2; it takes dp, fsdp, ep",
         ),
         ({"strategy": ExpertParallel(), "mesh": {"ep": 4}}, r"ep\(4\) = 4 != WORLD_SIZE\(2\)"),
     ],
@@ -128,6 +129,13 @@ def test_an_ep_axis_where_it_cannot_work_is_one_line(fields: dict[str, object], 
     with pytest.raises(UsageError, match=match) as info:
         Parallel(cluster=two_rank_cluster(), **fields)  # type: ignore[arg-type]
     assert "\n" not in str(info.value)
+
+
+def test_fsdp_composes_with_ep_but_not_with_dp_too() -> None:
+    check_fsdp_mesh({"dp": 1, "fsdp": 2, "ep": 2})
+    check_fsdp_mesh({"dp": 2, "fsdp": 1, "ep": 2})
+    with pytest.raises(UsageError, match=r"^strategy 'ep' composes fsdp with ep, or dp with ep"):
+        check_fsdp_mesh({"dp": 2, "fsdp": 2, "ep": 2})
 
 
 def test_the_option_takes_classes_names_or_a_predicate() -> None:

@@ -30,7 +30,8 @@ autocast over fp32 weights) and step time / scaling efficiency (alpha-beta ring 
 DDP's bucketed overlap) of ddp, zero1, zero2, fsdp, pipeline and tensor parallelism,
 and recommend one. The model is a published one (resnet50, gpt2, gpt2-medium), a
 built-in or module:function workload (measured on this CPU), or numbers: --params
-(and --layers/--hidden/--seq for a transformer). Compute is timed at what each
+(and --layers/--hidden/--seq for a transformer; --experts/--top-k/--expert-params
+for a mixture of experts, which adds expert parallelism). Compute is timed at what each
 device reaches in training at the precision (published figures, not the data-sheet
 peak); without FLOPs (--params alone) plans are ranked by memory only. The
 cluster is a preset (p100-roce25, v100, t4, a100, h100) resized by --nodes and
@@ -52,6 +53,15 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--hidden", type=nonnegative_int, default=0)
     p.add_argument("--seq", type=nonnegative_int, default=0, help="sequence length (tokens)")
     p.add_argument("--heads", type=nonnegative_int, default=0)
+    p.add_argument(
+        "--experts",
+        type=nonnegative_int,
+        default=0,
+        help="a mixture of experts: experts per layer (with --params and the shape)",
+    )
+    p.add_argument("--top-k", type=nonnegative_int, default=0, help="experts per token")
+    p.add_argument("--expert-params", type=nonnegative_float, default=0,
+                   help="parameters inside the experts, all layers (part of --params)")  # fmt: skip
     p.add_argument(
         "--flops-per-sample",
         type=nonnegative_float,
@@ -115,9 +125,17 @@ def build_desc(ns: argparse.Namespace, measure_step: bool) -> ModelDesc:
             f"a transformer's shape needs --layers, --hidden and --seq together; add {missing}"
         )
     if ns.params:
+        moe = {"--experts": ns.experts, "--top-k": ns.top_k, "--expert-params": ns.expert_params}
+        if any(moe.values()) and not (all(moe.values()) and all(shape.values())):
+            raise UsageError(
+                "a mixture of experts needs --experts, --top-k and --expert-params together, "
+                "with --layers, --hidden and --seq"
+            )
         if all(shape.values()):
             return transformer("custom transformer", parameters=int(ns.params), layers=ns.layers,
-                               hidden=ns.hidden, seq_len=ns.seq, heads=ns.heads)  # fmt: skip
+                               hidden=ns.hidden, seq_len=ns.seq, heads=ns.heads,
+                               expert_parameters=int(ns.expert_params), num_experts=ns.experts,
+                               experts_per_token=ns.top_k)  # fmt: skip
         return ModelDesc(name="custom", parameters=int(ns.params),
                          flops_per_sample=ns.flops_per_sample,
                          activation_bytes_per_sample=ns.activation_mb * 1e6)  # fmt: skip

@@ -80,7 +80,9 @@ def total_grad_norm(
             total = _combine(total, _power(grad, p, device), p)
             continue
         grad = _whole_partials(grad)
-        dims = tuple(i for i, pl in enumerate(grad.placements) if pl.is_shard())
+        # Not ``is_shard()``: FSDP2 over a dimension already sharded (experts over ep, then
+        # fsdp) places a _StridedShard, which is no Shard but splits the tensor all the same.
+        dims = tuple(i for i, pl in enumerate(grad.placements) if not pl.is_replicate())
         key = (id(grad.device_mesh), dims)
         groups, value = sharded.get(key, ([grad.device_mesh.get_group(i) for i in dims], None))
         piece = _power(grad.to_local(), p, device)

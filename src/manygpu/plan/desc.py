@@ -59,6 +59,15 @@ class ModelDesc:
     hidden: int = 0
     seq_len: int = 0
     """Transformer shape, for tensor-parallel communication (0: unknown)."""
+    expert_parameters: int = 0
+    """A mixture of experts' parameters inside its experts, all layers (part of
+    ``parameters``; 0: a dense model). Expert parallelism splits these."""
+    num_experts: int = 0
+    """Experts per MoE layer (expert parallelism's ways must divide it)."""
+    experts_per_token: int = 0
+    """The router's top-k: each token's copies sent to experts, per MoE layer."""
+    moe_layers: int = 0
+    """Layers with experts (0: every one of ``layers``)."""
 
     def __post_init__(self) -> None:
         if self.parameters < 1:
@@ -71,6 +80,18 @@ class ModelDesc:
             raise UsageError("convolution FLOPs must be >= 0 and at most the FLOPs per sample")
         if self.step_compute_s is not None and (self.step_compute_s <= 0 or self.compute_batch < 1):
             raise UsageError("a measured step time needs step_compute_s > 0 and compute_batch >= 1")
+        if not 0 <= self.expert_parameters <= self.parameters:
+            raise UsageError("expert parameters must be >= 0 and at most the parameters")
+        if self.expert_parameters and not 1 <= self.experts_per_token <= self.num_experts:
+            raise UsageError(
+                "a mixture of experts needs num_experts >= 1 and 1 <= experts_per_token <= "
+                f"num_experts, got {self.num_experts} and {self.experts_per_token}"
+            )
+
+    @property
+    def routed_layers(self) -> int:
+        """Layers whose tokens go to experts (0 for a dense model)."""
+        return (self.moe_layers or self.layers) if self.expert_parameters else 0
 
     def compute_s(self, batch: int, matmul_tflops: float, conv_tflops: float) -> float:
         """Seconds of forward + backward + optimizer for ``batch`` samples on one device.
@@ -100,8 +121,12 @@ def transformer(
     seq_len: int,
     heads: int = 0,
     vocab: int = 0,
+    expert_parameters: int = 0,
+    num_experts: int = 0,
+    experts_per_token: int = 0,
 ) -> ModelDesc:
-    """A decoder-only transformer from its shape.
+    """A decoder-only transformer from its shape (a mixture of experts with
+    ``expert_parameters`` in ``num_experts`` experts per layer, ``experts_per_token`` each).
 
     FLOPs per token: 6 x parameters (Kaplan et al. 2020) plus 12 x layers x
     hidden x sequence for attention's two matmuls (the PaLM paper's appendix B,
@@ -124,13 +149,17 @@ def transformer(
     # scores' matmul when attention is not fused; fp32 bytes.
     kept = 4.0 * (10 * seq_len * hidden + heads * seq_len * seq_len)
     attention_flops = 12.0 * layers * hidden * seq_len
+    # A token computes with its top-k experts only: 6 x the active parameters.
+    idle = expert_parameters * (1 - experts_per_token / num_experts) if num_experts else 0.0
     return ModelDesc(
         name=name,
         parameters=parameters,
-        flops_per_sample=(6.0 * parameters + attention_flops) * seq_len,
+        flops_per_sample=(6.0 * (parameters - idle) + attention_flops) * seq_len,
         activation_bytes_per_sample=2.0 * per_layer * layers + logits,
         tp_sharded_activation_bytes_per_sample=2.0 * split * layers,
-        largest_layer_parameters=max(12 * hidden * hidden, vocab * hidden),
+        largest_layer_parameters=max(
+            12 * hidden * hidden, vocab * hidden, expert_parameters // max(layers, 1)
+        ),
         blocks=layers,
         block_activation_bytes_per_sample=2.0 * per_layer * layers,
         block_input_bytes_per_sample=4.0 * seq_len * hidden * layers,
@@ -139,6 +168,9 @@ def transformer(
         layers=layers,
         hidden=hidden,
         seq_len=seq_len,
+        expert_parameters=expert_parameters,
+        num_experts=num_experts,
+        experts_per_token=experts_per_token,
     )
 
 

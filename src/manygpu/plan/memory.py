@@ -19,7 +19,8 @@ so under every precision a parameter costs what it costs in fp32:
 Where each piece lives is data on the strategy's card
 (:class:`~manygpu.strategies.costs.MemoryModel`): whole, split over the
 data-parallel ranks (ZeRO / FSDP) or over the model-split ways (pipeline
-stages, tensor shards); plus the unsharded units FSDP2 gathers (one and the
+stages, tensor shards; a mixture of experts' experts over expert
+parallelism's ``ep``, the rest whole); plus the unsharded units FSDP2 gathers (one and the
 prefetched next, or all of them for ZeRO-2 from forward to backward).
 ``tf32`` stores everything in fp32 (only the math differs), so it counts as fp32.
 Activations are what autograd saves for backward; 16-bit halves them.
@@ -155,13 +156,20 @@ def estimate(
     def split(nbytes: float, how: Split) -> float:
         return nbytes / divisor[how]
 
-    params = split(p * b.weights, model.weights)
+    def held(per_param: float, how: Split) -> float:
+        """Bytes of one kind of state; expert parameters apart where the card says so."""
+        if model.experts is None:
+            return split(p * per_param, how)
+        experts = float(desc.expert_parameters)
+        return split((p - experts) * per_param, how) + split(experts * per_param, model.experts)
+
+    params = held(b.weights, model.weights)
     return MemoryEstimate(
         strategy=strategy,
         params=params,
         prepare=params + desc.largest_layer_parameters * FP32_BYTES,
-        grads=split(p * b.grads, model.grads),
-        optimizer=split(p * b.optimizer, model.optimizer),
+        grads=held(b.grads, model.grads),
+        optimizer=held(b.optimizer, model.optimizer),
         gathered=_gathered(desc, model, b, params_in_compute_dtype(strategy, precision), stages),
         activations=_activations(desc, model, batch, precision, stages, microbatches),
     )
@@ -176,7 +184,10 @@ def _gathered(
     units = {"none": 0.0, "unit": 2.0 * desc.largest_layer_parameters, "whole": p}
     out = units[model.gathered] * width
     if b.compute < b.weights and not low:  # autocast's 16-bit copies, kept for the backward
-        out += p * b.compute / (stages if model.weights == "ways" else 1)
+        kept = p / stages if model.weights == "ways" else p
+        if model.experts == "ways":  # only this device's experts compute here
+            kept -= desc.expert_parameters * (1 - 1 / stages)
+        out += kept * b.compute
     return out
 
 

@@ -72,6 +72,21 @@ def push_pull_s(
     return (grad_bytes + weight_bytes) * busiest / (bw_gbs * 1e9) + 2 * latency_us * 1e-6
 
 
+def all_to_all_s(nbytes: float, ranks: int, bw_gbs: float, latency_us: float) -> float:
+    """An all-to-all in which each rank holds ``nbytes`` for all ranks (``1/ranks`` of
+    it its own): ``ranks - 1`` pairwise exchanges, ``(ranks - 1) / ranks`` of it sent."""
+    if ranks <= 1 or nbytes <= 0:
+        return 0.0
+    return (ranks - 1) * latency_us * 1e-6 + (ranks - 1) / ranks * nbytes / (bw_gbs * 1e9)
+
+
+def token_all_to_all_bytes(desc: ModelDesc, batch: int, precision: str) -> float:
+    """What one device holds for one of a MoE layer's all-to-alls: each of its
+    ``batch x seq`` tokens' ``top-k`` routed copies of ``hidden`` activations."""
+    copies = batch * desc.seq_len * desc.experts_per_token
+    return copies * desc.hidden * element_bytes(precision)
+
+
 def exposed_s(chunk_s: float, chunks: int, window_s: float, overlap: bool) -> float:
     """Communication left on the critical path (the formula in the module docstring)."""
     total = chunk_s * chunks
@@ -100,6 +115,11 @@ class StepEstimate:
     """One device's compute for the batch / replica devices: perfect scaling."""
     servers: int = 0
     """Devices that serve parameters and train no replica (parameter servers)."""
+    all_to_all_s: float = 0.0
+    """Expert parallelism: seconds of the routed tokens' all-to-alls (part of ``comm_s``,
+    all exposed: the next layer waits for them)."""
+    all_to_all_bytes: float = 0.0
+    """Expert parallelism: bytes one device sends in them per step."""
 
     @property
     def step_s(self) -> float:
@@ -173,6 +193,10 @@ def estimate(
         bubble = bubble_fraction(schedule, stages, m, virtual_stages)
         return _model_parallel(desc, cluster, strategy, one, n, stages, replica, bubble,
                                grad / stages, bucket_mb, precision)  # fmt: skip
+    if model.token_all_to_alls:
+        per_param = gb.compute if grad_bytes is None else grad_bytes
+        return _expert_parallel(desc, cluster, strategy, one, n, stages, batch, per_param,
+                                precision, bucket_mb)  # fmt: skip
     comm, exposed = _data_parallel(model, cluster, n, one, grad, desc.parameters * gb.compute,
                                    bucket_mb)  # fmt: skip
     return StepEstimate(
@@ -246,6 +270,36 @@ def _model_parallel(
     return StepEstimate(
         strategy=strategy, world=n, replica_devices=ways, batch=batch, compute_s=compute,
         comm_s=inner + k * ar, exposed_s=exposed, ideal_s=one / ways,
+    )  # fmt: skip
+
+
+def _expert_parallel(
+    desc: ModelDesc, cluster: Cluster, strategy: str, one: float, n: int, ep: int, batch: int,
+    per_param: float, precision: str, bucket_mb: float,
+) -> StepEstimate:  # fmt: skip
+    """Expert parallelism (every device trains its own batch): the routed tokens'
+    all-to-alls over ``ep`` on the critical path, then the gradients in buckets
+    behind the backward: the replicated parameters' over all ``n`` devices, each
+    expert slice's over its ``n / ep`` replicas."""
+    if not (desc.routed_layers and desc.hidden and desc.seq_len):
+        raise UsageError(
+            "expert parallelism needs the model's experts, layers, hidden size and sequence"
+        )
+    held = token_all_to_all_bytes(desc, batch, precision)
+    calls = card(strategy).comm.token_all_to_alls * desc.routed_layers
+    bw, lat = cluster.ring_link(ep)
+    a2a = calls * all_to_all_s(held, ep, bw, lat)
+    bw, lat = cluster.ring_link(n)
+    dense_k, dense = _buckets((desc.parameters - desc.expert_parameters) * per_param, bucket_mb)
+    expert_k, expert = _buckets(desc.expert_parameters / ep * per_param, bucket_mb)
+    total = dense_k * ring_allreduce_s(dense, n, bw, lat)
+    total += expert_k * ring_allreduce_s(expert, n // ep, bw, lat)
+    chunks = dense_k + expert_k
+    hidden = exposed_s(total / chunks, chunks, one * BACKWARD_FRACTION, cluster.overlap)
+    return StepEstimate(
+        strategy=strategy, world=n, replica_devices=1, batch=batch, compute_s=one,
+        comm_s=total + a2a, exposed_s=hidden + a2a, ideal_s=one, all_to_all_s=a2a,
+        all_to_all_bytes=calls * held * (ep - 1) / ep,
     )  # fmt: skip
 
 

@@ -91,6 +91,7 @@ def _candidates(
         for c in cards()
         if c.plan_ways != "never" and c.one_process == (world == 1)
         for ways in _ways(c, world, cluster.gpus_per_node)
+        if _applies(c, desc, ways)
     ]
     out = []
     for strategy, ways in options:
@@ -173,6 +174,14 @@ def _fits_none(
         )
     where = f"{best.strategy}{f' x{best.ways}' if best.ways > 1 else ''}"
     return f"{head}: the smallest, {where}, needs {need}; lower the batch or add devices"
+
+
+def _applies(entry: StrategyCard, desc: ModelDesc, ways: int) -> bool:
+    """Whether the model has what the strategy splits: a strategy that splits experts
+    (expert parallelism) needs a mixture of experts whose experts divide by its ways."""
+    if entry.memory.experts is None:
+        return True
+    return desc.expert_parameters > 0 and desc.num_experts % ways == 0
 
 
 def _ways(entry: StrategyCard, world: int, gpus_per_node: int) -> list[int]:

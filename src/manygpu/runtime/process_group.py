@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import datetime as dt
 import itertools
+import sys
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -186,3 +187,20 @@ def teardown(ctx: DistContext) -> None:
     if ctx.owns_group and dist.is_initialized():
         time.sleep(0.05)
         dist.destroy_process_group()
+    forget_dtensor_specs()  # the job's meshes go with it, whoever owns the default group
+
+
+def forget_dtensor_specs() -> None:
+    """Clear DTensor's cache of sharding results (when DTensor was used at all).
+
+    It is keyed by the ops' input specs, whose meshes compare equal by layout
+    and axis names, not by process groups: a later job in this process with an
+    equal mesh (``{"dp": 2, "ep": 2}`` then ``{"fsdp": 2, "ep": 2}`` share the
+    ``ep`` sub-mesh) would get back output specs holding this job's destroyed
+    groups, and its first collective on them would fail.
+    """
+    if "torch.distributed.tensor._api" not in sys.modules:
+        return
+    from torch.distributed.tensor import debug
+
+    debug._clear_sharding_prop_cache()  # Python's cache and the C++ fast path's

@@ -36,6 +36,11 @@ class MemoryModel:
     """Unsharded parameters held during a step: none, one unit and the prefetched
     next one (FSDP2 resharding after forward), or every unit from its forward to
     its backward (ZeRO-2's ``reshard_after_forward=False``)."""
+    experts: Split | None = None
+    """Where a mixture of experts' expert parameters (and their gradients and
+    optimizer state) live when not as the rest: ``ways`` under expert
+    parallelism (``num_experts / ep`` experts per device); ``None``: like the
+    other parameters. A strategy that sets it is a candidate for MoE models only."""
     compute_dtype_option: str = ""
     """The option of the strategy's object that gathers parameters in the compute
     dtype (FSDP2's ``param_dtype``): the planner sets it under 16-bit precision,
@@ -60,3 +65,7 @@ class CommModel:
     split: Literal["none", "stages", "layer_shards"] = "none"
     """Inside a replica: consecutive stages (a pipeline's bubble), or every layer
     sharded (tensor parallelism's per-layer all-reduces)."""
+    token_all_to_alls: int = 0
+    """All-to-alls of each MoE layer's routed tokens per step over the ways
+    (expert parallelism: dispatch and combine, in forward and in backward: 4);
+    its expert gradients are then reduced over the ``world / ways`` replicas only."""

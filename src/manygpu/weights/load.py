@@ -13,8 +13,9 @@ from manygpu.checkpoint_io.remote import Url
 from manygpu.comm.common import DEFAULT_TIMEOUT_S
 from manygpu.comm.objects import all_gather_json
 from manygpu.errors import CheckpointError
-from manygpu.weights.names import Expected, match
-from manygpu.weights.sources import Source, open_source
+from manygpu.weights.experts import stack_experts
+from manygpu.weights.names import Expected, match, model_tensors
+from manygpu.weights.sources import SlicedSource, Source, open_source
 from manygpu.weights.url_sources import open_url_source, resolve
 
 
@@ -70,6 +71,8 @@ def load_weights(
     try:
         try:
             source = open_url_source(where) if isinstance(where, Url) else open_source(where)
+            if isinstance(source, SlicedSource):  # experts stored apart, a model that stacks
+                source = stack_experts(source, _names(model, expected))
             pairs = match(model, source.entries, source.where, expected)
         except CheckpointError as exc:
             agree(str(exc), "load_weights", timeout_s)
@@ -87,6 +90,14 @@ def load_weights(
     finally:
         if source is not None:
             source.close()
+
+
+def _names(model: nn.Module, expected: Expected | None) -> list[str]:
+    """Every state-dict name the load fills: the model's own, and a whole model's."""
+    names = list(model_tensors(model))
+    for item in expected or ():
+        names += [item] if isinstance(item, str) else list(item)
+    return names
 
 
 def _failed(source: Source, exc: BaseException) -> str:

@@ -8,7 +8,8 @@ a token travels to the rank holding its expert and back with all-to-alls of
 uneven sizes, forward and backward. The other parameters are replicated over
 every rank (``dp`` x ``ep``) and their gradients averaged, as under DDP.
 ``Parallel(mesh={"ep": 2})`` picks it; ``{"dp": 2, "ep": 2}`` also replicates
-the experts over ``dp``.
+the experts over ``dp``; ``{"fsdp": 2, "ep": 2}`` shards every parameter with
+FSDP2 as well (the experts over ``fsdp``, the rest over all ranks: :mod:`.fsdp`).
 """
 
 from __future__ import annotations
@@ -38,12 +39,13 @@ class ExpertParallel(StrategySpec):
     """Expert parallelism over ``ep`` (optionally x ``dp`` replicas)."""
 
     name: ClassVar[str] = "ep"
-    # The planner does not model EP yet (memory of the expert shards, all-to-all
-    # volume): it is never a candidate, and "auto" never picks it.
+    # The planner's ways are the ep size; it tries EP for a model described with
+    # experts only (ModelDesc.expert_parameters), at ep sizes dividing num_experts.
     card: ClassVar[StrategyCard] = StrategyCard(
-        simplicity=11, changes_loop=False, checkpoint=DCP, memory=MemoryModel(),
-        comm=CommModel(grads="all_reduce"), one_process=False, plan_ways="never",
-        mesh_axes=("dp", "ep"), mesh_default="ep", hybrid_for="ep",
+        simplicity=11, changes_loop=False, checkpoint=DCP, memory=MemoryModel(experts="ways"),
+        comm=CommModel(grads="all_reduce", token_all_to_alls=4), one_process=False,
+        plan_ways="axis", ways_option="ep", mesh_axes=("dp", "fsdp", "ep"), mesh_default="ep",
+        hybrid_for="ep",
     )  # fmt: skip
 
     experts: tuple[type | str, ...] | type | str | ExpertsPredicate | None = None

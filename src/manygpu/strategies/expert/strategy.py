@@ -34,14 +34,16 @@ from manygpu.strategies.base import JobOptions
 from manygpu.strategies.expert import ExpertParallel
 from manygpu.strategies.expert.dispatch import LocalCompute, dispatch_combine, routed_forward
 from manygpu.strategies.expert.finding import ExpertsSite, check_divisible, find_experts
+from manygpu.strategies.expert.fsdp import check_fsdp_mesh, shard_with_fsdp
 from manygpu.strategies.expert.grads import GradSync
-from manygpu.strategies.mesh import job_mesh
+from manygpu.strategies.mesh import MeshShape, job_mesh
 from manygpu.strategies.sharded import MeshStrategy
 from manygpu.transforms.materialize import Place
 
 
 class ExpertParallelStrategy(MeshStrategy[ExpertParallel]):
-    """Experts sharded over ``ep``; everything else replicated over ``dp`` x ``ep``."""
+    """Experts sharded over ``ep``; everything else replicated over ``dp`` x ``ep``, or
+    with ``fsdp``, everything sharded by FSDP2 as well (:mod:`.fsdp`)."""
 
     spec_class = ExpertParallel
 
@@ -51,11 +53,18 @@ class ExpertParallelStrategy(MeshStrategy[ExpertParallel]):
         "the experts' all-to-all dispatch is not compiled yet; leave compile off "
         "(or compile the blocks yourself with strategy=Parallelize(fn))"
     )
-    channels_last_weights = True  # no FSDP2 here: weights may be channels_last
+    channels_last_weights = False  # FSDP2 (with fsdp) refuses non-contiguous weights
 
     def __init__(self, ctx: DistContext, options: ExpertParallel, job: JobOptions) -> None:
         super().__init__(ctx, options, job)
         self._syncs: weakref.WeakKeyDictionary[nn.Module, GradSync] = weakref.WeakKeyDictionary()
+
+    @classmethod
+    def resolve_mesh(cls, world_size: int, job: JobOptions) -> MeshShape:
+        """The card's checks, and fsdp with ep but not with dp too (refused at ``Parallel``)."""
+        shape = super().resolve_mesh(world_size, job)
+        check_fsdp_mesh(shape.sizes())
+        return shape
 
     def setup_module(self, module: nn.Module, place: Place) -> nn.Module:
         sizes = self.shape.sizes()
@@ -70,6 +79,9 @@ class ExpertParallelStrategy(MeshStrategy[ExpertParallel]):
             experts.forward = _expert_parallel_forward(
                 experts, site, ep=ep, group=ep_mesh.get_group()
             )
+        if sizes["fsdp"] > 1:  # FSDP2 reduces every gradient: no hand-written sync
+            shard_with_fsdp(module, sites, mesh, data_size=self.shape.data_size)
+            return place(module, self.ctx.device)
         placed = place(module, self.ctx.device)
         # After place: a meta model's parameters are new tensors now.
         expert_ids = {id(getattr(placed.get_submodule(s.path), n)) for s in sites for n in s.params}
@@ -86,17 +98,25 @@ class ExpertParallelStrategy(MeshStrategy[ExpertParallel]):
         sync = self._syncs.get(module)
         if sync is not None:
             sync.enabled = enabled
+        else:  # under fsdp: FSDP2's reduce-scatter
+            super().set_grad_sync(module, enabled)
 
     def grad_sync(self, module: nn.Module) -> GradSync | None:
-        """The gradient sync of a prepared ``module`` (tests break it on purpose)."""
+        """The gradient sync of a prepared ``module`` (tests break it on purpose);
+        ``None`` under ``fsdp``, where FSDP2 reduces the gradients."""
         return self._syncs.get(module)
 
 
 def _shard_experts(experts: nn.Module, site: ExpertsSite, ep_mesh: DeviceMesh) -> None:
-    """Each stacked weight as a DTensor sharded on dim 0: this rank's experts only."""
+    """Each stacked weight as a DTensor sharded on dim 0: this rank's experts only.
+
+    Real weights are scattered from the ``ep`` group's first rank, so every rank
+    holds the values one process built; a meta model's (``par.init_module()``)
+    are cut locally, with no communication, and filled after ``place``."""
     for name in site.params:
         param = getattr(experts, name)
-        sharded = distribute_tensor(param.detach(), ep_mesh, [Shard(0)])
+        src = None if param.is_meta else 0
+        sharded = distribute_tensor(param.detach(), ep_mesh, [Shard(0)], src_data_rank=src)
         experts.register_parameter(name, nn.Parameter(sharded, requires_grad=param.requires_grad))
 
 
