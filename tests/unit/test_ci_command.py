@@ -22,7 +22,14 @@ def test_ci_runs_the_readme_test_command() -> None:
 
 def test_the_test_command_lints_type_checks_and_tests() -> None:
     script = _commands((ROOT / "scripts" / "check").read_text())
-    steps = ["-e '.[dev]'", "ruff check", "ruff format --check", "mypy", "pytest"]
+    steps = [
+        "-e '.[dev]'",
+        "ruff check",
+        "ruff format --check",
+        "mypy",
+        "mkdocs build --strict",
+        "pytest",
+    ]
     found = [next(i for i, ln in enumerate(script) if step in ln) for step in steps]
     assert found == sorted(found), f"scripts/check must run {steps} in that order"
     assert script[-1].startswith(".venv/bin/python -m pytest"), "pytest's status is the script's"

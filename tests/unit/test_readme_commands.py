@@ -1,9 +1,10 @@
-"""Every ``manygpu ...`` command the README shows parses with the real parser.
+"""Every ``manygpu ...`` command the README and the docs (``docs/*.md``) show parses.
 
 A new user copies these lines first; a flag that the CLI refuses (the README
 once showed ``bench comm --markdown`` before the command had it) is the first
-thing they meet. The lines come from the README's fenced code blocks (not the
-Python ones) and from the code spans of its tables; each is parsed by
+thing they meet. The lines come from the fenced code blocks (not the Python ones)
+of README.md and every page of the documentation site, and from the code spans of
+their tables; each is parsed by
 :func:`manygpu.cli.main.build_parser` (``python -m manygpu.emulate`` lines by
 that module's own parser), so a missing subcommand, an unknown flag or a value
 its type refuses fails here, naming the line.
@@ -24,7 +25,10 @@ import pytest
 from manygpu.cli.main import build_parser
 from manygpu.emulate.__main__ import build_parser as emulate_parser
 
-README = Path(__file__).resolve().parents[2] / "README.md"
+ROOT = Path(__file__).resolve().parents[2]
+README = ROOT / "README.md"
+SOURCES = [README, *sorted((ROOT / "docs").glob("*.md"))]
+"""The files whose commands are checked: the README and every documentation page."""
 
 NOT_COMMANDS: dict[str, str] = {
     "manygpu       the package: lazy re-exports for users (import manygpu loads no torch)": (
@@ -32,7 +36,8 @@ NOT_COMMANDS: dict[str, str] = {
     ),
 }
 """Lines that mention ``manygpu`` like a command but are not one, each with the reason.
-A line here must still be in the README (a test checks), so the list cannot rot."""
+A line here must still be in the README or a page of docs/ (a test checks), so the list
+cannot rot."""
 
 PLACEHOLDERS: dict[str, str | None] = {
     "...": None,  # "and the rest of your flags": dropped
@@ -127,22 +132,28 @@ def refusal(program: str, args: list[str]) -> str | None:
     return None
 
 
-FOUND = commands(README.read_text())
+FOUND = [
+    (f"{path.relative_to(ROOT)}: {line}", program, args)
+    for path in SOURCES
+    for line, program, args in commands(path.read_text())
+]
 
 
 def test_the_readme_shows_commands_of_every_kind() -> None:
     """The extraction finds what a reader sees: blocks, wrapped lines, tables, wrappers."""
-    lines = {line for line, _, _ in FOUND}
+    lines = {line.split(": ", 1)[1] for line, _, _ in FOUND}
     assert len(FOUND) >= 30
     assert any(line.startswith("srun ") for line in lines)  # after a wrapper
     assert any("| kubectl" in line for line in lines)  # a pipeline, joined from two lines
+    pages = {line.split(": ", 1)[0] for line, _, _ in FOUND}
+    assert {"README.md", "docs/launching.md", "docs/checkpoints.md"} <= pages
     programs = [(p, args[:2]) for _, p, args in FOUND]
     assert ("manygpu", ["launch", "--nnodes"]) in programs  # from a table's code span
 
 
-@pytest.mark.parametrize(("line", "program", "args"), FOUND, ids=[f[0][:60] for f in FOUND])
+@pytest.mark.parametrize(("line", "program", "args"), FOUND, ids=[f[0][:80] for f in FOUND])
 def test_readme_command_parses(line: str, program: str, args: list[str]) -> None:
-    assert refusal(program, args) is None, f"README line refused: {line}\n{refusal(program, args)}"
+    assert refusal(program, args) is None, f"line refused: {line}\n{refusal(program, args)}"
 
 
 def test_the_check_refuses_what_the_cli_refuses() -> None:
@@ -163,8 +174,8 @@ def test_the_check_refuses_what_the_cli_refuses() -> None:
     assert refusal(*emulate[0][1:]) is not None
 
 
-def test_every_allowed_non_command_is_still_in_the_readme() -> None:
-    lines = {line.strip() for line in _blocks(README.read_text())}
+def test_every_allowed_non_command_is_still_in_the_docs() -> None:
+    lines = {line.strip() for path in SOURCES for line in _blocks(path.read_text())}
     assert set(NOT_COMMANDS) <= lines
 
 

@@ -3,7 +3,7 @@
 Touching one of these names (``hvd.elastic``, ``op=hvd.Adasum``...) raises a
 :class:`NotSupportedError` that names the missing piece and what to use
 instead, rather than an ``AttributeError`` deep inside a script. The table is
-also the README's list (``manygpu.horovod.missing.LEFT_OUT``).
+also docs/horovod.md's list (``manygpu.horovod.missing.LEFT_OUT``).
 """
 
 from __future__ import annotations

@@ -13,7 +13,7 @@ loopback and makes the same handshake on behalf of the local store clients
 (the agent, its workers), which then speak plain TCPStore through it.
 
 Nothing is encrypted: the handshake keeps strangers out of the store; someone
-who can read the wire can still read what passes (see README, "Security").
+who can read the wire can still read what passes (see docs/security.md).
 """
 
 from __future__ import annotations
