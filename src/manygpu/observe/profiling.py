@@ -216,7 +216,7 @@ def _start(
     warmup = steps.start - begin
     with warnings.catch_warnings():
         # A window that opens at the loop's first step has no step to warm up on;
-        # the README says so once, torch would say it on every rank.
+        # docs/tracking.md says so once, torch would say it on every rank.
         warnings.filterwarnings("ignore", message="Profiler won't be using warmup")
         cycle = schedule(wait=0, warmup=warmup, active=len(steps), repeat=1)
     activities = [ProfilerActivity.CPU]
