@@ -24,6 +24,7 @@ import secrets
 import shutil
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -79,8 +80,10 @@ def _ray_node(cluster: EmulatedCluster, host: int, tmp: Path) -> subprocess.Pope
 
 
 @pytest.fixture(scope="module")
-def ray_hosts(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[EmulatedCluster, Path]]:
-    tmp = tmp_path_factory.mktemp("ray")
+def ray_hosts() -> Iterator[tuple[EmulatedCluster, Path]]:
+    # A short directory: Ray's sockets live under its temp dir, and a Unix socket's path
+    # holds at most 107 bytes (pytest's per-worker directories run past it).
+    tmp = Path(tempfile.mkdtemp(prefix="mg-ray-"))
     with EmulatedCluster(2, LinkShape(rate="1gbit")) as cluster:
         nodes = [_ray_node(cluster, 0, tmp)]
         try:
