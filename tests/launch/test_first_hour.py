@@ -32,7 +32,7 @@ def test_a_typo_in_the_strategy_is_one_line_for_the_whole_job() -> None:
     assert len(res.stderr.strip().splitlines()) <= 3, res.stderr
     assert _ours(res.stderr) == [
         "manygpu: ranks 0, 1: unknown strategy 'fdsp'; did you mean 'fsdp'? choose one of: "
-        "auto, ddp, dp, fsdp, hybrid, model, parallelize, pipeline, ps, single, tensor, "
+        "auto, ddp, dp, ep, fsdp, hybrid, model, parallelize, pipeline, ps, single, tensor, "
         "zero1, zero2"
     ], res.stderr
 

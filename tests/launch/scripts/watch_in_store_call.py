@@ -58,8 +58,8 @@ class Watch(hangwatch.HangWatch):
         super().__init__(**kwargs)
 
 
-def _agent(*args: Any) -> int:
-    code = real_agent(*args)
+def _agent(*args: Any, **kwargs: Any) -> int:
+    code = real_agent(*args, **kwargs)
     ENDED.set()
     if IN_CALL.wait(10):
         print("manygpu-test: the hang watch is in a store call", file=sys.stderr, flush=True)
