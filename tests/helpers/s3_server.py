@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import os
 import urllib.request
+import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -109,3 +110,9 @@ def s3_server(bucket: str = BUCKET) -> Iterator[S3Server]:
                 os.environ[key] = value
         _clear_instances()
         server.stop()
+
+
+def fresh_url(scheme: str, tag: str) -> str:
+    """A URL no other test writes under: in the test bucket, or ``memory://TAG-...``."""
+    name = uuid.uuid4().hex[:10]
+    return f"s3://{BUCKET}/{name}" if scheme == "s3" else f"memory://{tag}-{name}"

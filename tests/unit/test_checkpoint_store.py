@@ -7,14 +7,13 @@ The S3 server is moto's, in a thread of this process on 127.0.0.1
 from __future__ import annotations
 
 import json
-import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import torch
 from ckpt_job import build, train
-from s3_server import BUCKET, S3Server, s3_server
+from s3_server import S3Server, fresh_url, s3_server
 
 from manygpu import Parallel
 from manygpu.checkpoint import CheckpointError, TrainState
@@ -32,9 +31,7 @@ def s3() -> Iterator[S3Server]:
 
 
 def _fresh(scheme: str) -> str:
-    """A URL no other test writes under."""
-    name = uuid.uuid4().hex[:10]
-    return f"s3://{BUCKET}/{name}" if scheme == "s3" else f"memory://ckpt-{name}"
+    return fresh_url(scheme, "ckpt")
 
 
 def _run(directory: str | Path, total: int, every: int, **kw: object):  # type: ignore[no-untyped-def]

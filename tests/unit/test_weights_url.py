@@ -12,7 +12,6 @@ tests/distributed/test_weights_ranks.py.
 from __future__ import annotations
 
 import struct
-import uuid
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -21,7 +20,7 @@ import fsspec
 import pytest
 import torch
 from fsspec.implementations.memory import MemoryFileSystem
-from s3_server import BUCKET, S3Server, s3_server
+from s3_server import S3Server, fresh_url, s3_server
 from safetensors.torch import save_file
 from torch import nn
 
@@ -65,8 +64,7 @@ def s3() -> Iterator[S3Server]:
 
 
 def _prefix(scheme: str) -> str:
-    name = uuid.uuid4().hex[:10]
-    return f"s3://{BUCKET}/{name}" if scheme == "s3" else f"memory://weights-{name}"
+    return fresh_url(scheme, "weights")
 
 
 def _upload(local: Path, url: str) -> None:

@@ -70,7 +70,8 @@ class TokenWeights:
 
     def note(self, loss: torch.Tensor, tokens: int | torch.Tensor | None, strategy: Any) -> None:
         """One micro-step's backward: its count (``None``: plain ``backward(loss)``)."""
-        if isinstance(type(strategy), abilities.PlacesRanks):
+        undecided = self._weighted is None or tokens is not None
+        if undecided and isinstance(type(strategy), abilities.PlacesRanks):  # asked once
             # Parameter servers: a server never runs the loop, so no count reaches every
             # rank; their workers' gradients are combined on the servers, not averaged.
             if tokens is not None:
