@@ -136,6 +136,12 @@ CASES: dict[str, tuple[int, dict[str, Any], list[Recipe]]] = {
             replace(SEQ_W, samples=24),
         ],
     ),
+    # Two stages per rank, weight gradients deferred into the bubble; built empty too.
+    "pipeline-pp2-zero-bubble": (
+        2,
+        {"strategy": replace(PIPE, schedule="interleaved-zero-bubble")},
+        [Recipe("gpt_seq"), Recipe("gpt_seq", empty=True)],
+    ),
     "model-dp2": (2, {"strategy": "model", "mesh": {"dp": 2}}, [Recipe("gpt_seq"), SEQ_W]),
     # The user's own plan (torchtitan's FSDP2 per block) on the job's mesh.
     "parallelize-fsdp2": (2, {"strategy": Parallelize(titan_fsdp)}, [GPT_ACCUM, GPT_W]),
