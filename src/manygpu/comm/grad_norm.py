@@ -7,7 +7,10 @@ DTensors on different meshes (dp x tp). Here each gradient says what it is:
 
 - a DTensor's local piece counts once per mesh dimension it is *sharded* on
   (summed over that dimension's group) and once in all for replicated ones;
-- a plain tensor is whole on this rank (replicated, as under DDP);
+- a plain tensor is whole on this rank (replicated, as under DDP), unless it
+  carries a group in its :data:`HELD_OVER` attribute: then each rank of that
+  group holds different tensors of this kind (expert parallelism's experts
+  kept one module per expert), and their pieces are summed over it too;
 - ``across`` names a group whose ranks hold *different* tensors (pipeline
   stages): their contributions are summed over it last.
 
@@ -24,6 +27,9 @@ import torch
 import torch.distributed as dist
 
 from manygpu.comm.common import describe, wait
+
+HELD_OVER = "_manygpu_norm_held_over"
+"""A parameter's attribute: the group whose ranks hold different tensors of its kind."""
 
 
 def _power(local: torch.Tensor, p: float, device: torch.device) -> torch.Tensor:
@@ -71,19 +77,27 @@ def total_grad_norm(
 
     p = float(norm_type)
     total = torch.zeros((), device=device)
-    sharded: dict[tuple[int, tuple[int, ...]], tuple[list[Any], torch.Tensor]] = {}
+    sharded: dict[tuple[int, tuple[int, ...], int], tuple[list[Any], torch.Tensor]] = {}
     for param in parameters:
+        held = getattr(param, HELD_OVER, None)
+        if held is not None and (0, (), id(held)) not in sharded:
+            # Made on the first such parameter, gradient or not, so every rank reduces it.
+            sharded[(0, (), id(held))] = ([held], torch.zeros((), device=device))
         grad = param.grad
         if grad is None:
             continue
         if not isinstance(grad, DTensor):
-            total = _combine(total, _power(grad, p, device), p)
+            if held is None:
+                total = _combine(total, _power(grad, p, device), p)
+            else:
+                groups, value = sharded[(0, (), id(held))]
+                sharded[(0, (), id(held))] = (groups, _combine(value, _power(grad, p, device), p))
             continue
         grad = _whole_partials(grad)
         # Not ``is_shard()``: FSDP2 over a dimension already sharded (experts over ep, then
         # fsdp) places a _StridedShard, which is no Shard but splits the tensor all the same.
         dims = tuple(i for i, pl in enumerate(grad.placements) if not pl.is_replicate())
-        key = (id(grad.device_mesh), dims)
+        key = (id(grad.device_mesh), dims, 0)
         groups, value = sharded.get(key, ([grad.device_mesh.get_group(i) for i in dims], None))
         piece = _power(grad.to_local(), p, device)
         sharded[key] = (groups, piece if value is None else _combine(value, piece, p))

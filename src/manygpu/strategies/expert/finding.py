@@ -15,6 +15,12 @@ Found by structure: a module called ``experts`` by its parent (or whose class
 name contains ``Experts``) whose own parameters are all 3-D with one leading
 size, and no sub-module with parameters. Anything else is named by the user
 (``ExpertParallel(experts=...)``).
+
+A third layout, ``listed``, keeps one module per expert: an ``nn.ModuleList``
+called ``experts`` of identical expert MLPs (transformers 4.x Mixtral,
+Qwen2-MoE and Qwen3-MoE, many hand-written models). Its parent - the sparse
+block - is what runs under EP (:mod:`.listed`), so it must look like those
+blocks: a router ``gate`` (``nn.Linear`` to ``num_experts``) and ``top_k``.
 """
 
 from __future__ import annotations
@@ -27,7 +33,7 @@ from torch import nn
 
 from manygpu.errors import UsageError
 
-Kind = Literal["routed", "grouped"]
+Kind = Literal["routed", "grouped", "listed"]
 
 
 @dataclass(frozen=True)
@@ -39,7 +45,10 @@ class ExpertsSite:
     kind: Kind
     num_experts: int
     params: tuple[str, ...]
-    """Its stacked weights' names (``gate_up_proj``, ``down_proj``)."""
+    """Its stacked weights' names (``gate_up_proj``, ``down_proj``); for ``listed``,
+    one expert's (``w1.weight``, ...)."""
+    top_k: int = 0
+    """``listed``: the block's experts per token (0 for the stacked layouts)."""
 
 
 def stacked_size(module: nn.Module) -> int | None:
@@ -75,6 +84,8 @@ def _has_var(params: Any) -> bool:
 
 def _by_structure(path: str, module: nn.Module) -> bool:
     leaf = path.rsplit(".", 1)[-1]
+    if isinstance(module, nn.ModuleList):
+        return leaf == "experts" and len(module) > 0
     named = leaf == "experts" or "Experts" in type(module).__name__
     return named and stacked_size(module) is not None
 
@@ -105,7 +116,11 @@ def find_experts(model: nn.Module, chosen: Any = None) -> list[ExpertsSite]:
         if any(path.startswith(t + ".") for t in taken) or not match(path, module):
             continue
         taken.append(path)
+        if isinstance(module, nn.ModuleList):
+            sites.append(listed_site(model, path, module))
+            continue
         sites.append(_site(path, module, named=chosen is not None))
+        _refuse_capacity(f"{path} ({type(module).__name__})", _parent(model, path))
     if not sites:
         raise UsageError(_none_found(model, chosen))
     return sites
@@ -117,8 +132,8 @@ def _site(path: str, module: nn.Module, *, named: bool) -> ExpertsSite:
     if size is None:
         raise UsageError(
             f"strategy 'ep' cannot split {where}: its experts' weights must be stacked "
-            "3-D parameters [num_experts, ...] of its own (a ModuleList of expert MLPs "
-            "is not supported yet); stack them, or name another module with experts="
+            "3-D parameters [num_experts, ...] of its own, or an nn.ModuleList of expert "
+            "modules called 'experts'; stack them, or name another module with experts="
         )
     kind = call_kind(module)
     if kind is None:
@@ -131,6 +146,53 @@ def _site(path: str, module: nn.Module, *, named: bool) -> ExpertsSite:
     return ExpertsSite(path=path, kind=kind, num_experts=size, params=names)
 
 
+def listed_site(model: nn.Module, path: str, experts: nn.ModuleList) -> ExpertsSite:
+    """A ModuleList of experts and its block, checked as the module docstring says."""
+    block = _parent(model, path)
+    where = f"{path} ({type(block).__name__}.experts, {len(experts)} experts)"
+    kinds = {(type(e), tuple((n, p.shape) for n, p in e.named_parameters())) for e in experts}
+    if len(kinds) != 1 or not next(iter(kinds))[1]:
+        raise UsageError(
+            f"strategy 'ep' cannot split {where}: its experts must be modules of one class "
+            "with parameters of the same shapes; name the stacked experts with experts="
+        )
+    gate, top_k = getattr(block, "gate", None), getattr(block, "top_k", None)
+    if not isinstance(gate, nn.Linear) or gate.out_features != len(experts):
+        raise UsageError(
+            f"strategy 'ep' cannot route {where}: its block needs a router 'gate' "
+            f"(nn.Linear to {len(experts)} experts) as Mixtral's and Qwen-MoE's have"
+        )
+    if not isinstance(top_k, int) or not 0 < top_k <= len(experts):
+        raise UsageError(
+            f"strategy 'ep' cannot route {where}: its block needs 'top_k' (experts per "
+            f"token, 1 to {len(experts)}), not {top_k!r}"
+        )
+    if getattr(block, "jitter_noise", 0):
+        raise UsageError(
+            f"strategy 'ep' cannot route {where}: its router's jitter_noise is random, "
+            "so it cannot match one process; set jitter_noise=0"
+        )
+    _refuse_capacity(where, block)
+    names = tuple(n for n, _ in experts[0].named_parameters())
+    return ExpertsSite(path, "listed", len(experts), names, top_k=top_k)
+
+
+def _parent(model: nn.Module, path: str) -> nn.Module:
+    return model.get_submodule(path.rpartition(".")[0]) if path else model
+
+
+def _refuse_capacity(where: str, block: nn.Module) -> None:
+    """Capacity limits (tokens past an expert's capacity dropped) are not run under EP."""
+    for module in block.modules():
+        factor = getattr(module, "capacity_factor", None)
+        if factor is not None:
+            raise UsageError(
+                f"strategy 'ep' cannot run {where}: it drops tokens past a capacity "
+                f"(capacity_factor={factor}), which EP does not reproduce yet; "
+                "set capacity_factor=None (no token dropped)"
+            )
+
+
 def _none_found(model: nn.Module, chosen: Any) -> str:
     if chosen is not None:
         return (
@@ -139,7 +201,8 @@ def _none_found(model: nn.Module, chosen: Any) -> str:
         )
     return (
         f"strategy 'ep' found no experts in {type(model).__name__} (a module called "
-        "'experts' with stacked 3-D weights [num_experts, ...]); name them: "
+        "'experts' with stacked 3-D weights [num_experts, ...], or an nn.ModuleList of "
+        "experts beside a router 'gate'); name them: "
         "ExpertParallel(experts='MyExperts') or experts=lambda path, module: ..."
     )
 

@@ -16,7 +16,9 @@ One process on the global batch minimises ``L = (1/R) * sum_r L_r``, where
 
 A parameter that got no gradient on any rank keeps none (an optimizer then
 skips it, as one process would); one that got one somewhere gets zeros where
-it did not, so every rank reduces the same tensors. The sync runs once per
+it did not, so every rank reduces the same tensors. For experts, "any rank"
+means any rank holding the same experts (the ``dp`` replicas): experts kept one
+module per expert are different tensors on each ``ep`` rank. The sync runs once per
 backward, when autograd has finished (queued from the first gradient's
 hook), so ``loss.backward()`` works as well as ``par.backward(loss)``.
 """
@@ -78,13 +80,21 @@ class GradSync:
     @torch.no_grad()
     def sync(self) -> None:
         """Reduce every gradient as the module docstring derives (all ranks call it)."""
-        had = torch.tensor([float(p.grad is not None) for p in self.params])
-        self._reduce([had], None, "which parameters have gradients")
-        present = [p for p, n in zip(self.params, had.tolist(), strict=True) if n > 0]
-        plain = [p for p in present if id(p) not in self.experts]
-        experts = [p for p in present if id(p) in self.experts]
+        plain = self._present(False, None)
+        # Asked of the ranks holding the same experts only: another ep rank's experts
+        # (one module each) are other tensors, and one nobody here used keeps none.
+        experts = self._present(True, self.expert_group)
         self._average(plain, "replicated gradients", over_world=True)
         self._average(experts, "expert gradients", over_world=False)
+
+    def _present(self, experts: bool, group: Any) -> list[nn.Parameter]:
+        """The expert (or other) parameters with a gradient on some rank of ``group``
+        (the world for ``None``)."""
+        mine = [p for p in self.params if (id(p) in self.experts) == experts]
+        had = torch.tensor([float(p.grad is not None) for p in mine])
+        if group is not None or not experts:
+            self._reduce([had], group, "which parameters have gradients")
+        return [p for p, n in zip(mine, had.tolist(), strict=True) if n > 0]
 
     def _average(self, params: Sequence[nn.Parameter], what: str, *, over_world: bool) -> None:
         """Sum over the world (replicated) or over the expert replicas, then divide by R."""

@@ -29,6 +29,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Shard, distribute_tensor
 from torch.nn.utils.stateless import _reparametrize_module
 
+from manygpu.errors import UsageError
 from manygpu.runtime.process_group import DistContext
 from manygpu.strategies.base import JobOptions
 from manygpu.strategies.expert import ExpertParallel
@@ -36,6 +37,7 @@ from manygpu.strategies.expert.dispatch import LocalCompute, dispatch_combine, r
 from manygpu.strategies.expert.finding import ExpertsSite, check_divisible, find_experts
 from manygpu.strategies.expert.fsdp import check_fsdp_mesh, shard_with_fsdp
 from manygpu.strategies.expert.grads import GradSync
+from manygpu.strategies.expert.listed import keep_local, listed_forward, mark_held
 from manygpu.strategies.mesh import MeshShape, job_mesh
 from manygpu.strategies.sharded import MeshStrategy
 from manygpu.transforms.materialize import Place
@@ -71,10 +73,20 @@ class ExpertParallelStrategy(MeshStrategy[ExpertParallel]):
         ep, dp = sizes["ep"], sizes["dp"]
         sites = find_experts(module, self.options.experts)
         check_divisible(sites, ep)  # the same on every rank: refused before any collective
+        listed = [s for s in sites if s.kind == "listed"]
+        if listed and sizes["fsdp"] > 1:
+            raise UsageError(
+                f"strategy 'ep' keeps the experts of {listed[0].path} (an nn.ModuleList) whole "
+                "on their ep rank, not sharded over fsdp too; use mesh {'ep': E} or "
+                "{'dp': D, 'ep': E}, or stack the experts' weights"
+            )
         mesh = job_mesh(self.ctx, self.shape, self.mesh_names)
         ep_mesh = mesh["ep"]
         for site in sites:
             experts = module.get_submodule(site.path)
+            if site.kind == "listed":
+                _split_listed(module, site, ep_mesh)
+                continue
             _shard_experts(experts, site, ep_mesh)
             experts.forward = _expert_parallel_forward(
                 experts, site, ep=ep, group=ep_mesh.get_group()
@@ -84,7 +96,14 @@ class ExpertParallelStrategy(MeshStrategy[ExpertParallel]):
             return place(module, self.ctx.device)
         placed = place(module, self.ctx.device)
         # After place: a meta model's parameters are new tensors now.
-        expert_ids = {id(getattr(placed.get_submodule(s.path), n)) for s in sites for n in s.params}
+        expert_ids = set()
+        for site in sites:
+            experts = placed.get_submodule(site.path)
+            if site.kind == "listed":
+                mark_held(experts, ep_mesh.get_group())
+                expert_ids |= {id(p) for p in experts.parameters()}
+            else:
+                expert_ids |= {id(getattr(experts, n)) for n in site.params}
         self._syncs[placed] = GradSync(
             placed,
             expert_ids,
@@ -118,6 +137,15 @@ def _shard_experts(experts: nn.Module, site: ExpertsSite, ep_mesh: DeviceMesh) -
         src = None if param.is_meta else 0
         sharded = distribute_tensor(param.detach(), ep_mesh, [Shard(0)], src_data_rank=src)
         experts.register_parameter(name, nn.Parameter(sharded, requires_grad=param.requires_grad))
+
+
+def _split_listed(model: nn.Module, site: ExpertsSite, ep_mesh: DeviceMesh) -> None:
+    """A ModuleList of experts: this rank's kept, its block run under EP (:mod:`.listed`)."""
+    block = model.get_submodule(site.path.rpartition(".")[0])
+    keep_local(model.get_submodule(site.path), site, ep_mesh)  # type: ignore[arg-type]
+    block.forward = listed_forward(
+        block, site, ep=ep_mesh.size(), rank=ep_mesh.get_local_rank(), group=ep_mesh.get_group()
+    )
 
 
 @contextmanager
