@@ -205,6 +205,11 @@ def check_cover(results: list[dict[str, Any]], ref: dict[str, Any]) -> None:
         assert set().union(*(out[part] for out in results)) == ref[part].keys(), part
 
 
+def check_params_cover(runs: list[dict[str, Any]], ref: dict[str, torch.Tensor]) -> None:
+    """:func:`check_cover` of the parameters alone."""
+    check_cover([{"grads": {}, "params": r["params"]} for r in runs], {"grads": {}, "params": ref})
+
+
 def _check_loads(results: list[dict[str, Any]]) -> None:
     """Uneven loads, and some expert with no token on some rank in some call."""
     loads = [counts for out in results for counts in out["loads"]]
@@ -218,13 +223,23 @@ def test_ep2_equals_one_process_and_a_gradient_scaled_by_ep_does_not(tmp_path: P
     cases = [("grouped", {"ep": 2}, 1.0), ("mixtral", {"ep": 2}, 1.0), ("grouped", {"ep": 2}, 2.0)]
     cases += [("mixtral-aux", {"ep": 2}, 1.0), ("mixtral-local-aux", {"ep": 2}, 1.0)]
     cases.append(("mixtral", {"ep": 2}, 1.0, 2))  # accumulation: synced once per 2 backwards
+    cases += [("listed-aux", {"ep": 2}, 1.0), ("listed", {"ep": 2}, 2.0)]  # ModuleList experts
     saved = mixtral(seed=11)
-    saved.save_pretrained(tmp_path)
-    loads = [("weights", {"ep": 2}, str(tmp_path)), ("weights", {"ep": 2}, None)]
-    per_rank = run_ranks(_run, 2, [("train", *c) for c in cases] + loads, timeout=240)
-    check_weights([out for ranks in per_rank for out in ranks[len(cases) :]], saved, ep=2)
-    refs = {kind: reference(kind) for kind in ("grouped", "mixtral", "mixtral-aux")}
-    refs["mixtral-local-aux"] = refs["mixtral-aux"]
+    saved.save_pretrained(tmp_path / "hf")
+    loads = [("weights", {"ep": 2}, str(tmp_path / "hf")), ("weights", {"ep": 2}, None)]
+    alone, ep2 = str(tmp_path / "alone"), str(tmp_path / "ep2")
+    first = _job("ddp", None, alone, 2, "listed")
+    jobs = [
+        ("job", None, {"ep": 2}, alone, -1, "listed"),
+        ("job", None, {"ep": 2}, ep2, 2, "listed"),
+    ]
+    jobs.append(("weights", {"ep": 2}, None, "listed"))
+    calls = [("train", *c) for c in cases] + loads + jobs
+    per_rank = run_ranks(_run, 2, calls, timeout=240)
+    check_weights([out for ranks in per_rank for out in ranks[len(cases) : -3]], saved, ep=2)
+    check_listed_resume([first, _job("ddp", None, ep2, -1, "listed")], per_rank)
+    refs = {kind: reference(kind) for kind in ("grouped", "mixtral", "mixtral-aux", "listed-aux")}
+    refs["mixtral-local-aux"], refs["listed"] = refs["mixtral-aux"], reference("listed")
     for index, (kind, _, scale, *_) in enumerate(cases):
         results = [ranks[index] for ranks in per_rank]
         assert all(out["strategy"] == "ep" for out in results)
@@ -233,12 +248,38 @@ def test_ep2_equals_one_process_and_a_gradient_scaled_by_ep_does_not(tmp_path: P
             assert all("losses" in w and "grads:model.layers.0.mlp.gate.weight" in w for w in wrong)
         elif scale == 1.0:
             assert wrong == [[], []], wrong
+            check_cover(results, refs[kind])
             _check_loads(results)
         else:  # the bug is caught: expert gradients, the norm, then every parameter
-            assert all("grads:layers.0.experts.w1" in w and "norms" in w for w in wrong), wrong
+            assert all(_expert_grad_wrong(w) and "norms" in w for w in wrong), wrong
     # Each rank holds half of each layer's experts; routers and the rest are whole.
     local = per_rank[0][0]["local"]
     assert local["layers.0.experts.w1"][0] == 2 and "layers.0.router.weight" not in local
+
+
+def _expert_grad_wrong(wrong: list[str]) -> bool:
+    return any(w.startswith("grads:layers.0.experts.") for w in wrong)
+
+
+def check_listed_resume(alone: list[dict[str, Any]], per_rank: list[list[Any]]) -> None:
+    """ModuleList experts' checkpoints move between one process and ep=2: a one-process
+    save resumed at ep=2, an ep=2 save resumed in one process (``alone``: the first
+    save and the resume), each rank's experts by their one-process names. All end on one
+    process's parameters; each resume starts from its AdamW state after 2 steps."""
+    ref, adam = reference("listed")["params"], reference_adam_at(2, "listed")
+    at_ep2 = [r for ranks in per_rank for r in ranks[-3:-1]]
+    assert [r["started"] for r in alone + at_ep2] == [0, 2, 2, 0, 2, 0]
+    for found in (alone, at_ep2[0::2], at_ep2[1::2]):
+        check_params_cover(found, ref)
+    for run in alone + at_ep2:
+        assert [n for n, v in run["params"].items() if (v - ref[n]).abs().max() > TOL] == []
+        if run["started"]:
+            assert run["adam"] and run["adam"].keys() <= adam.keys()
+            assert [k for k, v in run["adam"].items() if (v - adam[k]).abs().max() > TOL] == []
+    empty, init = [ranks[-1] for ranks in per_rank], reference_empty_init("listed")
+    check_params_cover(empty, init)
+    for out in empty:  # built empty: each rank's experts are one process's, exactly
+        assert [n for n, v in out["params"].items() if not torch.equal(v, init[n])] == []
 
 
 def _job(
@@ -248,9 +289,10 @@ def _job(
     save_at: int,
     kind: str = "grouped",
 ) -> Any:
-    """The ``kind`` model (grouped unless told) trained to ``STEPS`` from a DCP checkpoint in ``directory`` when
-    there is one, saving at step ``save_at``; its parameters at the end, the step it
-    resumed at and the optimizer's state just after the resume (by parameter name)."""
+    """The ``kind`` model (grouped unless told) trained to ``STEPS`` from a DCP
+    checkpoint in ``directory`` when there is one, saving at step ``save_at``; its
+    parameters at the end, the step it resumed at and the optimizer's state just after
+    the resume (by parameter name)."""
     from manygpu.checkpoint import Checkpointer
 
     par = Parallel(strategy=strategy, mesh=mesh)
@@ -299,7 +341,7 @@ def reference_adam_at(step: int, kind: str = "grouped") -> dict[str, torch.Tenso
     return _adam_state(model, opt)
 
 
-def _weights(mesh: dict[str, int], directory: str | None) -> dict[str, Any]:
+def _weights(mesh: dict[str, int], directory: str | None, kind: str = "mixtral") -> dict[str, Any]:
     """A Mixtral built empty (``par.init_module()``) under EP, its values from the
     Hugging Face file in ``directory`` (per-expert tensors) or, with none, from
     manygpu's seeded init; the whole parameters, and the bytes a second load reads."""
@@ -308,7 +350,7 @@ def _weights(mesh: dict[str, int], directory: str | None) -> dict[str, Any]:
     par = Parallel(mesh=mesh)
     try:
         with par.init_module():
-            model = mixtral()
+            model = make(kind)
         inner = par.unwrap(par.prepare(model, weights=directory))
         read = load_weights(inner, directory).bytes_read if directory else 0
         params = {n: _full(p) for n, p in inner.named_parameters()}
@@ -317,12 +359,12 @@ def _weights(mesh: dict[str, int], directory: str | None) -> dict[str, Any]:
         par.close()
 
 
-def reference_empty_init() -> dict[str, torch.Tensor]:
-    """One process's Mixtral built under ``init_module()``: manygpu's seeded values."""
+def reference_empty_init(kind: str = "mixtral") -> dict[str, torch.Tensor]:
+    """One process's model built under ``init_module()``: manygpu's seeded values."""
     par = Parallel()
     try:
         with par.init_module():
-            model = mixtral()
+            model = make(kind)
         model = par.unwrap(par.prepare(model))
         return {n: p.detach().clone() for n, p in model.named_parameters()}
     finally:
@@ -375,6 +417,9 @@ def test_at_4_ranks_dp_or_fsdp_x_ep_equals_one_process_and_checkpoints_resume_ac
     # FSDP2's own divide factor (fsdp's size) on the experts: their gradients ep times
     # too big (pytorch#160285), which must fail.
     trained.append(("grouped", fsdp, 2.0))
+    trained.append(("listed", {"dp": 2, "ep": 2}, 1.0))  # ModuleList experts, dp x ep
+    listed_alone = str(tmp_path / "listed")
+    first_listed = _job("ddp", None, listed_alone, 2, "listed")
     four: list[tuple[Any, ...]] = [("train", *case) for case in trained]
     four += [
         ("job", None, {"dp": 2, "ep": 2}, d["dp2ep2"], 2),
@@ -387,24 +432,26 @@ def test_at_4_ranks_dp_or_fsdp_x_ep_equals_one_process_and_checkpoints_resume_ac
         ("weights", {"ep": 4}, None),
         ("weights", {"fsdp": 2, "ep": 2}, d["hf"]),
         ("weights", {"fsdp": 2, "ep": 2}, None),
+        ("job", None, {"ep": 4}, listed_alone, -1, "listed"),  # one expert module per rank
     ]
     per_four = run_ranks(_run, 4, four, timeout=300)
-    check_weights([out for ranks in per_four for out in ranks[-4:-2]], saved, ep=4)
-    check_weights([out for ranks in per_four for out in ranks[-2:]], saved, ep=0)
+    check_weights([out for ranks in per_four for out in ranks[-5:-3]], saved, ep=4)
+    check_weights([out for ranks in per_four for out in ranks[-3:-1]], saved, ep=0)
     two = [("job", None, {"ep": 2}, d["ep2"], 2), ("job", None, {"ep": 2}, d["alone"], -1)]
     two += [("job", None, {"ep": 2}, d["ep4"], -1), ("job", None, {"ep": 2}, d["fsdp2ep2"], -1)]
     per_two = run_ranks(_run, 2, two, timeout=240)
     resumed = _job("ddp", None, d["ep2"], -1)
-    refs = {kind: reference(kind) for kind in ("grouped", "mixtral")}
+    refs = {kind: reference(kind) for kind in ("grouped", "mixtral", "listed")}
     for index, (kind, mesh, scale, *_) in enumerate(trained):
         wrong = [mismatches(ranks[index], refs[kind]) for ranks in per_four]
         if scale == 1.0:
             assert wrong == [[]] * 4, (mesh, wrong)
+            check_cover([ranks[index] for ranks in per_four], refs[kind])
         else:
-            assert all("grads:layers.0.experts.w1" in w and "norms" in w for w in wrong), wrong
+            assert all(_expert_grad_wrong(w) and "norms" in w for w in wrong), wrong
     ref, adam = reference("grouped")["params"], reference_adam_at(2)
     assert len(adam) == 3 * len(ref)  # step, exp_avg, exp_avg_sq of every parameter
-    runs = [first, resumed] + [r for ranks in per_four for r in ranks[len(trained) : -4]]
+    runs = [first, resumed] + [r for ranks in per_four for r in ranks[len(trained) : -5]]
     runs += [r for ranks in per_two for r in ranks]
     assert [r["started"] for r in runs] == [0, 2] + [0, 2, 0, 2, 0, 2] * 4 + [0, 2, 2, 2] * 2
     for run in runs:
@@ -412,3 +459,11 @@ def test_at_4_ranks_dp_or_fsdp_x_ep_equals_one_process_and_checkpoints_resume_ac
         if run["started"]:
             assert run["adam"].keys() == adam.keys()
             assert [k for k, v in adam.items() if (run["adam"][k] - v).abs().max() > TOL] == []
+    at_ep4 = [ranks[-1] for ranks in per_four]
+    listed_ref, listed_adam = refs["listed"]["params"], reference_adam_at(2, "listed")
+    check_params_cover(at_ep4, listed_ref)
+    for run in [first_listed, *at_ep4]:
+        assert [n for n, v in run["params"].items() if (v - listed_ref[n]).abs().max() > TOL] == []
+    for run in at_ep4:
+        assert run["started"] == 2 and run["adam"].keys() <= listed_adam.keys()
+        assert [k for k, v in run["adam"].items() if (v - listed_adam[k]).abs().max() > TOL] == []
