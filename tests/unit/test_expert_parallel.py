@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 from jobs import two_rank_cluster
-from moe_models import GroupedExperts, grouped_model, mixtral
+from moe_models import GroupedExperts, SparseMoeBlock, grouped_model, listed_model, mixtral
 from torch import nn
 
 from manygpu import ExpertParallel, MeshShape, Parallel, UsageError
@@ -62,7 +62,60 @@ def test_named_experts_by_class_name_class_or_predicate() -> None:
         find_experts(_Holder(), "Nope")
 
 
-def test_a_module_list_of_experts_or_an_odd_forward_is_refused_in_one_line() -> None:
+def test_a_module_list_of_experts_beside_a_router_is_found() -> None:
+    sites = find_experts(listed_model(num_experts=8))
+    assert [(s.path, s.kind, s.num_experts, s.top_k) for s in sites] == [
+        ("layers.0.experts", "listed", 8, 2), ("layers.1.experts", "listed", 8, 2)
+    ]  # fmt: skip
+    assert sites[0].params == ("w1.weight", "w2.weight", "w3.weight")
+    check_divisible(sites, 4)
+    with pytest.raises(UsageError, match=r"cannot split the 8 experts of 'layers.0.experts'"):
+        check_divisible(sites, 3)
+
+
+def _block(**changes: object) -> nn.Module:
+    block = SparseMoeBlock(4, 6, 4)
+    for name, value in changes.items():
+        setattr(block, name, value)
+    return nn.ModuleDict({"moe": block})
+
+
+@pytest.mark.parametrize(
+    "changes, match",
+    [
+        ({"gate": nn.Linear(4, 3)}, r"cannot route moe.experts .*needs a router 'gate'"),
+        ({"gate": nn.Identity()}, r"cannot route moe.experts .*needs a router 'gate'"),
+        ({"top_k": None}, r"cannot route moe.experts .*needs 'top_k' .*not None"),
+        ({"jitter_noise": 0.01}, r"cannot route .*jitter_noise is random.*set jitter_noise=0"),
+        ({"capacity_factor": 1.25}, r"drops tokens past a capacity \(capacity_factor=1.25\)"),
+    ],
+)
+def test_a_module_list_block_ep_cannot_run_is_refused_in_one_line(
+    changes: dict[str, object], match: str
+) -> None:
+    with pytest.raises(UsageError, match=match) as info:
+        find_experts(_block(**changes))
+    assert "\n" not in str(info.value)
+
+
+def test_module_list_experts_of_different_shapes_are_refused_in_one_line() -> None:
+    model = _block()
+    model["moe"].experts[1].w1 = nn.Linear(4, 7, bias=False)  # type: ignore[index]
+    with pytest.raises(UsageError, match=r"cannot split moe.experts .*one class") as info:
+        find_experts(model)
+    assert "\n" not in str(info.value)
+
+
+def test_a_capacity_factor_beside_stacked_experts_is_refused_in_one_line() -> None:
+    model = grouped_model()
+    model.layers[0].capacity_factor = 1.0  # type: ignore[assignment]
+    with pytest.raises(UsageError, match=r"run layers.0.experts \(GroupedExperts\): it drops"):
+        find_experts(model)
+    model.layers[0].capacity_factor = None  # type: ignore[assignment]
+    assert len(find_experts(model)) == 2
+
+
+def test_an_odd_experts_module_or_forward_is_refused_in_one_line() -> None:
     holder = _Holder()
     with pytest.raises(UsageError, match=r"cannot split head \(Linear\): .*stacked") as info:
         find_experts(holder, "Linear")

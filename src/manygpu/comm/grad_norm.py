@@ -90,8 +90,8 @@ def total_grad_norm(
             if held is None:
                 total = _combine(total, _power(grad, p, device), p)
             else:
-                groups, value = sharded[(0, (), id(held))]
-                sharded[(0, (), id(held))] = (groups, _combine(value, _power(grad, p, device), p))
+                over, sum_held = sharded[(0, (), id(held))]
+                sharded[(0, (), id(held))] = (over, _combine(sum_held, _power(grad, p, device), p))
             continue
         grad = _whole_partials(grad)
         # Not ``is_shard()``: FSDP2 over a dimension already sharded (experts over ep, then

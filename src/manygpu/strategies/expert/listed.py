@@ -90,6 +90,7 @@ def mark_held(experts: nn.Module, group: Any) -> None:
 def listed_forward(block: nn.Module, site: ExpertsSite, *, ep: int, rank: int, group: Any) -> Any:
     """The sparse block's forward under EP (see the module docstring)."""
     experts = block.get_submodule(site.path.rpartition(".")[2])
+    assert isinstance(experts, nn.ModuleList)  # found as one (finding.listed_site)
     mine = local_range(site, ep, rank)
 
     def compute(rows: torch.Tensor, counts: list[int]) -> torch.Tensor:
@@ -102,7 +103,7 @@ def listed_forward(block: nn.Module, site: ExpertsSite, *, ep: int, rank: int, g
 
     def forward(hidden_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         x = hidden_states.reshape(-1, hidden_states.shape[-1])
-        logits = block.gate(x)
+        logits = block.get_submodule("gate")(x)
         probs = F.softmax(logits, dim=1, dtype=torch.float)
         weights, index = torch.topk(probs, site.top_k, dim=-1)
         if getattr(block, "norm_topk_prob", True):
