@@ -15,6 +15,13 @@ same comparison. With the router's load-balancing loss (Mixtral's
 equals Hugging Face's function on the global batch in one process, and each
 rank's own (the mean of per-rank aux losses) must not. Each run_ranks call
 serves several cases (one process start).
+
+The same holds for a transformers 4.x-style Mixtral whose experts are an
+``nn.ModuleList`` (``listed``: each rank keeps its expert modules, under their
+one-process names) at ep=2 with the aux loss and at dp2 x ep2; its checkpoints
+move between one process and ep=2 or ep=4, a weights file loads each rank's
+experts only, and built empty it gets one process's ``init_module()`` values.
+AdamW's eps is 1e-6 (see :func:`_optimizer`).
 """
 
 from __future__ import annotations
@@ -234,9 +241,13 @@ def test_ep2_equals_one_process_and_a_gradient_scaled_by_ep_does_not(tmp_path: P
         ("job", None, {"ep": 2}, ep2, 2, "listed"),
     ]
     jobs.append(("weights", {"ep": 2}, None, "listed"))
+    listed_file = _save_listed(tmp_path / "listed.safetensors")
+    loads.append(("weights", {"ep": 2}, str(tmp_path / "listed.safetensors"), "listed"))
     calls = [("train", *c) for c in cases] + loads + jobs
     per_rank = run_ranks(_run, 2, calls, timeout=240)
-    check_weights([out for ranks in per_rank for out in ranks[len(cases) : -3]], saved, ep=2)
+    at = len(cases)
+    check_weights([out for ranks in per_rank for out in ranks[at : at + 2]], saved, ep=2)
+    check_listed_file([ranks[at + 2] for ranks in per_rank], listed_file)
     check_listed_resume([first, _job("ddp", None, ep2, -1, "listed")], per_rank)
     refs = {kind: reference(kind) for kind in ("grouped", "mixtral", "mixtral-aux", "listed-aux")}
     refs["mixtral-local-aux"], refs["listed"] = refs["mixtral-aux"], reference("listed")
@@ -255,6 +266,26 @@ def test_ep2_equals_one_process_and_a_gradient_scaled_by_ep_does_not(tmp_path: P
     # Each rank holds half of each layer's experts; routers and the rest are whole.
     local = per_rank[0][0]["local"]
     assert local["layers.0.experts.w1"][0] == 2 and "layers.0.router.weight" not in local
+
+
+def _save_listed(path: Path) -> dict[str, torch.Tensor]:
+    """A ModuleList-experts model's weights file (its own names, each expert apart)."""
+    from safetensors.torch import save_file
+
+    state = {n: p.detach().clone() for n, p in listed_model(seed=11).named_parameters()}
+    save_file(state, str(path))
+    return state
+
+
+def check_listed_file(results: list[dict[str, Any]], want: dict[str, torch.Tensor]) -> None:
+    """Each ep rank loads its own experts (and the rest) from the file, exactly, and
+    reads no other rank's expert."""
+    check_params_cover(results, want)
+    for out in results:
+        assert [n for n, v in out["params"].items() if not torch.equal(v, want[n])] == []
+        assert out["read"] == sum(v.numel() * 4 for v in out["params"].values())
+    experts = [n for n in want if ".experts." in n]
+    assert all(sum(n in out["params"] for n in experts) == len(experts) // 2 for out in results)
 
 
 def _expert_grad_wrong(wrong: list[str]) -> bool:

@@ -8,9 +8,10 @@ its run of experts (rank ``r``: ``[r*L, (r+1)*L)``, as for stacked experts);
 the others are replaced by parameterless :class:`Elsewhere` markers, so the
 rank's parameter names are one process's (``experts.2.w1.weight``): a DCP
 checkpoint stores each expert under its own name from the rank that holds it,
-and any ``ep`` size, or a job without EP, reads back the ones it keeps. On a
-model built empty (``par.init_module()``) the dropped experts are never
-allocated.
+and any ``ep`` size, or a job without EP, reads back the ones it keeps; a
+weights file (``weights=``) gives each rank its experts' tensors and the others
+are passed over. On a model built empty (``par.init_module()``) the dropped
+experts are never allocated.
 
 The block's loop cannot run under EP (a rank does not hold the experts it
 would call, and ranks would call different experts), so its forward is
@@ -26,6 +27,7 @@ no rank of the job routed to it, so the optimizer skips it as one process does.
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 import torch
@@ -79,6 +81,22 @@ def keep_local(experts: nn.ModuleList, site: ExpertsSite, ep_mesh: DeviceMesh) -
     for index in range(site.num_experts):
         if index not in mine:
             experts[index] = Elsewhere(index, index // count)
+
+
+IGNORED = "_keys_to_ignore_on_load_unexpected"
+"""Hugging Face's list of regexes for a file's keys a model may lack (manygpu's
+``weights=`` honours it): here, the experts other ``ep`` ranks hold."""
+
+
+def ignore_elsewhere(root: nn.Module, site: ExpertsSite, ep: int, rank: int) -> None:
+    """A weights file's other experts are not this rank's to load: not "unexpected"."""
+    mine = local_range(site, ep, rank)
+    others = [
+        r"(^|\.)" + re.escape(f"{site.path}.{index}.")
+        for index in range(site.num_experts)
+        if index not in mine
+    ]
+    setattr(root, IGNORED, list(getattr(root, IGNORED, None) or []) + others)
 
 
 def mark_held(experts: nn.Module, group: Any) -> None:

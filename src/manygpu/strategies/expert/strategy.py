@@ -37,7 +37,12 @@ from manygpu.strategies.expert.dispatch import LocalCompute, dispatch_combine, r
 from manygpu.strategies.expert.finding import ExpertsSite, check_divisible, find_experts
 from manygpu.strategies.expert.fsdp import check_fsdp_mesh, shard_with_fsdp
 from manygpu.strategies.expert.grads import GradSync
-from manygpu.strategies.expert.listed import keep_local, listed_forward, mark_held
+from manygpu.strategies.expert.listed import (
+    ignore_elsewhere,
+    keep_local,
+    listed_forward,
+    mark_held,
+)
 from manygpu.strategies.mesh import MeshShape, job_mesh
 from manygpu.strategies.sharded import MeshStrategy
 from manygpu.transforms.materialize import Place
@@ -143,6 +148,7 @@ def _split_listed(model: nn.Module, site: ExpertsSite, ep_mesh: DeviceMesh) -> N
     """A ModuleList of experts: this rank's kept, its block run under EP (:mod:`.listed`)."""
     block = model.get_submodule(site.path.rpartition(".")[0])
     keep_local(model.get_submodule(site.path), site, ep_mesh)  # type: ignore[arg-type]
+    ignore_elsewhere(model, site, ep_mesh.size(), ep_mesh.get_local_rank())
     block.forward = listed_forward(
         block, site, ep=ep_mesh.size(), rank=ep_mesh.get_local_rank(), group=ep_mesh.get_group()
     )
