@@ -39,14 +39,20 @@ from transformers.models.mixtral.modeling_mixtral import load_balancing_loss_fun
 
 from manygpu import Parallel
 from manygpu.strategies.expert.balance import load_balancing_loss
+from manygpu.strategies.expert.capacity import Capacity
 
 TOL = 1e-5
+CAPACITY = 1.0
+"""32 tokens top-2 over 4 experts: 16 places each; the repeated token's 16 copies
+overflow the two experts it picks, so some copies are dropped every step."""
 STEPS, GLOBAL, SEQ, LR, CLIP, AUX = 3, 4, 8, 1e-2, 0.5, 0.5
 
 
 def make(kind: str) -> nn.Module:
     if kind.startswith("listed"):
         return listed_model()
+    if kind.startswith("capped"):
+        return grouped_model(capacity_factor=CAPACITY)
     return mixtral() if kind.startswith("mixtral") else grouped_model()
 
 
@@ -141,6 +147,10 @@ def _train(kind: str, mesh: dict[str, int], scale_experts: float, accum: int = 1
         model = par.prepare(make(kind))
         opt = par.prepare(_optimizer(model.parameters()))
         inner = par.unwrap(model)
+        if kind == "capped-local":  # each rank's capacity from its own tokens: must differ
+            for module in inner.modules():
+                if isinstance(module, Capacity):
+                    module.group = None
         sync = par.strategy.grad_sync(inner)  # type: ignore[attr-defined]
         if sync is not None:
             sync.scale_experts = scale_experts
@@ -231,6 +241,7 @@ def test_ep2_equals_one_process_and_a_gradient_scaled_by_ep_does_not(tmp_path: P
     cases += [("mixtral-aux", {"ep": 2}, 1.0), ("mixtral-local-aux", {"ep": 2}, 1.0)]
     cases.append(("mixtral", {"ep": 2}, 1.0, 2))  # accumulation: synced once per 2 backwards
     cases += [("listed-aux", {"ep": 2}, 1.0), ("listed", {"ep": 2}, 2.0)]  # ModuleList experts
+    cases += [("capped", {"ep": 2}, 1.0), ("capped-local", {"ep": 2}, 1.0)]  # dropped copies
     saved = mixtral(seed=11)
     saved.save_pretrained(tmp_path / "hf")
     loads = [("weights", {"ep": 2}, str(tmp_path / "hf")), ("weights", {"ep": 2}, None)]
@@ -251,12 +262,16 @@ def test_ep2_equals_one_process_and_a_gradient_scaled_by_ep_does_not(tmp_path: P
     check_listed_resume([first, _job("ddp", None, ep2, -1, "listed")], per_rank)
     refs = {kind: reference(kind) for kind in ("grouped", "mixtral", "mixtral-aux", "listed-aux")}
     refs["mixtral-local-aux"], refs["listed"] = refs["mixtral-aux"], reference("listed")
+    refs["capped"] = refs["capped-local"] = reference("capped")
+    assert dropped_in_one_process() > 0
     for index, (kind, _, scale, *_) in enumerate(cases):
         results = [ranks[index] for ranks in per_rank]
         assert all(out["strategy"] == "ep" for out in results)
         wrong = [mismatches(out, refs[kind]) for out in results]
         if kind == "mixtral-local-aux":  # the mean of each rank's aux loss is not the batch's
             assert all("losses" in w and "grads:model.layers.0.mlp.gate.weight" in w for w in wrong)
+        elif kind == "capped-local":  # each rank's own capacity and order drop other copies
+            assert all("losses" in w and "grads:layers.0.router.weight" in w for w in wrong)
         elif scale == 1.0:
             assert wrong == [[], []], wrong
             check_cover(results, refs[kind])
@@ -286,6 +301,16 @@ def check_listed_file(results: list[dict[str, Any]], want: dict[str, torch.Tenso
         assert out["read"] == sum(v.numel() * 4 for v in out["params"].values())
     experts = [n for n in want if ".experts." in n]
     assert all(sum(n in out["params"] for n in experts) == len(experts) // 2 for out in results)
+
+
+def dropped_in_one_process() -> int:
+    """Routed copies the capped model drops on the first global batch, in one process."""
+    model, dropped = make("capped"), []
+    for module in model.modules():
+        if isinstance(module, Capacity):
+            module.register_forward_hook(lambda m, a, keep: dropped.append(int((~keep).sum())))
+    model(batches()[0])
+    return sum(dropped)
 
 
 def _expert_grad_wrong(wrong: list[str]) -> bool:

@@ -69,16 +69,51 @@ class MoE(nn.Module):
         return torch.zeros_like(flat).index_add(0, token, out).view_as(x)
 
 
+class CappedMoE(MoE):
+    """``MoE`` whose experts take at most ``ceil(factor * tokens * k / E)`` copies each,
+    the rest dropped (manygpu's ``Capacity``: over the global batch under EP)."""
+
+    def __init__(self, dim: int, hidden: int, num_experts: int, capacity_factor: float) -> None:
+        super().__init__(dim, hidden, num_experts)
+        from manygpu.strategies.expert.capacity import Capacity
+
+        self.capacity = Capacity(capacity_factor, num_experts)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        flat = x.reshape(-1, x.shape[-1])
+        scores = F.softmax(self.router(flat), dim=-1)
+        top_w, top_i = torch.topk(scores, TOP_K, dim=-1)
+        kept = self.capacity(top_i).reshape(-1)
+        choice = top_i.reshape(-1)
+        order = torch.argsort(choice, stable=True)
+        order = order[kept[order]]
+        counts = torch.bincount(choice[order], minlength=self.num_experts)
+        token = order // TOP_K
+        out = self.experts(flat[token], counts) * top_w.reshape(-1)[order].unsqueeze(-1)
+        return torch.zeros_like(flat).index_add(0, token, out).view_as(x)
+
+
 class GroupedMoEModel(nn.Module):
-    """Embedding, ``LAYERS`` pre-norm MoE blocks, a head: a language model in miniature."""
+    """Embedding, ``LAYERS`` pre-norm MoE blocks, a head: a language model in miniature;
+    with ``capacity_factor``, blocks that drop copies past their experts' capacity."""
 
     def __init__(
-        self, layers: int = LAYERS, num_experts: int = EXPERTS, dim: int = DIM, hidden: int = HIDDEN
+        self,
+        layers: int = LAYERS,
+        num_experts: int = EXPERTS,
+        dim: int = DIM,
+        hidden: int = HIDDEN,
+        capacity_factor: float | None = None,
     ) -> None:
         super().__init__()
         self.embed = nn.Embedding(VOCAB, dim)
         self.norms = nn.ModuleList(nn.LayerNorm(dim) for _ in range(layers))
-        self.layers = nn.ModuleList(MoE(dim, hidden, num_experts) for _ in range(layers))
+        self.layers = nn.ModuleList(
+            MoE(dim, hidden, num_experts)
+            if capacity_factor is None
+            else CappedMoE(dim, hidden, num_experts, capacity_factor)
+            for _ in range(layers)
+        )
         self.head = nn.Linear(dim, VOCAB)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
@@ -88,9 +123,11 @@ class GroupedMoEModel(nn.Module):
         return self.head(h)
 
 
-def grouped_model(seed: int = 7, num_experts: int = EXPERTS) -> GroupedMoEModel:
+def grouped_model(
+    seed: int = 7, num_experts: int = EXPERTS, capacity_factor: float | None = None
+) -> GroupedMoEModel:
     torch.manual_seed(seed)
-    return GroupedMoEModel(num_experts=num_experts)
+    return GroupedMoEModel(num_experts=num_experts, capacity_factor=capacity_factor)
 
 
 def mixtral(seed: int = 7, num_experts: int = EXPERTS, aux: bool = False) -> Any:

@@ -11,6 +11,7 @@ from torch import nn
 
 from manygpu import ExpertParallel, MeshShape, Parallel, UsageError
 from manygpu.core.config import ParallelConfig
+from manygpu.strategies.expert.capacity import Capacity, capacity, keep_mask
 from manygpu.strategies.expert.dispatch import route, sort_routed
 from manygpu.strategies.expert.finding import check_divisible, find_experts
 from manygpu.strategies.expert.fsdp import check_fsdp_mesh
@@ -204,3 +205,17 @@ def test_a_mesh_with_ep_picks_ep_and_ep_splits_the_data() -> None:
     assert ParallelConfig(strategy="ep").resolved_strategy(2) == "ep"
     shape = MeshShape(dp=2, ep=2).resolve(4)
     assert [shape.data_rank(r) for r in range(4)] == [0, 1, 2, 3] and shape.data_size == 4
+
+
+def test_capacity_keeps_the_first_copies_of_the_global_batch() -> None:
+    assert capacity(1.0, 32, 2, 4) == 16 and capacity(1.25, 10, 2, 4) == 7
+    choices = torch.tensor([0, 1, 0, 0, 2, 0])
+    # One process (nothing before): expert 0's first two copies fit, its 3rd and 4th drop.
+    assert keep_mask(choices, torch.zeros(4, dtype=torch.long), 2).tolist() == [
+        True, True, True, False, True, False
+    ]  # fmt: skip
+    # A later data rank: expert 0 already took one place on the ranks before it.
+    before = torch.tensor([1, 2, 0, 0])
+    assert keep_mask(choices, before, 2).tolist() == [True, False, False, False, True, False]
+    keep = Capacity(1.0, 4)(torch.tensor([[0, 1], [0, 2], [0, 1], [3, 0]]))  # 2 places
+    assert keep.tolist() == [[True, True], [True, True], [False, True], [True, False]]

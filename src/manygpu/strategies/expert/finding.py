@@ -183,13 +183,15 @@ def _parent(model: nn.Module, path: str) -> nn.Module:
 
 def _refuse_capacity(where: str, block: nn.Module) -> None:
     """Capacity limits (tokens past an expert's capacity dropped) are not run under EP."""
+    from manygpu.strategies.expert.capacity import Capacity
+
     for module in block.modules():
         factor = getattr(module, "capacity_factor", None)
-        if factor is not None:
+        if factor is not None and not isinstance(module, Capacity):
             raise UsageError(
                 f"strategy 'ep' cannot run {where}: it drops tokens past a capacity "
-                f"(capacity_factor={factor}), which EP does not reproduce yet; "
-                "set capacity_factor=None (no token dropped)"
+                f"(capacity_factor={factor}) from its rank's tokens alone; compute the drops "
+                "with manygpu.strategies.expert.capacity.Capacity, or set capacity_factor=None"
             )
 
 

@@ -24,6 +24,7 @@ from contextlib import contextmanager
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Shard, distribute_tensor
@@ -33,6 +34,7 @@ from manygpu.errors import UsageError
 from manygpu.runtime.process_group import DistContext
 from manygpu.strategies.base import JobOptions
 from manygpu.strategies.expert import ExpertParallel
+from manygpu.strategies.expert.capacity import Capacity
 from manygpu.strategies.expert.dispatch import LocalCompute, dispatch_combine, routed_forward
 from manygpu.strategies.expert.finding import ExpertsSite, check_divisible, find_experts
 from manygpu.strategies.expert.fsdp import check_fsdp_mesh, shard_with_fsdp
@@ -87,6 +89,9 @@ class ExpertParallelStrategy(MeshStrategy[ExpertParallel]):
             )
         mesh = job_mesh(self.ctx, self.shape, self.mesh_names)
         ep_mesh = mesh["ep"]
+        for capacity in (m for m in module.modules() if isinstance(m, Capacity)):
+            capacity.group = dist.group.WORLD  # every rank reads its own data
+            capacity.data_rank = self.shape.data_rank(self.ctx.rank)
         for site in sites:
             experts = module.get_submodule(site.path)
             if site.kind == "listed":
