@@ -21,6 +21,9 @@ The same holds for a transformers 4.x-style Mixtral whose experts are an
 one-process names) at ep=2 with the aux loss and at dp2 x ep2; its checkpoints
 move between one process and ep=2 or ep=4, a weights file loads each rank's
 experts only, and built empty it gets one process's ``init_module()`` values.
+A grouped model whose experts take at most ``CAPACITY`` places (manygpu's
+``Capacity``) drops the copies one process drops on the global batch, at ep=2
+and dp2 x ep2; with each rank's own capacity (its tokens alone) it must not.
 AdamW's eps is 1e-6 (see :func:`_optimizer`).
 """
 
@@ -474,6 +477,7 @@ def test_at_4_ranks_dp_or_fsdp_x_ep_equals_one_process_and_checkpoints_resume_ac
     # too big (pytorch#160285), which must fail.
     trained.append(("grouped", fsdp, 2.0))
     trained.append(("listed", {"dp": 2, "ep": 2}, 1.0))  # ModuleList experts, dp x ep
+    trained.append(("capped", {"dp": 2, "ep": 2}, 1.0))  # copies dropped over 4 data ranks
     listed_alone = str(tmp_path / "listed")
     first_listed = _job("ddp", None, listed_alone, 2, "listed")
     four: list[tuple[Any, ...]] = [("train", *case) for case in trained]
@@ -497,7 +501,7 @@ def test_at_4_ranks_dp_or_fsdp_x_ep_equals_one_process_and_checkpoints_resume_ac
     two += [("job", None, {"ep": 2}, d["ep4"], -1), ("job", None, {"ep": 2}, d["fsdp2ep2"], -1)]
     per_two = run_ranks(_run, 2, two, timeout=240)
     resumed = _job("ddp", None, d["ep2"], -1)
-    refs = {kind: reference(kind) for kind in ("grouped", "mixtral", "listed")}
+    refs = {kind: reference(kind) for kind in ("grouped", "mixtral", "listed", "capped")}
     for index, (kind, mesh, scale, *_) in enumerate(trained):
         wrong = [mismatches(ranks[index], refs[kind]) for ranks in per_four]
         if scale == 1.0:

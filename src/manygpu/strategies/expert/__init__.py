@@ -1,8 +1,9 @@
 """``ExpertParallel(...)`` (``"ep"``): a mixture of experts' experts split over the ``ep`` ranks.
 
 Each rank of the ``ep`` group holds ``num_experts / ep`` experts of every MoE
-layer (its slice of the stacked expert weights, a DTensor sharded on dim 0)
-and reads its own part of the data ("dp2ep": the degree is borrowed from data
+layer (its slice of the stacked expert weights, a DTensor sharded on dim 0, or
+its expert modules of an ``nn.ModuleList``: :mod:`.listed`) and reads its own
+part of the data ("dp2ep": the degree is borrowed from data
 parallelism). A layer's router runs where its tokens are; each routed copy of
 a token travels to the rank holding its expert and back with all-to-alls of
 uneven sizes, forward and backward. The other parameters are replicated over
@@ -10,6 +11,8 @@ every rank (``dp`` x ``ep``) and their gradients averaged, as under DDP.
 ``Parallel(mesh={"ep": 2})`` picks it; ``{"dp": 2, "ep": 2}`` also replicates
 the experts over ``dp``; ``{"fsdp": 2, "ep": 2}`` shards every parameter with
 FSDP2 as well (the experts over ``fsdp``, the rest over all ranks: :mod:`.fsdp`).
+A block's expert capacity, computed by :class:`.capacity.Capacity`, drops what
+one process on the global batch drops.
 """
 
 from __future__ import annotations
@@ -51,7 +54,8 @@ class ExpertParallel(StrategySpec):
     experts: tuple[type | str, ...] | type | str | ExpertsPredicate | None = None
     """Which modules are a layer's experts: classes or class names, or a predicate
     ``(path, module) -> bool``; ``None`` finds them by structure (Hugging Face
-    MoE blocks' ``experts``, torchtitan-style grouped experts). A named module
+    MoE blocks' ``experts``, stacked or an ``nn.ModuleList`` beside a router ``gate``,
+    torchtitan-style grouped experts). A named module
     holds its experts' weights stacked (``[num_experts, ...]``) and has either
     forward ``(x, top_k_index, top_k_weights)`` (Hugging Face) or
     ``(x_sorted_by_expert, num_tokens_per_expert)`` (torchtitan)."""

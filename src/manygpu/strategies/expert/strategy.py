@@ -6,9 +6,12 @@ weights into DTensors sharded on dim 0 over the ``ep`` ranks (each keeps
 ``num_experts / ep`` experts, sliced from the model as built, so values equal
 one process's), give each experts module a forward that dispatches its routed
 copies with all-to-alls (:mod:`.dispatch`), place what the rank keeps, then
-hook the gradient sync (:mod:`.grads`). The experts' own forward computes the
-local experts on their local weights, so the model's code (activation, gating,
-Hugging Face's experts implementations) is the one that runs.
+hook the gradient sync (:mod:`.grads`). Experts kept one module each (an
+``nn.ModuleList``) are split by module and their block run under EP instead
+(:mod:`.listed`); every :class:`.capacity.Capacity` is pointed at the data ranks.
+The experts' own forward computes the local experts on their local weights, so
+the model's code (activation, gating, Hugging Face's experts implementations) is
+the one that runs.
 
 Expert weights are DTensors so the rest of manygpu sees them as shards: the
 gradient norm sums their pieces over ``ep`` (:mod:`manygpu.comm.grad_norm`),
