@@ -316,6 +316,20 @@ def dropped_in_one_process() -> int:
     return sum(dropped)
 
 
+def check_listed_at_ep4(
+    first: dict[str, Any], at_ep4: list[dict[str, Any]], ref: dict[str, Any]
+) -> None:
+    """A one-process save of ModuleList experts resumed at ep=4 (one expert module per
+    rank): one process's parameters at the end, its AdamW state at the resume."""
+    params, adam = ref["params"], reference_adam_at(2, "listed")
+    check_params_cover(at_ep4, params)
+    for run in [first, *at_ep4]:
+        assert [n for n, v in run["params"].items() if (v - params[n]).abs().max() > TOL] == []
+    for run in at_ep4:
+        assert run["started"] == 2 and run["adam"].keys() <= adam.keys()
+        assert [k for k, v in run["adam"].items() if (v - adam[k]).abs().max() > TOL] == []
+
+
 def _expert_grad_wrong(wrong: list[str]) -> bool:
     return any(w.startswith("grads:layers.0.experts.") for w in wrong)
 
@@ -519,11 +533,4 @@ def test_at_4_ranks_dp_or_fsdp_x_ep_equals_one_process_and_checkpoints_resume_ac
         if run["started"]:
             assert run["adam"].keys() == adam.keys()
             assert [k for k, v in adam.items() if (run["adam"][k] - v).abs().max() > TOL] == []
-    at_ep4 = [ranks[-1] for ranks in per_four]
-    listed_ref, listed_adam = refs["listed"]["params"], reference_adam_at(2, "listed")
-    check_params_cover(at_ep4, listed_ref)
-    for run in [first_listed, *at_ep4]:
-        assert [n for n, v in run["params"].items() if (v - listed_ref[n]).abs().max() > TOL] == []
-    for run in at_ep4:
-        assert run["started"] == 2 and run["adam"].keys() <= listed_adam.keys()
-        assert [k for k, v in run["adam"].items() if (v - listed_adam[k]).abs().max() > TOL] == []
+    check_listed_at_ep4(first_listed, [ranks[-1] for ranks in per_four], refs["listed"])
