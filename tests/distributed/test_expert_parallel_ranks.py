@@ -461,9 +461,23 @@ def check_weights(results: list[dict[str, Any]], saved: nn.Module, ep: int) -> N
         assert [n for n, v in init.items() if not torch.equal(out["params"][n], v)] == []
 
 
+def _refused(kind: str, mesh: dict[str, int]) -> str:
+    """The one-line refusal ``prepare`` gives the ``kind`` model on ``mesh``."""
+    from manygpu import UsageError
+
+    par = Parallel(mesh=mesh)
+    try:
+        par.prepare(make(kind))
+    except UsageError as exc:
+        return str(exc)
+    finally:
+        par.close()
+    return "prepared"
+
+
 def _run(calls: list[tuple[Any, ...]]) -> list[Any]:
     """Several cases on this rank in one process start: ``train``, ``job`` or ``weights``."""
-    run = {"train": _train, "job": _job, "weights": _weights}
+    run = {"train": _train, "job": _job, "weights": _weights, "refused": _refused}
     return [run[what](*args) for what, *args in calls]
 
 
@@ -478,7 +492,9 @@ def test_at_4_ranks_dp_or_fsdp_x_ep_equals_one_process_and_checkpoints_resume_ac
     dp2xep2 -> ep4, ep4 -> ep2, fsdp2xep2 -> ep2). A Hugging Face Mixtral file loads with
     ``weights=`` at ep=4 and at fsdp2 x ep2 (:func:`check_weights`).
     Every run ends on one process's parameters after 3 steps (within ``TOL``), and the
-    AdamW state just after each resume is one process's after 2 steps."""
+    AdamW state just after each resume is one process's after 2 steps. ModuleList experts
+    train at dp2 x ep2, resume a one-process save at ep=4, and are refused under fsdp
+    in one line; capacity drops equal one process's at dp2 x ep2."""
     d = {k: str(tmp_path / k) for k in ("alone", "ep2", "dp2ep2", "ep4", "fsdp2ep2", "hf")}
     first = _job("ddp", None, d["alone"], 2)
     saved = mixtral(seed=11)
@@ -506,11 +522,14 @@ def test_at_4_ranks_dp_or_fsdp_x_ep_equals_one_process_and_checkpoints_resume_ac
         ("weights", {"ep": 4}, None),
         ("weights", {"fsdp": 2, "ep": 2}, d["hf"]),
         ("weights", {"fsdp": 2, "ep": 2}, None),
+        ("refused", "listed", {"fsdp": 2, "ep": 2}),
         ("job", None, {"ep": 4}, listed_alone, -1, "listed"),  # one expert module per rank
     ]
     per_four = run_ranks(_run, 4, four, timeout=300)
-    check_weights([out for ranks in per_four for out in ranks[-5:-3]], saved, ep=4)
-    check_weights([out for ranks in per_four for out in ranks[-3:-1]], saved, ep=0)
+    check_weights([out for ranks in per_four for out in ranks[-6:-4]], saved, ep=4)
+    check_weights([out for ranks in per_four for out in ranks[-4:-2]], saved, ep=0)
+    refusals = {ranks[-2] for ranks in per_four}  # ModuleList experts under fsdp: one line
+    assert len(refusals) == 1 and "not sharded over fsdp too" in refusals.pop()
     two = [("job", None, {"ep": 2}, d["ep2"], 2), ("job", None, {"ep": 2}, d["alone"], -1)]
     two += [("job", None, {"ep": 2}, d["ep4"], -1), ("job", None, {"ep": 2}, d["fsdp2ep2"], -1)]
     per_two = run_ranks(_run, 2, two, timeout=240)
@@ -525,7 +544,7 @@ def test_at_4_ranks_dp_or_fsdp_x_ep_equals_one_process_and_checkpoints_resume_ac
             assert all(_expert_grad_wrong(w) and "norms" in w for w in wrong), wrong
     ref, adam = reference("grouped")["params"], reference_adam_at(2)
     assert len(adam) == 3 * len(ref)  # step, exp_avg, exp_avg_sq of every parameter
-    runs = [first, resumed] + [r for ranks in per_four for r in ranks[len(trained) : -5]]
+    runs = [first, resumed] + [r for ranks in per_four for r in ranks[len(trained) : -6]]
     runs += [r for ranks in per_two for r in ranks]
     assert [r["started"] for r in runs] == [0, 2] + [0, 2, 0, 2, 0, 2] * 4 + [0, 2, 2, 2] * 2
     for run in runs:
