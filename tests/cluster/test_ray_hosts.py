@@ -175,7 +175,8 @@ def test_doctor_reports_the_ray_clusters_nodes(driven: tuple[EmulatedCluster, Pa
     report = json.loads((out / "doctor.json").read_text())
     head = f"{cluster.addresses[0]}:6379"
     assert report["status"] == "ok", report["checks"]
-    assert report["checks"][0]["message"] == f"2 node(s) alive at {head}: 4 CPUs, 0 GPUs"
+    said = report["checks"][0]["message"]
+    assert said.startswith(f"2 node(s) alive at {head}: 4 CPUs, 0 GPUs (no GPU"), said
     nodes = report["ray"]["nodes"]
     assert sorted(n["ip"] for n in nodes) == sorted(cluster.addresses[:2]), nodes
     assert [n["head"] for n in nodes if n["ip"] == cluster.addresses[0]] == [True]
