@@ -12,7 +12,16 @@ the hosts' network):
   every 2 steps: the last worker dies after step 5, Ray restarts the group
   (``max_failures=1``), ``resume()`` continues from the last committed step,
   and the job ends bit-identical to an uninterrupted run; Ray's ``Result``
-  points to the last step and holds ``par.log``'s loss.
+  points to the last step and holds ``par.log``'s loss;
+- the same job elastic, ``num_workers=(2, 4)``, 4 workers until host 1's Ray
+  node stops after step 5: Ray restarts the group with the 2 workers host 0
+  holds, the Checkpointer resumes the 4 ranks' step on 2 (resharded), and the
+  job ends within AdamW's 1e-4 of the uninterrupted 4-rank run (the same
+  global batch of 8: the math is the same, the reduction order is not;
+  measured 1.2e-7). Ray's view of the cluster lags the lost node, so its
+  controller first asks for 4 workers again and waits 15 s for them
+  (``RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S``) before it starts 2.
+Before the driver, ``manygpu doctor --ray`` reports both nodes.
 Ray's footprint here: 2.7 GB at the peak for the two nodes, the driver and 4
 training workers (1.0 GB before the cluster starts).
 """
@@ -37,6 +46,7 @@ from ray_job import train
 from recipes import Recipe, max_diff, reference_train
 
 from manygpu.emulate import EmulatedCluster, LinkShape, netns_available
+from manygpu.runtime.ray_train import RAY_VERSION
 
 pytest.importorskip("ray", reason="Ray Train is not installed (pip install 'manygpu[ray]')")
 OK, WHY = netns_available()
@@ -46,7 +56,8 @@ RAY = str(Path(sys.executable).with_name("ray"))
 DRIVER = Path(__file__).parent / "scripts" / "ray_driver.py"
 ADAM_TOL = 1e-4  # AdamW's tolerance, as in tests/distributed/test_real_models.py
 STRATEGIES = ("ddp", "fsdp")
-TOTAL = 8  # the restarted job's steps (ray_driver.py)
+TOTAL = 8  # the restarted jobs' steps (ray_driver.py)
+DATA = {"samples": 24, "global_batch": 8}  # theirs too
 TOKEN = secrets.token_hex(32)
 
 
@@ -80,7 +91,8 @@ def _ray_node(cluster: EmulatedCluster, host: int, tmp: Path) -> subprocess.Pope
 
 
 @pytest.fixture(scope="module")
-def ray_hosts() -> Iterator[tuple[EmulatedCluster, Path]]:
+def ray_hosts() -> Iterator[tuple[EmulatedCluster, Path, int]]:
+    """The cluster, its temp dir, and the pid of host 1's node (the elastic job stops it)."""
     # A short directory: Ray's sockets live under its temp dir, and a Unix socket's path
     # holds at most 107 bytes (pytest's per-worker directories run past it).
     tmp = Path(tempfile.mkdtemp(prefix="mg-ray-"))
@@ -90,7 +102,7 @@ def ray_hosts() -> Iterator[tuple[EmulatedCluster, Path]]:
             _wait_for_nodes(cluster, 1, tmp)
             nodes.append(_ray_node(cluster, 1, tmp))
             _wait_for_nodes(cluster, 2, tmp)
-            yield cluster, tmp
+            yield cluster, tmp, nodes[1].pid
         finally:
             for node in nodes:
                 node.terminate()  # ray start --block stops its node's processes on SIGTERM
@@ -127,16 +139,54 @@ _COUNT_NODES = (
 
 
 @pytest.fixture(scope="module")
-def driven(ray_hosts: tuple[EmulatedCluster, Path]) -> tuple[EmulatedCluster, Path]:
-    """Both jobs, run by one driver on host 0; its output directory."""
-    cluster, tmp = ray_hosts
-    out = tmp / "out"
-    argv = [sys.executable, str(DRIVER), f"{cluster.addresses[0]}:6379", str(out)]
+def driven(ray_hosts: tuple[EmulatedCluster, Path, int]) -> tuple[EmulatedCluster, Path]:
+    """``manygpu doctor --ray`` on host 0 (its JSON in OUT/doctor.json), then every job,
+    run by one driver on host 0 (the elastic one last: it stops host 1's node); OUT."""
+    cluster, tmp, node1 = ray_hosts
+    out, head = tmp / "out", f"{cluster.addresses[0]}:6379"
+    out.mkdir()
+    doctor = [sys.executable, "-m", "manygpu", "doctor", "--ray", head, "--json", "--quiet",
+              "--op-timeout", "60"]  # fmt: skip
+    res = subprocess.run(
+        cluster.command(0, doctor), capture_output=True, text=True, env=_env(), timeout=120
+    )
+    (out / "doctor.json").write_text(res.stdout)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    argv = [sys.executable, str(DRIVER), head, str(out), str(node1), cluster.addresses[1]]
     res = subprocess.run(
         cluster.command(0, argv), capture_output=True, text=True, env=_env(), timeout=560
     )
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-4000:]
     return cluster, out
+
+
+@pytest.fixture(scope="module")
+def reference(
+    driven: tuple[EmulatedCluster, Path], tmp_path_factory: pytest.TempPathFactory
+) -> dict[str, torch.Tensor]:
+    """The restarted jobs' run, uninterrupted, on 4 ranks (after the cluster's work:
+    the two never share the 2 cores)."""
+    tmp = tmp_path_factory.mktemp("ray-reference")
+    config = {"out": str(tmp), "ckpt": str(tmp / "ck"), "total": TOTAL, "strategy": "fsdp",
+              **DATA}  # fmt: skip
+    return run_ranks(train, 4, config, extra_env={"OMP_NUM_THREADS": "1"}, timeout=240)[0]
+
+
+@pytest.mark.timeout(600)
+def test_doctor_reports_the_ray_clusters_nodes(driven: tuple[EmulatedCluster, Path]) -> None:
+    cluster, out = driven
+    report = json.loads((out / "doctor.json").read_text())
+    head = f"{cluster.addresses[0]}:6379"
+    assert report["status"] == "ok", report["checks"]
+    said = report["checks"][0]["message"]
+    assert said.startswith(f"2 node(s) alive at {head}: 4 CPUs, 0 GPUs (no GPU"), said
+    nodes = report["ray"]["nodes"]
+    assert sorted(n["ip"] for n in nodes) == sorted(cluster.addresses[:2]), nodes
+    assert [n["head"] for n in nodes if n["ip"] == cluster.addresses[0]] == [True]
+    for node in nodes:
+        assert node["alive"] and node["cpus"] == 2 and node["gpus"] == 0, node
+        assert node["memory_bytes"] > 0, node
+        assert node["software"]["ray"] == RAY_VERSION and node["software"]["train_error"] is None
 
 
 @pytest.mark.timeout(600)
@@ -157,7 +207,7 @@ def test_ray_train_over_two_hosts_matches_one_process(
 
 @pytest.mark.timeout(600)
 def test_a_dead_worker_restarts_the_group_which_resumes_bitwise_and_ray_sees_the_steps(
-    driven: tuple[EmulatedCluster, Path], tmp_path: Path
+    driven: tuple[EmulatedCluster, Path], reference: dict[str, torch.Tensor]
 ) -> None:
     _, out = driven
     where = out / "restart"
@@ -168,13 +218,30 @@ def test_a_dead_worker_restarts_the_group_which_resumes_bitwise_and_ray_sees_the
     # died (never committed): then the group resumes from step 2, as right.
     resumed = {p.name for p in where.glob("resumed-from-*")}
     assert len(resumed) == 1 and resumed <= {"resumed-from-2", "resumed-from-4"}, resumed
-    config = {"out": str(tmp_path), "ckpt": str(tmp_path / "ck"), "total": TOTAL,
-              "strategy": "fsdp"}  # fmt: skip
-    ref = run_ranks(train, 4, config, extra_env={"OMP_NUM_THREADS": "1"}, timeout=240)[0]
     params = torch.load(where / "params.pt", weights_only=True)
-    assert all(torch.equal(params[k], ref[k]) for k in ref), "not the uninterrupted run's"
+    assert all(torch.equal(params[k], reference[k]) for k in reference), "not bitwise"
     # Ray keeps a pointer to the step (Ray's form for a checkpoint kept elsewhere).
     assert result["checkpoint"] == str(where / "ck" / f"step-{TOTAL:08d}"), result
     assert result["metrics"]["step"] == TOTAL and "loss" in result["metrics"], result
     said = (where / "said.txt").read_text()
     assert said.count("manygpu: under Ray Train: Ray started the workers") == 1, said
+
+
+@pytest.mark.timeout(600)
+def test_an_elastic_group_that_loses_a_host_resumes_on_the_smaller_world(
+    driven: tuple[EmulatedCluster, Path], reference: dict[str, torch.Tensor]
+) -> None:
+    _, out = driven
+    where = out / "elastic"
+    result = json.loads((where / "result.json").read_text())
+    assert result["error"] is None, result["error"]
+    assert (where / "host-stopped").exists(), "no host was stopped: elasticity was not tested"
+    resumed = {p.name for p in where.glob("resumed-from-*")}
+    assert len(resumed) == 1 and resumed <= {"resumed-from-2", "resumed-from-4"}, resumed
+    assert (where / "world-2").exists(), sorted(p.name for p in where.iterdir())
+    said = (where / "said.txt").read_text()
+    assert "; world size 4 -> 2" in said, said  # the Checkpointer's resume line
+    params = torch.load(where / "params.pt", weights_only=True)
+    assert max_diff(params, reference) < ADAM_TOL, max_diff(params, reference)
+    assert result["checkpoint"] == str(where / "ck" / f"step-{TOTAL:08d}"), result
+    assert result["metrics"]["step"] == TOTAL and "loss" in result["metrics"], result

@@ -2,11 +2,15 @@
 
 A Ray Train ``train_loop_per_worker``: ``Parallel`` adopts Ray's group; the
 zoo's GPT (ModuleList blocks, tied head), AdamW with decay / no-decay groups,
-warmup + cosine, clipping, a shuffled loader over 22 samples; a Checkpointer
-every 2 steps and ``par.log`` of the loss. With ``kill_at`` the last rank of
-the first attempt dies (``os._exit``) once that step is done, and Ray restarts
-the group. The same function, uninterrupted under ``run_ranks``, is the
-reference. Returns (and on rank 0 saves to ``out``/params.pt) the parameters.
+warmup + cosine, clipping, a shuffled loader (``samples``, 22 unless given;
+``global_batch``: that batch over all ranks, ``split_batches``, else 2 per
+rank); a Checkpointer every 2 steps and ``par.log`` of the loss. With
+``kill_at`` the last rank of the first attempt dies (``os._exit``) once that
+step is done, and Ray restarts the group; with ``stop_pid`` too, the workers
+on host ``stop_ip`` stop that host's Ray node (SIGTERM to its ``ray start
+--block``) instead: the host is gone, and an elastic group restarts smaller.
+The same function, uninterrupted under ``run_ranks``, is the reference.
+Returns (and on rank 0 saves to ``out``/params.pt) the parameters.
 """
 
 from __future__ import annotations
@@ -14,6 +18,8 @@ from __future__ import annotations
 import contextlib
 import io
 import os
+import signal
+import time
 from pathlib import Path
 from typing import Any
 
@@ -31,11 +37,15 @@ SAMPLES, BATCH, CLIP = 22, 2, 0.3
 def train(config: dict[str, Any]) -> dict[str, torch.Tensor]:
     out, total = Path(config["out"]), int(config["total"])
     entry = ZOO["gpt"]
-    with Parallel(strategy=config.get("strategy", "fsdp"), timeout_s=60) as par:
+    split = bool(config.get("global_batch"))
+    data = dataset("gpt", int(config.get("samples", SAMPLES)))
+    with Parallel(strategy=config.get("strategy", "fsdp"), timeout_s=60,
+                  split_batches=split) as par:  # fmt: skip
         torch.manual_seed(INIT_SEED)
         model = par.prepare(entry.build())
         opt = par.prepare(OPTIMIZERS["adamw"](model))
-        loader = par.prepare(DataLoader(dataset("gpt", SAMPLES), batch_size=BATCH, shuffle=True))
+        batch = int(config["global_batch"]) if split else BATCH
+        loader = par.prepare(DataLoader(data, batch_size=batch, shuffle=True))
         sched = warmup_cosine(opt, total)
         ckpt = Checkpointer(
             par, config["ckpt"], model=model, optimizer=opt, scheduler=sched, loader=loader,
@@ -62,15 +72,27 @@ def train(config: dict[str, Any]) -> dict[str, torch.Tensor]:
         if par.is_main:
             torch.save(params, out / "params.pt")
             (out / f"resumed-from-{first}").touch()
+            (out / f"world-{par.world_size}").touch()
         return params
 
 
 def _maybe_die(config: dict[str, Any], par: Parallel, step: int, first: int, out: Path) -> None:
     """The last rank of the first attempt dies after step ``kill_at`` (as an OOM kill would)."""
-    if step != config.get("kill_at") or first != 0 or par.rank != par.world_size - 1:
+    if step != config.get("kill_at") or first != 0:
         return
-    (out / "killed").touch()
-    os._exit(1)
+    if config.get("stop_pid"):
+        import ray
+
+        if ray.util.get_node_ip_address() == config["stop_ip"]:
+            (out / "host-stopped").touch()
+            with contextlib.suppress(ProcessLookupError):  # the other worker there sent it
+                os.kill(int(config["stop_pid"]), signal.SIGTERM)
+            time.sleep(120)  # the node's shutdown ends this worker
+            os._exit(1)
+        return
+    if par.rank == par.world_size - 1:
+        (out / "killed").touch()
+        os._exit(1)
 
 
 def in_ray(config: dict[str, Any]) -> None:

@@ -102,6 +102,7 @@ CLI_BAD: list[tuple[list[str], str]] = [
     (["checkpoint", "inspect", "/nonexistent"], "does not exist"),
     (["checkpoint", "export", "/nonexistent", "/tmp/x.safetensors"], "does not exist"),
     (["doctor", "--bogus"], "unrecognized arguments"),
+    (["doctor", "--ray", "auto", "--all-ranks"], "--ray reports a Ray cluster, --all-ranks a"),
     (
         ["launch", "--nproc", "2", "train.py"],
         "manygpu launch: error: unrecognized argument --nproc; did you mean --nproc-per-node?",

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
 pytest.importorskip("ray", reason="Ray Train is not installed (pip install 'manygpu[ray]')")
@@ -13,8 +15,15 @@ from manygpu import UsageError
 def test_a_missing_script_or_a_bad_worker_count_is_one_line() -> None:
     with pytest.raises(UsageError, match=r"no script at no-such-train\.py"):
         manygpu.ray.run("no-such-train.py", num_workers=2)
-    with pytest.raises(UsageError, match="num_workers must be an integer >= 1, got 0"):
-        manygpu.ray.run(print, num_workers=0)
+    for bad in (0, (3, 2), (0, 2), (2,), [2, 4], True):
+        with pytest.raises(
+            UsageError,
+            match=r"num_workers must be an integer >= 1 or a \(min, "
+            rf"max\) pair with 1 <= min <= max, got {re.escape(repr(bad))}$",
+        ):
+            manygpu.ray.run(print, num_workers=bad)  # type: ignore[arg-type]
+    manygpu.ray.check_workers((2, 4))
+    manygpu.ray.check_workers((3, 3))
 
 
 def test_outside_ray_nothing_is_reported_and_nothing_restored() -> None:

@@ -3,7 +3,9 @@
 Local: probe this machine, check the facts, and run a short live test on the
 local workers (every GPU, or 2 CPU processes on gloo) through ``manygpu
 launch``. ``--all-ranks`` runs the whole doctor under the launcher instead, on
-every node, and compares the nodes. Exit code 1 when a check fails.
+every node, and compares the nodes. ``--ray ADDRESS`` reports a Ray cluster's
+nodes instead (connecting as a Ray driver, bounded by ``--op-timeout``). Exit
+code 1 when a check fails.
 """
 
 from __future__ import annotations
@@ -32,7 +34,9 @@ driver, cuDNN, NCCL and PyTorch; GPUs, their health and peer-to-peer access;
 /dev/shm, limits, the network interface gloo and NCCL would pick; and a live
 all-reduce and point-to-point test between every pair of ranks. Each finding
 comes with a one-line fix. --all-ranks runs it under the launcher on every
-node (give the same launch options as for training) and compares the nodes."""
+node (give the same launch options as for training) and compares the nodes.
+--ray ADDRESS reports a Ray cluster instead: its nodes, their CPUs, GPUs and
+memory, and whether each runs the Ray Train that manygpu[ray] pins."""
 
 
 def add_parser(sub: Any) -> None:
@@ -48,6 +52,12 @@ def add_parser(sub: Any) -> None:
         "--all-ranks",
         action="store_true",
         help="run under the launcher on every rank (and node) and compare them",
+    )
+    p.add_argument(
+        "--ray",
+        metavar="ADDRESS",
+        help="report the Ray cluster at ADDRESS (its head's HOST:6379, ray://..., or auto) "
+        "instead of this machine",
     )
     # No default here: it lives with the doctor's config, in a package that imports torch.
     op_timeout = p.add_argument("--op-timeout", type=positive_float)
@@ -89,11 +99,15 @@ def validate(ns: argparse.Namespace) -> int:
             "--nnodes / --node-rank / --master-addr / --rdzv-endpoint need --all-ranks "
             "(the local doctor checks this machine only)"
         )
+    if ns.ray is not None and ns.all_ranks:
+        raise UsageError("--ray reports a Ray cluster, --all-ranks a launched job: give one")
     return nbytes
 
 
 def run(ns: argparse.Namespace) -> int:
     nbytes = validate(ns)
+    if ns.ray is not None:
+        return ray_cluster(ns)
     if ns.timeout_s is None:
         # A node that cannot reach the rendezvous (firewall, wrong address)
         # should be reported in minutes, not after the launcher's 15.
@@ -117,6 +131,24 @@ def run(ns: argparse.Namespace) -> int:
         )
         report.live, live_checks = local_live(ns, nbytes)
         report.checks += live_checks
+    show(report, as_json=ns.json)
+    return report.exit_code
+
+
+def ray_cluster(ns: argparse.Namespace) -> int:
+    """``--ray``: the cluster's nodes and their checks, this machine's facts left out."""
+    from manygpu.doctor.config import DEFAULT_OP_TIMEOUT_S
+    from manygpu.doctor.ray_checks import check_ray
+    from manygpu.doctor.ray_cluster import probe
+    from manygpu.doctor.report import DoctorReport
+
+    timeout_s = DEFAULT_OP_TIMEOUT_S if ns.op_timeout is None else ns.op_timeout
+    Notes.of("manygpu doctor", ns)(
+        f"connecting to the Ray cluster at {ns.ray} as a driver (at most {timeout_s:g}s) "
+        "and asking each node what it runs"
+    )
+    cluster = probe(ns.ray, timeout_s)
+    report = DoctorReport(nodes=[], checks=check_ray(cluster), ray=cluster)
     show(report, as_json=ns.json)
     return report.exit_code
 

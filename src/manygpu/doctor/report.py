@@ -16,6 +16,7 @@ from rich.console import Console
 from rich.table import Table
 
 from manygpu.doctor.facts import Facts, LiveResults, from_dict
+from manygpu.doctor.ray_cluster import RayCluster
 from manygpu.doctor.result import SEVERITY, CheckResult, Status, human_bytes, worst
 
 STYLE = {"ok": "green", "warn": "yellow", "fail": "bold red"}
@@ -28,6 +29,8 @@ class DoctorReport:
     nodes: list[Facts]
     checks: list[CheckResult] = field(default_factory=list)
     live: LiveResults | None = None
+    ray: RayCluster | None = None
+    """The Ray cluster ``--ray`` asked about (its nodes instead of this machine's facts)."""
 
     @property
     def status(self) -> Status:
@@ -46,6 +49,7 @@ class DoctorReport:
             "checks": [dataclasses.asdict(c) for c in self.checks],
             "nodes": [n.to_dict() for n in self.nodes],
             "live": dataclasses.asdict(self.live) if self.live else None,
+            "ray": dataclasses.asdict(self.ray) if self.ray else None,
         }
 
     @classmethod
@@ -54,6 +58,7 @@ class DoctorReport:
             nodes=[Facts.from_dict(n) for n in data.get("nodes", [])],
             checks=[from_dict(CheckResult, c) for c in data.get("checks", [])],
             live=from_dict(LiveResults, data["live"]) if data.get("live") else None,
+            ray=RayCluster.from_dict(data["ray"]) if data.get("ray") else None,
         )
 
 
@@ -201,6 +206,30 @@ def live_table(live: LiveResults) -> Table:
     return table
 
 
+def ray_table(cluster: RayCluster) -> Table:
+    """One row per node of the Ray cluster: where it is, what Ray offers, what it runs."""
+    title = f"Ray cluster at {cluster.address} (Ray {_or(cluster.ray)})"
+    table = Table(title=title, title_justify="left")
+    for name in ("node", "IP", "", "CPUs", "GPUs", "memory", "Ray", "Ray Train", "torch"):
+        table.add_column(name, justify="right" if name in ("CPUs", "GPUs") else "left")
+    for n in cluster.nodes:
+        soft = n.software
+        train = "?" if soft is None else "ok" if soft.train_error is None else "missing"
+        gpus = f"{n.gpus:g}" + (f" {n.accelerator}" if n.accelerator else "")
+        table.add_row(
+            n.host or n.node_id[:8],
+            n.ip,
+            ("head" if n.head else "") + ("" if n.alive else " dead"),
+            f"{n.cpus:g}",
+            gpus,
+            human_bytes(n.memory_bytes) if n.memory_bytes else "?",
+            _or(soft.ray if soft else None),
+            train,
+            _or(soft.torch if soft else None),
+        )
+    return table
+
+
 def checks_table(checks: list[CheckResult]) -> Table:
     table = Table(title="Checks", title_justify="left")
     multi = len({c.host for c in checks}) > 1
@@ -228,13 +257,16 @@ def terminal_console() -> Console:
 
 def render(report: DoctorReport, console: Console) -> None:
     """Print the report as tables (colour only when ``console`` is a terminal)."""
-    console.print(machine_table(report.nodes))
+    if report.nodes:  # none when only a Ray cluster was asked about
+        console.print(machine_table(report.nodes))
+    if report.ray is not None and report.ray.nodes:
+        console.print(ray_table(report.ray))
     for f in report.nodes:
         if f.gpus:
             console.print(gpu_table(f))
         if len(f.gpus) > 1 or f.links:
             console.print(topology_table(f))
-    if not any(f.gpus for f in report.nodes):
+    if report.nodes and not any(f.gpus for f in report.nodes):
         console.print("No GPU here: checked the CPU / gloo path.")
     if report.live is not None:
         console.print(live_table(report.live))

@@ -8,6 +8,14 @@ a user who starts from a manygpu script::
 
     result = manygpu.ray.run("train.py", args=["--epochs", "3"], num_workers=8, use_gpu=True)
     result = manygpu.ray.run(train_fn, num_workers=4, config={"lr": 1e-3})
+    result = manygpu.ray.run(train_fn, num_workers=(2, 8), max_failures=3)  # elastic
+
+Elastic (``num_workers=(min, max)``, Ray Train v2): when Ray restarts the group
+with another number of workers (a node lost, or one added), the Checkpointer
+resumes the last committed step on the new world size (the sharded state is
+resharded, the loader keeps its place in global samples). With
+``Parallel(split_batches=True)`` and the DataLoader's ``batch_size`` the global
+batch, the optimizer sees the same batches on any world size.
 """
 
 from __future__ import annotations
@@ -19,9 +27,9 @@ from pathlib import Path
 from typing import Any
 
 from manygpu.errors import UsageError
-from manygpu.runtime.ray_train import pointed_to
+from manygpu.runtime.ray_train import RAY_VERSION, pointed_to
 
-__all__ = ["checkpoint_path", "run"]
+__all__ = ["RAY_VERSION", "checkpoint_path", "run"]
 
 EXTRA = "Ray Train is not installed; pip install 'manygpu[ray]'"
 
@@ -39,7 +47,7 @@ def _ray_train() -> Any:
 def run(
     target: Callable[..., Any] | str | Path,
     *,
-    num_workers: int,
+    num_workers: int | tuple[int, int],
     use_gpu: bool = False,
     args: Sequence[str] = (),
     config: dict[str, Any] | None = None,
@@ -53,14 +61,16 @@ def run(
     as Ray calls ``train_loop_per_worker``) or a script's path (run as
     ``__main__`` in each worker with ``args`` as its ``sys.argv[1:]``). Ray is
     the one started by ``ray.init`` (or ``RAY_ADDRESS``) before this call, else
-    a local one. ``max_failures``: times Ray restarts the worker group after a
-    worker dies (``Checkpointer.resume()`` then starts from the last step).
+    a local one. ``num_workers``: a count, or ``(min, max)``: Ray Train v2's
+    elastic group, started and restarted with as many workers as the cluster
+    holds between the two. ``max_failures``: times Ray restarts the worker group
+    after a worker dies (``Checkpointer.resume()`` then starts from the last
+    step, on the new world size too).
     """
+    check_workers(num_workers)
     train = _ray_train()
     from ray.train.torch import TorchTrainer
 
-    if not isinstance(num_workers, int) or isinstance(num_workers, bool) or num_workers < 1:
-        raise UsageError(f"num_workers must be an integer >= 1, got {num_workers!r}")
     loop, loop_config = _loop(target, list(args), config)
     trainer = TorchTrainer(
         loop,
@@ -73,6 +83,20 @@ def run(
         ),
     )
     return trainer.fit()
+
+
+def check_workers(num_workers: object) -> None:
+    """Refuse in one line what Ray's ``ScalingConfig`` would refuse later with a
+    traceback, and 0 (Ray's local mode, which forms no group)."""
+    values: tuple[object, ...] = (
+        num_workers if isinstance(num_workers, tuple) and len(num_workers) == 2 else (num_workers,)
+    )
+    counts = [v for v in values if isinstance(v, int) and not isinstance(v, bool) and v >= 1]
+    if len(counts) != len(values) or counts != sorted(counts):
+        raise UsageError(
+            "num_workers must be an integer >= 1 or a (min, max) pair with "
+            f"1 <= min <= max, got {num_workers!r}"
+        )
 
 
 def _loop(

@@ -28,6 +28,9 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+RAY_VERSION = "2.60.0"
+"""The Ray release the ``manygpu[ray]`` extra pins and the tests run on."""
+
 POINTER = "manygpu.json"
 """The one file of a checkpoint reported to Ray: ``{"path": STEP, "step": N}``."""
 

@@ -1,6 +1,6 @@
 """A Ray Train driver on host 0 of a Ray cluster of emulated hosts: both jobs, one driver.
 
-Usage: RAY_ADDRESS OUT_DIR. First a ``TorchTrainer`` of 4 workers (one CPU
+Usage: RAY_ADDRESS OUT_DIR STOP_PID STOP_IP. First a ``TorchTrainer`` of 4 workers (one CPU
 each: 2 per host) runs the recipe of tests/helpers/recipes.py (the zoo's GPT
 with a ModuleList of blocks and a tied head, AdamW groups, warmup + cosine,
 clipping, 22 samples) under ddp and fsdp; each worker writes
@@ -9,7 +9,11 @@ rank and the worker's IP. Then ``manygpu.ray.run`` runs tests/helpers/ray_job.py
 on 4 workers with a Checkpointer in OUT_DIR/restart/ck (asynchronous saves
 every 2 steps) and ``max_failures=1``; the last worker dies after step 5, Ray
 restarts the group, which resumes. OUT_DIR/restart/result.json: what Ray's
-``Result`` says (error, metrics, the step its checkpoint points to).
+``Result`` says (error, metrics, the step its checkpoint points to). Last (it
+takes a host away), the same job elastic, ``num_workers=(2, 4)``: after step 5
+the workers on host STOP_IP stop that host's Ray node (STOP_PID: its ``ray
+start --block``), and Ray restarts the group on the 2 workers the cluster
+still holds, which resume on world size 2 (OUT_DIR/elastic/).
 """
 
 import json
@@ -24,6 +28,9 @@ import manygpu.ray
 
 STRATEGIES = ("ddp", "fsdp")
 TOTAL, KILL_AT = 8, 5
+# Both restarted jobs: 24 samples (3 whole global batches of 8 per epoch on 4 or 2
+# workers: a padded last batch would differ between the two) and the global batch.
+DATA = {"samples": 24, "global_batch": 8}
 
 
 def loop(config: dict) -> None:
@@ -56,13 +63,13 @@ def equal(out: str) -> None:
     assert trainer.fit().error is None
 
 
-def restart(out: str) -> None:
+def restart(out: str, num_workers: int | tuple[int, int] = 4, **stop: object) -> None:
     from ray_job import in_ray
 
     os.makedirs(out)
     config = {"out": out, "ckpt": os.path.join(out, "ck"), "total": TOTAL, "kill_at": KILL_AT,
-              "async_save": True, "strategy": "fsdp"}  # fmt: skip
-    result = manygpu.ray.run(in_ray, num_workers=4, config=config, max_failures=1,
+              "async_save": True, "strategy": "fsdp", **DATA, **stop}  # fmt: skip
+    result = manygpu.ray.run(in_ray, num_workers=num_workers, config=config, max_failures=1,
                              storage_path=os.path.join(out, "ray"))  # fmt: skip
     record = {
         "error": None if result.error is None else str(result.error)[-3000:],
@@ -73,6 +80,14 @@ def restart(out: str) -> None:
         json.dump(record, fh)
 
 
+def elastic(out: str, stop_pid: int, stop_ip: str) -> None:
+    # Ray's controller first decides the new size from its resource view, which
+    # lags the lost node by up to a tick (20 s): it may try 4 workers first and
+    # wait this long for them before it asks again (60 s by default).
+    os.environ["RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S"] = "15"
+    restart(out, num_workers=(2, 4), stop_pid=stop_pid, stop_ip=stop_ip)
+
+
 if __name__ == "__main__":
     address, out = sys.argv[1], sys.argv[2]
     ray.init(address=address, log_to_driver=False,
@@ -80,3 +95,4 @@ if __name__ == "__main__":
                                        "OMP_NUM_THREADS": "1"}})  # fmt: skip
     equal(os.path.join(out, "equal"))
     restart(os.path.join(out, "restart"))
+    elastic(os.path.join(out, "elastic"), int(sys.argv[3]), sys.argv[4])
