@@ -32,4 +32,8 @@ def test_the_test_command_lints_type_checks_and_tests() -> None:
     ]
     found = [next(i for i, ln in enumerate(script) if step in ln) for step in steps]
     assert found == sorted(found), f"scripts/check must run {steps} in that order"
-    assert script[-1].startswith(".venv/bin/python -m pytest"), "pytest's status is the script's"
+    # mypy and the docs run beside the tests: each failure, pytest's included, is the script's.
+    pytest_line = next(ln for ln in script if ln.startswith(".venv/bin/python -m pytest"))
+    assert pytest_line.endswith("|| rc=$?"), pytest_line
+    assert 'echo 1 >"$side/mypy.rc"' in "\n".join(script)
+    assert script[-1] == 'exit "${rc:-0}"', script[-1]
