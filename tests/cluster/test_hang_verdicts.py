@@ -1,8 +1,10 @@
-"""Hang verdicts on 2 emulated hosts x 2 ranks: the last rank (rank 3, on host 1)
-stops the job from moving in each way a user meets; the verdict, printed by the
-host that serves the store, names that rank, its host and its line (or says it is
-stopped / in native code) within the timeout plus a few seconds, and no process
-of the job is left on either host.
+"""Hang verdicts on 2 emulated hosts: the last rank (on host 1) stops the job from
+moving in each way a user meets; the verdict, printed by the host that serves the
+store, names that rank, its host and its line (or says it is stopped / in native
+code) within the timeout plus a few seconds, and no process of the job is left on
+either host. One rank per host (rank 1 the culprit), but for the DDP job whose
+culprit calls another collective than the rest: that verdict names the odd one out
+of a majority, so it runs 2 ranks per host (rank 3 the culprit).
 
 Static rendezvous with --timeout 20: the alarm goes off after 10 s of waiting. The
 six jobs run at once (each mostly waits), which keeps the suite short; the
@@ -30,15 +32,15 @@ pytestmark = pytest.mark.skipif(not OK, reason=f"emulated cluster unavailable: {
 
 SCRIPT = Path(__file__).resolve().parents[1] / "launch" / "scripts" / "hang_kinds.py"
 TIMEOUT = 20
-HOST1 = r"rank 3 \(host 10\.\d+\.\d+\.2\)"
+HOST1 = r"rank 1 \(host 10\.\d+\.\d+\.2\)"
 EXPECTED = {
-    "spin": HOST1 + r" never entered all_reduce #2 that ranks 0-2 wait in; rank 3 is at "
+    "spin": HOST1 + r" never entered all_reduce #2 that rank 0 waits in; rank 1 is at "
     r"hang_kinds\.py:32 in save_checkpoint\(\)",
-    "loader": HOST1 + r" never entered all_reduce #4 that ranks 0-2 wait in; rank 3 is at "
+    "loader": HOST1 + r" never entered all_reduce #4 that rank 0 waits in; rank 1 is at "
     r"hang_kinds\.py:62, in the DataLoader \(worker \d at hang_kinds\.py:41 in __getitem__\(\)\)",
-    "stop": HOST1 + r" never entered all_reduce #2 that ranks 0-2 wait in; "
-    r"rank 3 is stopped \(SIGSTOP or a debugger\)",
-    "native": HOST1 + r" never entered all_reduce #2 that ranks 0-2 wait in; rank 3 does not "
+    "stop": HOST1 + r" never entered all_reduce #2 that rank 0 waits in; "
+    r"rank 1 is stopped \(SIGSTOP or a debugger\)",
+    "native": HOST1 + r" never entered all_reduce #2 that rank 0 waits in; rank 1 does not "
     r"answer: it is in native code holding the GIL at hang_kinds\.py:70",
     "ddp_skip": r"all ranks wait in collective #10; rank 3 \(host 10\.\d+\.\d+\.2\) started it "
     r"as barrier\(\), the others as all_reduce\(float32\[10\]\); rank 3 is at hang_kinds\.py:59",
@@ -46,6 +48,8 @@ EXPECTED = {
 
 
 KINDS = [*EXPECTED, "shape"]
+PER_HOST = {"ddp_skip": 2}
+"""Ranks per host where 1 is not enough (see the module's docstring)."""
 
 
 @pytest.fixture(scope="module")
@@ -78,7 +82,7 @@ class Job:
                 i,
                 [
                     sys.executable, "-m", "manygpu", "launch", "--nnodes", "2",
-                    "--node-rank", str(i), "--nproc-per-node", "2",
+                    "--node-rank", str(i), "--nproc-per-node", str(PER_HOST.get(kind, 1)),
                     "--master-addr", cluster.addresses[0], "--master-port", str(port),
                     "--timeout", str(TIMEOUT), "--term-timeout", "3", str(SCRIPT), kind, str(out),
                 ],
@@ -119,10 +123,10 @@ def _verdict_delay(job: Job) -> float:
     return (where / "verdict.json").stat().st_mtime - min(began)
 
 
-def _left(out: Path) -> list[int]:
+def _left(out: Path, ranks: int) -> list[int]:
     deadline = time.monotonic() + 10
     pids = [int(p.read_text()) for p in out.glob("pid*")]
-    assert len(pids) == 4, pids
+    assert len(pids) == ranks, pids
     while time.monotonic() < deadline:
         alive = [p for p in pids if psutil.pid_exists(p) and psutil.Process(p).status() != "zombie"]
         if not alive:
@@ -145,7 +149,7 @@ def test_the_verdict_names_the_rank_its_host_and_its_line(jobs: dict[str, Job], 
     # load allows) to the verdict.
     took = _verdict_delay(job)
     assert took < TIMEOUT + 10, f"the verdict came {took:.1f}s after the wait began"
-    assert _left(job.out) == []
+    assert _left(job.out, 2 * PER_HOST.get(kind, 1)) == []
 
 
 @pytest.mark.slow
@@ -157,6 +161,6 @@ def test_a_rank_that_aborts_on_a_shape_mismatch_is_named_with_its_line(
     failure is named, with the line faulthandler saw it at."""
     job = jobs["shape"]
     report = [line for line in job.stderr[1].splitlines() if line.startswith("manygpu: ")]
-    assert report[0].startswith("manygpu: rank 3 was killed by SIGABRT"), report
+    assert report[0].startswith("manygpu: rank 1 was killed by SIGABRT"), report
     assert report[0].endswith(" at hang_kinds.py:73"), report
-    assert _left(job.out) == []
+    assert _left(job.out, 2) == []
