@@ -280,7 +280,6 @@ def test_a_finished_job_exits_as_plain_python_would(tmp_path: Path, mode: str) -
     (each holds its own pool; a second would only compile the same kernels again)."""
     cache = tmp_path / "inductor-cache"
     workers = 1 if mode == "compile" else 2
-    start = time.monotonic()
     res = manygpu(
         "launch",
         "--nproc-per-node",
@@ -290,11 +289,14 @@ def test_a_finished_job_exits_as_plain_python_would(tmp_path: Path, mode: str) -
         mode,
         env={"MANYGPU_EXIT_GRACE": "60", "TORCHINDUCTOR_CACHE_DIR": str(cache)},
     )
-    elapsed = time.monotonic() - start
+    ended = time.time()
     assert res.returncode == 0, res.stderr[-3000:]
     assert sorted(p.name for p in tmp_path.glob("done*")) == [f"done{r}" for r in range(workers)]
     assert "the script returned, but the process was still running" not in res.stderr
-    assert elapsed < 60, f"took {elapsed:.1f}s: the exit timer, not a normal exit, ended it"
+    # From the scripts' end (compiling takes what the load allows) to the job's: well
+    # under the 60 s exit timer.
+    after = ended - min(p.stat().st_mtime for p in tmp_path.glob("done*"))
+    assert after < 40, f"{after:.1f}s after the scripts ended: the exit timer ended it"
     if mode == "compile":
         assert any(cache.rglob("*.so")), "inductor compiled nothing: the test proves nothing"
     assert_gone(tmp_path)
