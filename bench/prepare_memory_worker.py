@@ -284,6 +284,19 @@ def run_meta_manual(cfg: dict[str, Any]) -> tuple[Meter, int]:
     return meter, size
 
 
+def fsdp_defaults(model: nn.Module) -> None:
+    """FSDP2's own backward prefetch and gloo reduce-scatter back on every unit: the
+    "before" of ``bench/fsdp_cpu_step.py`` (manygpu sets both on a CPU mesh:
+    ``strategies/fsdp/host.py``). Reaches into FSDP2's state: a bench, not the library."""
+    from torch.distributed.fsdp import FSDPModule
+    from torch.distributed.fsdp._fully_shard._fsdp_collectives import DefaultReduceScatter
+
+    for unit in model.modules():
+        if isinstance(unit, FSDPModule):
+            unit._get_fsdp_state()._states_to_backward_prefetch = []
+            unit.set_custom_reduce_scatter(DefaultReduceScatter())
+
+
 def run_loop(cfg: dict[str, Any]) -> tuple[Meter, int]:
     """The cost side: a small training loop, timed (``cfg["steps"]`` after 3 warm-up steps)."""
     import torch.distributed as dist
@@ -296,6 +309,8 @@ def run_loop(cfg: dict[str, Any]) -> tuple[Meter, int]:
     size = model_bytes(model)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
     model, opt = par.prepare(model, opt)
+    if cfg.get("fsdp_defaults"):
+        fsdp_defaults(model)
     g = torch.Generator().manual_seed(1)
     x = torch.randint(VOCAB, (cfg["batch"], CONTEXT), generator=g)
     meter = Meter()

@@ -5,13 +5,15 @@ setting of the test's own: what manygpu sets, it sets itself), each building a
 GPT of 1 GB of fp32 parameters under ``par.init_module()`` and preparing it
 with ``weights=`` a safetensors file of it, then one forward, backward and SGD
 step. Each rank's peak resident set (``VmHWM``) above its own baseline (taken
-before the model is built) must stay at most 0.8x the model's bytes: its
+before the model is built) must stay at most 0.7x the model's bytes: its
 parameters and gradients alone are 0.5x; building the model whole first, as
-before ``init_module``, peaks at 1.54x. The goal is 0.7x and is not met yet:
-prepare and the load peak at 0.30x, the forward at 0.46-0.48x, and FSDP2's
-backward on gloo at 0.74-0.77x (its gathered, prefetched and unsharded-gradient
-blocks, and what the reduce-scatter holds, over 0.5x of parameters and
-gradients; BENCHMARKS.md).
+before ``init_module``, peaks at 1.54x. Measured: prepare and the load peak at
+0.30x, the forward at 0.48x, the backward at 0.66x: 0.5x of parameters and
+gradients, the tied embedding gathered with its whole gradient (0.05x), one
+block gathered with its unsharded gradients, the activations. FSDP2's CPU
+defaults made it 0.77x (a prefetched block, gloo's copy of each reduce-scatter
+input and the kept input, freed activations left in the heap); manygpu turns
+them off on a CPU mesh (``strategies/fsdp/host.py``, BENCHMARKS.md).
 
 The cap test: ranks whose cgroups allow each less memory than the whole model
 above what it holds when capped (0.9x the model) still prepare and train.
@@ -36,7 +38,7 @@ from jobs import subprocess_env
 pytestmark = pytest.mark.slow
 
 BENCH = Path(__file__).resolve().parents[2] / "bench" / "prepare_memory.py"
-LIMIT = 0.8  # measured 0.74-0.77 (module docstring); the goal is 0.7
+LIMIT = 0.7  # measured 0.66 (module docstring)
 
 
 def _bench(tmp_path: Path, *extra: str) -> dict[str, object]:
@@ -51,7 +53,7 @@ def _bench(tmp_path: Path, *extra: str) -> dict[str, object]:
     return dict(row)
 
 
-def test_each_rank_peaks_under_0_8x_the_model_through_prepare_load_and_a_step(
+def test_each_rank_peaks_under_0_7x_the_model_through_prepare_load_and_a_step(
     tmp_path: Path,
 ) -> None:
     row = _bench(tmp_path)

@@ -56,3 +56,18 @@ def test_the_flight_recorder_keeps_a_destroyed_groups_configuration() -> None:
     dist.destroy_process_group()
     assert evidence.fr_records().get("pg_config"), f"the recorder forgot the group {WHERE}"
     assert evidence._ever_in_group()
+
+
+def test_fsdp2_s_custom_reduce_scatter_interface_and_default_prefetch_switch() -> None:
+    """``strategies/fsdp/host.py`` subclasses FSDP2's private ``ReduceScatter`` and turns
+    the default backward prefetch off by naming the unit itself: torch must still take a
+    non-empty list as "no default prefetch", and unsharding a gathered unit must be a no-op."""
+    from torch.distributed.fsdp._fully_shard import _fsdp_param_group, _fsdp_state
+    from torch.distributed.fsdp._fully_shard._fsdp_api import ReduceScatter
+
+    where = "(manygpu.strategies.fsdp.host relies on it: re-check it for this torch)"
+    assert callable(getattr(ReduceScatter, "allocate", None)), f"ReduceScatter moved {where}"
+    pre_backward = inspect.getsource(_fsdp_state.FSDPState._pre_backward)
+    assert "default_prefetch = len(self._states_to_backward_prefetch) == 0" in pre_backward, where
+    unshard = inspect.getsource(_fsdp_param_group.FSDPParamGroup.unshard)
+    assert "if self.is_unsharded:\n            return" in unshard, where

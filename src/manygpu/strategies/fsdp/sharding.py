@@ -21,6 +21,7 @@ from torch.distributed.fsdp import (
 )
 
 from manygpu.strategies.fsdp import FSDP
+from manygpu.strategies.fsdp.host import keep_host_memory_low
 from manygpu.strategies.fsdp.outputs import unview_outputs
 from manygpu.transforms.blocks import find_blocks
 
@@ -60,10 +61,14 @@ def shard_data_dims(
 
     With a 2-D (dp, fsdp) mesh this is HSDP (with fsdp=1, plain replication);
     with 1-D fsdp it is ZeRO-3. It works on parameters that are already
-    DTensors on a ``tp`` dimension (2-D FSDP + TP), which DDP does not.
+    DTensors on a ``tp`` dimension (2-D FSDP + TP), which DDP does not. On a
+    CPU mesh the units hold each rank's host memory to its share
+    (:mod:`manygpu.strategies.fsdp.host`).
     """
-    units = find_blocks(module, block_classes) if children else []
-    for unit in [*units, module]:
+    units = [*(find_blocks(module, block_classes) if children else []), module]
+    for unit in units:
         unview_outputs(unit)  # before fully_shard: FSDP2's hooks see tensors, not views
         fully_shard(unit, mesh=dp_mesh, **kwargs)
+    if dp_mesh.device_type == "cpu":
+        keep_host_memory_low(units)
     return module
