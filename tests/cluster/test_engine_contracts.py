@@ -1,6 +1,6 @@
 """Cluster engines by their contract: emulated hosts play the pods (or the nodes) an engine
 started, each runs ``manygpu launch SCRIPT`` with no flags and exactly the engine's
-environment, and the job over 2 hosts x 2 processes trains as one process would:
+environment, and the job over 2 hosts trains as one process would:
 the real recipe of tests/helpers/recipes.py (a GPT with a ModuleList of blocks and
 a tied head, AdamW groups, warmup + cosine, clipping, uneven data) under ddp and
 fsdp, every parameter within 1e-4 of one plain process (AdamW's tolerance, as in
@@ -8,11 +8,16 @@ tests/distributed/test_real_models.py).
 
 - Kubeflow Trainer v2 (a TrainJob's torch plugin): ``PET_*`` only, node 0 named by
   its headless-service DNS name (``train-node-0-0.train``), resolved through the
-  hosts' ``/etc/hosts`` as the cluster's DNS would; ``PET_NPROC_PER_NODE=auto``.
+  hosts' ``/etc/hosts`` as the cluster's DNS would; ``PET_NPROC_PER_NODE=1``
+  (``auto`` and the other values: tests/unit/test_engines.py).
 - Kubeflow PyTorchJob before training-operator 1.7: ``MASTER_ADDR`` (the master
   pod's service name), ``MASTER_PORT``, ``RANK`` = the pod's index and
-  ``WORLD_SIZE`` = the number of pods, which must not be read as processes.
-- SkyPilot: ``SKYPILOT_NODE_RANK``, ``SKYPILOT_NODE_IPS``, ``SKYPILOT_NUM_NODES``.
+  ``WORLD_SIZE`` = the number of pods, which must not be read as processes: 2
+  processes per pod (the launcher's default on a CPU), so that a misread shows.
+- SkyPilot: ``SKYPILOT_NODE_RANK``, ``SKYPILOT_NODE_IPS``, ``SKYPILOT_NUM_NODES``,
+  and ``SKYPILOT_NUM_GPUS_PER_NODE=1``: one process per node (on the CPU here).
+
+One process per node wherever the count is not the point: each costs ~3 s of CPU.
 
 No API server runs here: what is tested is each operator's environment contract
 (the variables it injects, from its source), not the operator. The job's secret
@@ -40,6 +45,9 @@ pytestmark = pytest.mark.skipif(not OK, reason=f"emulated cluster unavailable: {
 SCRIPT = Path(__file__).parent / "scripts" / "recipe_equivalence.py"
 ADAM_TOL = 1e-4
 STRATEGIES = ("ddp", "fsdp")
+NPROC = {"trainer-v2": 1, "pytorchjob-v1": 2, "skypilot": 1}
+"""Processes per node each engine's environment asks for."""
+WORLDS = {2 * nproc for nproc in NPROC.values()}
 POD = "10.96.0.1"  # KUBERNETES_SERVICE_HOST: every pod has it
 
 
@@ -47,7 +55,7 @@ def _trainer_v2(node: int) -> dict[str, str]:
     """What Kubeflow Trainer's torch plugin injects into node ``node`` of TrainJob ``train``."""
     return {
         "PET_NNODES": "2",
-        "PET_NPROC_PER_NODE": "auto",
+        "PET_NPROC_PER_NODE": "1",
         "PET_NODE_RANK": str(node),
         "PET_MASTER_ADDR": "train-node-0-0.train",
         "PET_MASTER_PORT": "29521",
@@ -74,7 +82,7 @@ def _skypilot(node: int, addresses: list[str]) -> dict[str, str]:
         "SKYPILOT_NODE_RANK": str(node),
         "SKYPILOT_NODE_IPS": "\n".join(addresses[:2]),
         "SKYPILOT_NUM_NODES": "2",
-        "SKYPILOT_NUM_GPUS_PER_NODE": "0",
+        "SKYPILOT_NUM_GPUS_PER_NODE": "1",
         "MASTER_PORT": "29523",
     }
 
@@ -117,22 +125,31 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, tuple[P
         yield done
 
 
+@pytest.fixture(scope="module")
+def references() -> dict[int, dict[str, torch.Tensor]]:
+    """World size -> the recipe trained in this process on that many ranks' global batches."""
+    return {w: reference_train(Recipe("gpt"), data_world=w)["params"] for w in WORLDS}
+
+
 @pytest.mark.timeout(420)
 @pytest.mark.parametrize("engine", ["trainer-v2", "pytorchjob-v1", "skypilot"])
 def test_no_flags_under_the_engine_trains_as_one_process(
-    runs: dict[str, tuple[Path, list]], engine: str
+    runs: dict[str, tuple[Path, list]],
+    references: dict[int, dict[str, torch.Tensor]],
+    engine: str,
 ) -> None:
     out, hosts = runs[engine]
     for node, ((_, err), code) in enumerate(hosts):
         assert code == 0, f"node {node}:\n{err[-3000:]}"
-    ref = reference_train(Recipe("gpt"), data_world=4)
+    nproc = NPROC[engine]
+    world = 2 * nproc
     for strategy in STRATEGIES:
-        for rank in range(4):
+        for rank in range(world):
             rec = torch.load(out / f"{strategy}-rank{rank}.pt", weights_only=True)
             assert rec["error"] is None, (strategy, rank, rec["error"])
-            assert rec["world"] == 4 and rec["node"] == rank // 2, rec
-            assert rec["data_world"] == 4
-            assert max_diff(rec["params"], ref["params"]) < ADAM_TOL, (strategy, rank)
+            assert rec["world"] == world and rec["node"] == rank // nproc, rec
+            assert rec["data_world"] == world
+            assert max_diff(rec["params"], references[world]) < ADAM_TOL, (strategy, rank)
 
 
 def test_a_pytorchjob_says_world_size_counts_pods(runs: dict[str, tuple[Path, list]]) -> None:

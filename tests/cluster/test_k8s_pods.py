@@ -17,13 +17,15 @@ fsdp (tests/helpers/preempt_job.py) on a checkpoint directory both pods share.
   The launchers keep their default ``--max-restarts 0``: a launcher whose job broke
   exits, and the restarted pods meet in a fresh static rendezvous.
 - A pod restarted before node 0 has noticed (node 0 still serves the run it left) waits
-  for node 0's next rendezvous instead of joining the old one. This happens in the same
-  job as the killed pod, once the restarted pods train again (one start of both pods,
-  ~15 s of CPU, less than as a job of its own).
+  for node 0's next rendezvous instead of joining the old one.
+
+All three happen to one job, one after the other (SIGTERM, then pod 1 killed and
+restarted early, then pod 0's restart on failure): each start of the pods costs
+~15 s of CPU, and every event still restarts from what the one before left.
 
 No API server and no kubelet run here: the test itself signals the processes and
 restarts a pod's command as kubelet would (at once, each at most :data:`MAX_RESTARTS`
-times; kubelet's back-off only delays it). Both jobs must equal one uninterrupted run of
+times; kubelet's back-off only delays it). Every run must equal one uninterrupted run of
 the same 4 ranks (local gloo ranks, ``OMP_NUM_THREADS=1`` as on the pods) bit for bit:
 every step's loss and the final parameters, tolerance zero.
 """
@@ -56,7 +58,7 @@ OK, WHY = netns_available()
 pytestmark = pytest.mark.skipif(not OK, reason=f"emulated cluster unavailable: {WHY}")
 
 RECIPE = Path(__file__).parent / "scripts" / "preempt_recipe.py"
-TOTAL, SLEEP_S, EVERY = 12, 0.25, 2
+TOTAL, SLEEP_S, EVERY = 14, 0.25, 2
 GRACE_S = 30.0
 """terminationGracePeriodSeconds' stand-in: a SIGTERMed launcher must be gone by then."""
 MAX_RESTARTS = 3
@@ -277,15 +279,59 @@ def _run_to_the_end(
     return ended
 
 
-@pytest.mark.timeout(300)
-@pytest.mark.parametrize("job", [(29531, 0)], indirect=True)
-def test_sigterm_to_every_pod_saves_and_the_restarted_pods_resume_bit_identically(
+def _workers(pod: Pod) -> list[psutil.Process]:
+    return psutil.Process(pod.launcher.pid).children(recursive=True)
+
+
+@pytest.mark.timeout(480)
+@pytest.mark.parametrize("job", [(29531, EVERY)], indirect=True)
+def test_stopped_then_killed_pods_resume_bit_identically_and_an_early_pod_waits(
     job: Job, reference: tuple[dict[int, float], dict[str, Any]]
 ) -> None:
+    """One TrainJob through three events, each restart with the same command and
+    environment: (1) SIGTERM to every pod's PID 1: both launchers save and end with
+    128 + SIGTERM within the grace period; the pods started again resume right after
+    the saved step. (2) Pod 1's container killed while pod 0's ranks are frozen (so they
+    cannot notice) and restarted at once: the new pod must not join pod 0's old store,
+    where its workers would meet the old run's keys, but wait. (3) Pod 0's ranks thawed
+    lose pod 1: its launcher names pod 1's host and exits non-zero, kubelet restarts
+    it, the waiting pod 1 joins its next rendezvous, and the job resumes from the
+    newest periodic checkpoint. Every run's losses and the end equal the
+    uninterrupted run's."""
+    step = _sigterm_every_pod(job)
+    for pod in job.pods:  # the pods started again: same environment, same command
+        pod.start()
+    # A periodic checkpoint after the SIGTERM one (saved before the next step starts).
+    job.wait_for(f"step {step + EVERY + 1}", lambda: job.progress() >= step + EVERY + 1, 120)
+    killed_at = job.progress()
+    newest = int(layout.read_meta(layout.committed(job.ckpt)[-1])["step"])
+    _kill_pod1_and_restart_it_early(job)
+    ended = _run_to_the_end(job, 240, starts=2 + MAX_RESTARTS)
+    print(f"killed pod 1 at step {killed_at}, after SIGTERM at {step}; then ended: {ended}")
+    lead = (
+        f"manygpu: the first failure was on the host(s) at {job.pods[1].cluster.addresses[1]} "
+        "(train-node-0-1.train), not here"
+    )
+    assert ended[0][:2] == (0, 1) and ended[0][2] != 0, (ended, job.said())
+    assert lead in job.pods[0].output(1), job.said()
+    # Pod 1's early start waited for pod 0's next rendezvous, then finished with it.
+    assert [n for n, _, _ in ended].count(1) == 1 and ended[-1][2] == 0, (ended, job.said())
+
+    assert len(job.runs) == 3, job.runs
+    assert min(job.runs[1]) == step + 1 and max(job.runs[1]) >= killed_at, job.runs
+    resumed = min(job.runs[2]) - 1
+    assert resumed % EVERY == 0 and newest <= resumed <= max(job.runs[1]), (resumed, newest)
+    assert max(job.runs[2]) == TOTAL, job.runs
+    _same_as_reference(job, reference)
+
+
+def _sigterm_every_pod(job: Job) -> int:
+    """Start both pods, SIGTERM each launcher (kubelet: PID 1 alone) after 3 steps;
+    check both ended in time having saved; the step they saved."""
     for pod in job.pods:
         pod.start()
     job.wait_for("3 steps", lambda: job.progress() >= 3, 120)
-    for pod in job.pods:  # kubelet: SIGTERM to PID 1 alone
+    for pod in job.pods:
         pod.launcher.send_signal(signal.SIGTERM)
     signalled = time.monotonic()
     codes = []
@@ -301,66 +347,24 @@ def test_sigterm_to_every_pod_saves_and_the_restarted_pods_resume_bit_identicall
     # Not 0: a Job's pod that exits 0 has Succeeded, and its index would never run again.
     assert codes == [128 + signal.SIGTERM] * 2, (codes, job.said())
     job.collect_run()
-    saved = layout.committed(job.ckpt)
-    assert len(saved) == 1, (saved, job.said())
-    info = inspect(saved[0])
+    info = inspect(layout.committed(job.ckpt)[-1])  # the newest: the notice's save
     assert info["status"] == "ok" and info["world_size"] == 4 and info["strategy"] == "fsdp", info
     step = info["step"]
-    assert "manygpu: SIGTERM: saved step" in job.pods[0].output(0), job.said()
+    assert f"manygpu: SIGTERM: saved step {step} " in job.pods[0].output(0), job.said()
     assert max(job.runs[0]) == step, (step, job.runs)
     print(f"SIGTERM: both launchers ended {took:.1f} s after it, having saved step {step}")
-
-    for pod in job.pods:  # the pods started again: same environment, same command
-        pod.start()
-    ended = _run_to_the_end(job, 180, starts=2)
-    assert all(code == 0 for _, _, code in ended), (ended, job.said())
-    assert len(job.runs) == 2 and min(job.runs[1]) == step + 1, job.runs
-    assert max(job.runs[1]) == TOTAL, job.runs
-    _same_as_reference(job, reference)
+    return int(step)
 
 
-def _workers(pod: Pod) -> list[psutil.Process]:
-    return psutil.Process(pod.launcher.pid).children(recursive=True)
-
-
-@pytest.mark.timeout(420)
-@pytest.mark.parametrize("job", [(29532, EVERY)], indirect=True)
-def test_a_killed_pod_restarted_on_failure_resumes_then_a_pod_restarted_early_waits(
-    job: Job, reference: tuple[dict[int, float], dict[str, Any]]
-) -> None:
-    """Pod 1's container killed: pod 0's launcher names it and exits non-zero, both
-    restart on failure and resume from the newest periodic checkpoint. Once they train
-    again, pod 1 is restarted while pod 0 still serves the run it left (pod 0's ranks
-    frozen, so they cannot notice): the new pod must not join that old store, where its
-    workers would meet the old run's keys, but wait for pod 0's next one, then resume
-    with it. Every run's losses and the end equal the uninterrupted run's."""
-    for pod in job.pods:
-        pod.start()
-    job.wait_for(f"{EVERY + 1} steps", lambda: job.progress() >= EVERY + 1, 120)
-    killed_at = job.progress()
-    newest = int(layout.read_meta(layout.committed(job.ckpt)[-1])["step"])
-    job.pods[1].kill_container()
-
-    def training_again() -> bool:
-        running = all(p.starts >= 2 and p.launcher.poll() is None for p in job.pods)
-        return running and len(job.runs) == 1 and job.progress() > killed_at
-
-    ended = _run_to_the_end(job, 240, starts=1 + MAX_RESTARTS, until=training_again)
-    print(f"killed pod 1 at step {killed_at}; launchers ended: {ended}")
-    assert ended[0] == (1, 0, -signal.SIGKILL), ended
-    pod0 = next(code for node, run, code in ended if (node, run) == (0, 0))
-    lead = (
-        f"manygpu: the first failure was on the host(s) at {job.pods[1].cluster.addresses[1]} "
-        "(train-node-0-1.train), not here"
-    )
-    assert pod0 != 0 and lead in job.pods[0].output(0), (ended, job.said())
-
+def _kill_pod1_and_restart_it_early(job: Job) -> None:
+    """Pod 1's container killed while pod 0's ranks are frozen, and restarted at once:
+    it must wait for pod 0's next rendezvous, starting no worker on the old store."""
     frozen = _workers(job.pods[0])
     for proc in frozen:
         proc.suspend()
     try:
         job.pods[1].kill_container()
-        job.pods[1].launcher.wait(timeout=30)
+        assert job.pods[1].launcher.wait(timeout=30) == -signal.SIGKILL
         job.pods[1].start()
         again = job.pods[1].starts - 1
         port = job.pods[0].env["PET_MASTER_PORT"]
@@ -375,13 +379,3 @@ def test_a_killed_pod_restarted_on_failure_resumes_then_a_pod_restarted_early_wa
         for proc in frozen:
             with contextlib.suppress(psutil.NoSuchProcess):
                 proc.resume()
-    ended = _run_to_the_end(job, 240, starts=2 + MAX_RESTARTS)
-    print(f"pod 1 waited for pod 0's next rendezvous; launchers ended: {ended}")
-    assert [n for n, _, _ in ended].count(1) == 1 and ended[-1][2] == 0, (ended, job.said())
-
-    first = job.runs[0]
-    assert min(first) == 1 and max(first) >= killed_at, job.runs
-    resumed = min(job.runs[1]) - 1
-    assert resumed % EVERY == 0 and newest <= resumed <= max(first), (resumed, newest, job.runs)
-    assert max(job.runs[-1]) == TOTAL, job.runs
-    _same_as_reference(job, reference)

@@ -18,6 +18,7 @@ import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -25,12 +26,15 @@ from jobs import subprocess_env
 from reference import reference_train
 from ssh_hosts import SshHosts, ensure_openssh
 
+from manygpu.checkpoint_io import layout
 from manygpu.emulate import EmulatedCluster, LinkShape, netns_available
 
 OK, WHY = netns_available()
 pytestmark = pytest.mark.skipif(not OK, reason=f"emulated cluster unavailable: {WHY}")
 
 SCRIPTS = Path(__file__).parent / "scripts"
+CKPT_SCRIPT = Path(__file__).parents[1] / "launch" / "scripts" / "ckpt_launch.py"
+STEPS = 32  # the elastic job's
 TOL = 1e-5
 CLUSTER_PER_TEST = True
 """Each test builds its own hosts (the ``hosts`` fixture): they may run on any worker."""
@@ -334,13 +338,21 @@ def test_a_host_killed_mid_job_ends_the_job_everywhere(
     assert not list(out.glob("done-*"))
 
 
+def _checkpoints(ckpt: Path) -> list[dict[str, Any]]:
+    """Each committed checkpoint's meta, oldest first."""
+    return [layout.read_meta(d) for d in layout.committed(ckpt)]
+
+
 @pytest.mark.timeout(150)
 def test_an_elastic_job_survives_a_killed_host(
     hosts: tuple[EmulatedCluster, SshHosts], tmp_path: Path
 ) -> None:
+    """``--nnodes 1:2``, one rank per host, checkpointing every 4 steps: host 1 crashes
+    (every process on it dies) once the two hosts have saved; host 0's agent restarts
+    its worker in a rendezvous round of one node, which resumes from the two hosts'
+    checkpoint as a world of one and finishes."""
     cluster, ssh = hosts
-    log = tmp_path / "driver.log"
-    out = tmp_path / "out"
+    log, ckpt, out = tmp_path / "driver.log", tmp_path / "ck", tmp_path / "out"
     out.mkdir()
     elastic = [
         "--nnodes",
@@ -354,10 +366,14 @@ def test_an_elastic_job_survives_a_killed_host(
         "--rdzv-conf",
         "last_call_timeout=10,keep_alive_interval=1,keep_alive_max_attempt=2",
     ]
-    argv = [*_argv(cluster, ssh, _two(cluster, 1), *elastic), str(SCRIPTS / "steps.py")]
-    driver = _start(cluster, [*argv, str(out), "40", "0.05"], log)
+    argv = [*_argv(cluster, ssh, _two(cluster, 1), *elastic), str(CKPT_SCRIPT)]
+    # 32 steps of 0.1 s: host 1 dies near step 4 with ~3 s of the job left to run.
+    driver = _start(cluster, [*argv, str(ckpt), str(out), str(STEPS), "4", "-1", "0.1"], log)
     try:
-        _wait_for([out / "started-0", out / "started-1"], driver, log, timeout=100)
+        deadline = time.monotonic() + 100
+        while not _checkpoints(ckpt):
+            assert driver.poll() is None and time.monotonic() < deadline, log.read_text()[-3000:]
+            time.sleep(0.1)
         assert cluster.kill_host(1)
         driver.wait(timeout=100)
     finally:
@@ -366,11 +382,15 @@ def test_an_elastic_job_survives_a_killed_host(
             driver.wait()
     text = log.read_text()
     assert driver.returncode == 0, text[-3000:]
-    assert (out / "done-0-1").exists()  # host 0 went on alone, as a world of one
     assert (
         f"manygpu: the elastic job finished without a host (lost host {cluster.addresses[1]}"
         in text
     )
+    metas = _checkpoints(ckpt)
+    assert (metas[-1]["world_size"], metas[-1]["step"]) == (1, STEPS), metas
+    # Host 0 went on alone from a checkpoint the two hosts saved (world size 2).
+    resumed = json.loads(sorted(out.glob("losses-*.json"))[-1].read_text())
+    assert 4 <= min(int(s) for s in resumed) - 1 < STEPS, sorted(resumed)
 
 
 @pytest.mark.timeout(150)
