@@ -41,7 +41,7 @@ def test_local_doctor_json_with_live_test() -> None:
     # What took the time was said, on stderr: the probes, then the live test.
     assert "manygpu doctor: probing this machine" in res.stderr
     assert "manygpu doctor: live test: starting the local workers" in res.stderr
-    assert set(report) == {"status", "counts", "checks", "nodes", "live"}
+    assert set(report) == {"status", "counts", "checks", "nodes", "live", "ray"}
     assert all(set(c) == CHECK_KEYS for c in report["checks"])
     assert all(c["status"] in ("ok", "warn", "fail") for c in report["checks"])
     assert all(c["fix"] for c in report["checks"] if c["status"] != "ok")

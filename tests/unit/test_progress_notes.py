@@ -24,7 +24,7 @@ def test_doctor_json_is_clean_while_notes_go_to_stderr(
     out, err = capsys.readouterr()
     report = json.loads(out)  # stdout is the JSON and nothing else
     assert code == (1 if report["status"] == "fail" else 0)
-    assert set(report) == {"status", "counts", "checks", "nodes", "live"}
+    assert set(report) == {"status", "counts", "checks", "nodes", "live", "ray"}
     assert "manygpu doctor: probing this machine" in err
     assert "live test" not in err  # --no-live: nothing started, nothing said
 
