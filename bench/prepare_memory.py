@@ -28,6 +28,11 @@ Run::
     .venv/bin/python bench/prepare_memory.py --size 0.2 --mode whole meta-manual
     .venv/bin/python bench/prepare_memory.py --env MALLOC_ARENA_MAX=2  # a user's own setting
 
+``--cap-groups KIND:DIR,...`` with ``--cap-extra BYTES`` puts rank r under the
+memory cgroup DIR number r (made by the caller, of KIND ``cgroup1`` or ``cgroup2``),
+limited to what the rank holds when it starts plus BYTES: a rank given less than
+the whole model must still prepare and train (tests/launch/test_big_model_memory.py).
+
 ``--in-process`` applies manygpu's remedy by hand in every rank (a fixed mmap
 threshold, ``malloc_trim`` after prepare: :mod:`manygpu.runtime.host_memory`)
 for runs where ``Parallel`` does not apply it itself (``meta-manual``).
@@ -93,8 +98,11 @@ def run_one(
         cfg = {
             "mode": mode, "strategy": strategy, "size_gb": args.size, "dim": args.dim,
             "out_dir": out, "weights": weights, "trim": args.trim,
-            "in_process": args.in_process,
+            "in_process": args.in_process, "cap_extra": args.cap_extra,
         }  # fmt: skip
+        if args.cap_groups:
+            kind, dirs = args.cap_groups.split(":", 1)
+            cfg |= {"cap_kind": kind, "cap_dirs": dirs.split(",")}
         cmd = [
             sys.executable, "-m", "manygpu", "launch", "--nproc-per-node", str(args.nproc),
             str(WORKER), "--config", json.dumps(cfg),
@@ -132,6 +140,8 @@ def summarize(mode: str, strategy: str, result: dict[str, Any]) -> dict[str, Any
     return {
         **row, "model_bytes": size, "peak_bytes": peak, "ratio": peak / size,
         "phases": phases, "allocator_env": ranks[0]["env"],
+        "losses": [r.get("loss") for r in ranks],
+        "cap_limits": [r.get("cap_limit") for r in ranks],
     }  # fmt: skip
 
 
@@ -168,11 +178,25 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--in-process", action="store_true",
                    help="fix glibc's mmap threshold in each rank first (runtime.host_memory."
                    "fix_mmap_threshold), then malloc_trim(0) after prepare")  # fmt: skip
+    p.add_argument(
+        "--cap-groups",
+        metavar="KIND:DIR,...",
+        help="a memory cgroup per rank, each rank capped at its own RSS + --cap-extra",
+    )
+    p.add_argument(
+        "--cap-extra",
+        type=int,
+        default=0,
+        metavar="BYTES",
+        help="what a capped rank may add to what it holds at its start",
+    )
     p.add_argument("--timeout", type=float, default=600.0, help="per launch, seconds")
     p.add_argument("--out", type=Path, default=HERE / "results" / "prepare_memory.json")
     args = p.parse_args(argv)
     if any("=" not in kv for kv in args.env):
         p.error("--env takes KEY=VALUE")
+    if args.cap_groups and not args.cap_groups.startswith(("cgroup1:", "cgroup2:")):
+        p.error("--cap-groups takes cgroup1:DIR,... or cgroup2:DIR,...")
     return args
 
 

@@ -57,6 +57,7 @@ class Meter:
         reset_peak()
         self.baseline = vm()["VmRSS"]
         self.rows: list[dict[str, Any]] = []
+        self.loss: float | None = None
 
     @contextlib.contextmanager
     def phase(self, name: str) -> Iterator[None]:
@@ -213,6 +214,7 @@ def train_step(meter: Meter, model: nn.Module, opt: Any, backward: Any) -> None:
     x, y = batch()
     with meter.phase("forward"):
         loss = F.cross_entropy(model(x).flatten(0, 1), y.flatten())
+    meter.loss = float(loss.detach())
     with meter.phase("backward"):
         backward(loss)
     with meter.phase("step"):
@@ -340,6 +342,21 @@ MODES = {
 }
 
 
+def enter_cap(cfg: dict[str, Any], rank: int) -> int | None:
+    """Put this rank under its memory cgroup (``cfg["cap_dirs"][rank]``, made by the
+    caller), limited to what the rank holds now plus ``cfg["cap_extra"]`` bytes; the
+    limit, or None when no cap was asked for. Counting the rank's own resident set
+    keeps the cap about the work ahead, not about what importing torch took."""
+    if not cfg.get("cap_dirs"):
+        return None
+    group = Path(cfg["cap_dirs"][rank])
+    limit = vm()["VmRSS"] + int(cfg["cap_extra"])
+    name = "memory.max" if cfg["cap_kind"] == "cgroup2" else "memory.limit_in_bytes"
+    (group / name).write_text(str(limit))
+    (group / "cgroup.procs").write_text(str(os.getpid()))
+    return limit
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--config", required=True, help="JSON: mode, strategy, size_gb, dim...")
@@ -348,11 +365,14 @@ def main() -> None:
         torch.set_num_threads(cfg["threads"])
     if cfg.get("in_process"):  # what Parallel(...) does for a strategy that splits weights
         fix_mmap_threshold(envmod.user_set_malloc(envmod.current()))
-    meter, size = MODES[cfg["mode"]](cfg)
     rank = int(os.environ.get("RANK", "0"))
+    cap_limit = enter_cap(cfg, rank)
+    meter, size = MODES[cfg["mode"]](cfg)
     out = {
         "rank": rank,
         "model_bytes": size,
+        "cap_limit": cap_limit,
+        "loss": meter.loss,
         "baseline": meter.baseline,
         "phases": meter.rows,
         "peak": max(r["peak"] for r in meter.rows),
