@@ -37,6 +37,7 @@ import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -205,19 +206,26 @@ def test_ray_train_over_two_hosts_matches_one_process(
             assert max_diff(rec["params"], ref) < ADAM_TOL, (strategy, rank)
 
 
+def _resumed_once(where: Path) -> dict[str, Any]:
+    """A restarted job's Ray result, after checking it ended well and resumed once.
+
+    The asynchronous save of step 4 may still have been uploading when the group
+    broke (never committed): then it resumes from step 2, as right.
+    """
+    result: dict[str, Any] = json.loads((where / "result.json").read_text())
+    assert result["error"] is None, result["error"]
+    resumed = {p.name for p in where.glob("resumed-from-*")}
+    assert len(resumed) == 1 and resumed <= {"resumed-from-2", "resumed-from-4"}, resumed
+    return result
+
+
 @pytest.mark.timeout(600)
 def test_a_dead_worker_restarts_the_group_which_resumes_bitwise_and_ray_sees_the_steps(
     driven: tuple[EmulatedCluster, Path], reference: dict[str, torch.Tensor]
 ) -> None:
-    _, out = driven
-    where = out / "restart"
-    result = json.loads((where / "result.json").read_text())
-    assert result["error"] is None, result["error"]
+    where = driven[1] / "restart"
+    result = _resumed_once(where)
     assert (where / "killed").exists(), "no worker died: the restart was not tested"
-    # The asynchronous save of step 4 may still have been uploading when the worker
-    # died (never committed): then the group resumes from step 2, as right.
-    resumed = {p.name for p in where.glob("resumed-from-*")}
-    assert len(resumed) == 1 and resumed <= {"resumed-from-2", "resumed-from-4"}, resumed
     params = torch.load(where / "params.pt", weights_only=True)
     assert all(torch.equal(params[k], reference[k]) for k in reference), "not bitwise"
     # Ray keeps a pointer to the step (Ray's form for a checkpoint kept elsewhere).
@@ -231,13 +239,9 @@ def test_a_dead_worker_restarts_the_group_which_resumes_bitwise_and_ray_sees_the
 def test_an_elastic_group_that_loses_a_host_resumes_on_the_smaller_world(
     driven: tuple[EmulatedCluster, Path], reference: dict[str, torch.Tensor]
 ) -> None:
-    _, out = driven
-    where = out / "elastic"
-    result = json.loads((where / "result.json").read_text())
-    assert result["error"] is None, result["error"]
+    where = driven[1] / "elastic"
+    result = _resumed_once(where)
     assert (where / "host-stopped").exists(), "no host was stopped: elasticity was not tested"
-    resumed = {p.name for p in where.glob("resumed-from-*")}
-    assert len(resumed) == 1 and resumed <= {"resumed-from-2", "resumed-from-4"}, resumed
     assert (where / "world-2").exists(), sorted(p.name for p in where.iterdir())
     said = (where / "said.txt").read_text()
     assert "; world size 4 -> 2" in said, said  # the Checkpointer's resume line
