@@ -24,7 +24,8 @@ attempts check, in turn:
   controller first asks for 4 workers again and waits 15 s for them
   (``RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S``) before it starts 2.
 One job, not three: each Ray Train job starts its own controller actors and
-workers, ~5 CPU-s a process (the three jobs took 289 CPU-s, 41 Ray workers).
+workers, ~5 CPU-s a process (measured for this module: three jobs, 41 Ray
+worker processes and two log monitors, 289 CPU-s; one job, 16, 148 CPU-s).
 Before the driver, ``manygpu doctor --ray`` reports both nodes.
 Ray's footprint here: 2.7 GB at the peak for the two nodes, the driver and 4
 training workers (1.0 GB before the cluster starts).
