@@ -87,12 +87,35 @@ def _evidence(wrapped: torch.nn.Module, inner: torch.nn.Module) -> dict[str, Any
     }
 
 
-def train_rank(recipe: Recipe, parallel: dict[str, Any]) -> dict[str, Any]:
-    """The recipe under ``Parallel(**parallel)`` on this rank: losses, norms, params, evidence."""
+def train_rank(runs: list[tuple[Recipe, dict[str, Any]]]) -> list[dict[str, Any]]:
+    """Each recipe under its ``Parallel(**parallel)`` on this rank, one after the other in
+    one process (one start, and inductor's caches shared): losses, norms, params, evidence.
+
+    The process group is made once and every ``Parallel`` borrows it (re-creating groups
+    on one port back to back races the rendezvous); dynamo is reset between runs, so each
+    compiles its own model and counts its own graphs.
+    """
+    import datetime
+
+    import torch.distributed as dist
+    from torch._dynamo.utils import counters
+
+    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
+    ddp_splits = _spy_ddp_optimizer()
+    results = []
+    for recipe, parallel in runs:
+        torch._dynamo.reset()
+        counters.clear()
+        ddp_splits.clear()
+        results.append(_train_one(recipe, parallel) | {"ddp_splits": list(ddp_splits)})
+    return results
+
+
+def _train_one(recipe: Recipe, parallel: dict[str, Any]) -> dict[str, Any]:
+    """The recipe under ``Parallel(**parallel)`` on this rank."""
     from manygpu import Parallel
 
     entry = ZOO[recipe.model]
-    ddp_splits = _spy_ddp_optimizer()
     with Parallel(precision="fp32", **parallel) as par:
         torch.manual_seed(INIT_SEED + par.rank)  # replicas start different: prepare must fix it
         if recipe.weights:  # built empty, read from the reference's start, then compiled
@@ -121,7 +144,6 @@ def train_rank(recipe: Recipe, parallel: dict[str, Any]) -> dict[str, Any]:
             "norms": norms,
             "params": full_params(inner),
             "batches_channels_last": all(layouts),
-            "ddp_splits": ddp_splits,
             **_evidence(model, inner),
         }
 
@@ -165,7 +187,7 @@ def _matches_reference(outs: list[dict[str, Any]], recipe: Recipe) -> None:
 @pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
 def test_channels_last_matches_one_plain_process(strategy: str) -> None:
     parallel = {"strategy": strategy, "channels_last": True}
-    outs = run_ranks(train_rank, WORLD, RESNET, parallel, timeout=240)
+    outs = [r[0] for r in run_ranks(train_rank, WORLD, [(RESNET, parallel)], timeout=240)]
     _matches_reference(outs, RESNET)
     for out in outs:
         assert out["batches_channels_last"]
@@ -176,27 +198,29 @@ def test_channels_last_matches_one_plain_process(strategy: str) -> None:
 
 
 @needs_cxx
-@pytest.mark.parametrize("fullgraph", [False, True], ids=["compile-True", "fullgraph"])
 @pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
-def test_compile_matches_one_plain_process(strategy: str, fullgraph: bool) -> None:
-    """``fullgraph=True`` too: neither DDP's forward nor FSDP2's hooks may break a graph."""
+def test_compile_matches_one_plain_process(strategy: str) -> None:
+    """``compile=True``, then ``fullgraph=True`` (neither DDP's forward nor FSDP2's hooks
+    may break a graph), on the same 2 ranks one after the other."""
     from manygpu import CompileOptions
 
-    parallel = {
-        "strategy": strategy,
-        "compile": CompileOptions(fullgraph=True) if fullgraph else True,
-    }
     # fsdp fullgraph: the model built empty (init_module) and loaded with weights=.
-    recipe = replace(GPT, weights=True) if (strategy, fullgraph) == ("fsdp", True) else GPT
-    outs = run_ranks(train_rank, WORLD, recipe, parallel, timeout=480)
-    _matches_reference(outs, recipe)
-    for out in outs:
-        assert out["graphs"] > 0 and not out["batches_channels_last"]
-        if strategy == "ddp":
-            # Inside the DDP wrapper, after wrapping: DDPOptimizer splits the graph
-            # at DDP's 25 MB gradient buckets, so all-reduces overlap the backward.
-            assert out["compiled"] == ["model"]
-            assert out["ddp_splits"] and set(out["ddp_splits"]) == {25 * 1024 * 1024}
-        else:  # each FSDP2 block, then the root
-            assert out["compiled"] == ["blocks.0", "blocks.1", "model"]
-            assert out["ddp_splits"] == []
+    full = replace(GPT, weights=True) if strategy == "fsdp" else GPT
+    runs = [
+        (GPT, {"strategy": strategy, "compile": True}),
+        (full, {"strategy": strategy, "compile": CompileOptions(fullgraph=True)}),
+    ]
+    results = run_ranks(train_rank, WORLD, runs, timeout=480)
+    for i, (recipe, parallel) in enumerate(runs):
+        outs = [r[i] for r in results]
+        _matches_reference(outs, recipe)
+        for out in outs:
+            assert out["graphs"] > 0 and not out["batches_channels_last"], parallel
+            if strategy == "ddp":
+                # Inside the DDP wrapper, after wrapping: DDPOptimizer splits the graph
+                # at DDP's 25 MB gradient buckets, so all-reduces overlap the backward.
+                assert out["compiled"] == ["model"], parallel
+                assert out["ddp_splits"] and set(out["ddp_splits"]) == {25 * 1024 * 1024}
+            else:  # each FSDP2 block, then the root
+                assert out["compiled"] == ["blocks.0", "blocks.1", "model"], parallel
+                assert out["ddp_splits"] == [], parallel

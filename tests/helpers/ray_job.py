@@ -1,14 +1,22 @@
-"""The recipe's GPT trained under Ray Train, checkpointed, one worker killed once.
+"""The recipe's GPT trained under Ray Train, checkpointed, losing a worker then a host.
 
 A Ray Train ``train_loop_per_worker``: ``Parallel`` adopts Ray's group; the
 zoo's GPT (ModuleList blocks, tied head), AdamW with decay / no-decay groups,
 warmup + cosine, clipping, a shuffled loader (``samples``, 22 unless given;
 ``global_batch``: that batch over all ranks, ``split_batches``, else 2 per
-rank); a Checkpointer every 2 steps and ``par.log`` of the loss. With
-``kill_at`` the last rank of the first attempt dies (``os._exit``) once that
-step is done, and Ray restarts the group; with ``stop_pid`` too, the workers
-on host ``stop_ip`` stop that host's Ray node (SIGTERM to its ``ray start
---block``) instead: the host is gone, and an elastic group restarts smaller.
+rank); a Checkpointer every 2 steps and ``par.log`` of the loss. Faults, each
+on the attempt it names (Ray restarts the group after each):
+- ``kill_at``: on the first attempt, the last rank dies (``os._exit``) once
+  that step is done;
+- ``stop_at`` (with ``stop_pid``, ``stop_ip``): on a resumed attempt, the
+  workers on host ``stop_ip`` stop that host's Ray node (SIGTERM to its ``ray
+  start --block``) once that step is done: the host is gone, and an elastic
+  group restarts smaller;
+- ``snapshot_at``: every rank gathers the parameters after that step; rank 0
+  saves them to ``out``/snapshot-from-FIRST-world-W.pt (FIRST: the step the
+  attempt resumed from), to compare a resumed attempt with an uninterrupted run.
+With ``equal``, the first attempt first runs the recipes of
+tests/helpers/recipes.py under ddp and fsdp (:func:`record_equal`).
 The same function, uninterrupted under ``run_ranks``, is the reference.
 Returns (and on rank 0 saves to ``out``/params.pt) the parameters.
 """
@@ -64,6 +72,8 @@ def train(config: dict[str, Any]) -> dict[str, torch.Tensor]:
                 state.step += 1
                 par.log({"loss": loss.detach()})
                 ckpt.after_step(state)
+                if state.step == config.get("snapshot_at"):
+                    _snapshot(par, model, first, out)
                 _maybe_die(config, par, state.step, first, out)
                 if state.step >= total:
                     break
@@ -77,10 +87,11 @@ def train(config: dict[str, Any]) -> dict[str, torch.Tensor]:
 
 
 def _maybe_die(config: dict[str, Any], par: Parallel, step: int, first: int, out: Path) -> None:
-    """The last rank of the first attempt dies after step ``kill_at`` (as an OOM kill would)."""
-    if step != config.get("kill_at") or first != 0:
-        return
-    if config.get("stop_pid"):
+    """The faults ``config`` asks for at this step of this attempt (see the module)."""
+    if step == config.get("kill_at") and first == 0 and par.rank == par.world_size - 1:
+        (out / "killed").touch()  # the last rank dies, as an OOM kill would
+        os._exit(1)
+    if step == config.get("stop_at") and first > 0:
         import ray
 
         if ray.util.get_node_ip_address() == config["stop_ip"]:
@@ -89,15 +100,48 @@ def _maybe_die(config: dict[str, Any], par: Parallel, step: int, first: int, out
                 os.kill(int(config["stop_pid"]), signal.SIGTERM)
             time.sleep(120)  # the node's shutdown ends this worker
             os._exit(1)
-        return
-    if par.rank == par.world_size - 1:
-        (out / "killed").touch()
-        os._exit(1)
+
+
+def _snapshot(par: Parallel, model: torch.nn.Module, first: int, out: Path) -> None:
+    """The whole parameters now (a collective), saved by rank 0, named by the attempt."""
+    params = full_params(par.unwrap(model))
+    if par.is_main:
+        torch.save(params, out / f"snapshot-from-{first}-world-{par.world_size}.pt")
+
+
+def record_equal(out: str) -> None:
+    """Each worker trains the recipe's GPT under ddp and fsdp in Ray's group and saves
+    ``out``/STRATEGY-rankR.pt: the whole parameters, the world, Ray's node rank and
+    the worker's IP; rank 0 then marks ``out``/done (a restarted group skips this)."""
+    import ray
+    import torch.distributed as dist
+    from recipes import Recipe, train_parallel
+
+    context = ray.train.get_context()
+    for strategy in ("ddp", "fsdp"):
+        (result,) = train_parallel([Recipe("gpt")], {"strategy": strategy, "timeout_s": 60})
+        record = {
+            "world": dist.get_world_size(),
+            "node": context.get_node_rank(),
+            "ip": ray.util.get_node_ip_address(),
+            "params": result.get("params"),
+            "data_world": result.get("data_world"),
+            "error": result.get("error"),
+        }
+        torch.save(record, os.path.join(out, f"{strategy}-rank{dist.get_rank()}.pt"))
+    dist.barrier()
+    if dist.get_rank() == 0:
+        Path(out, "done").touch()
 
 
 def in_ray(config: dict[str, Any]) -> None:
-    """:func:`train` as Ray's loop (Ray returns no tensors; rank 0 saved them); what
-    the workers printed goes to ``out``/said.txt (the attempt that ends writes it)."""
+    """:func:`train` as Ray's loop (Ray returns no tensors; rank 0 saved them), after
+    :func:`record_equal` on the first attempt when ``config["equal"]`` names its
+    directory; what the workers printed goes to ``out``/said.txt (the attempt that
+    ends writes it)."""
+    equal = config.get("equal")
+    if equal and not Path(equal, "done").exists():
+        record_equal(equal)
     said = io.StringIO()
     with contextlib.redirect_stdout(said):
         train(config)
