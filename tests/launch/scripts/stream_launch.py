@@ -2,10 +2,13 @@
 
 ``stream_launch.py CKPT OUT TOTAL KILL_TORCH KILL_HF``: trains on both streams
 with checkpoints every 10 steps (rank 1 SIGKILLs itself after step KILL_TORCH
-on the first attempt and after step KILL_HF on the second), then reads what an
-uninterrupted run reads, two epochs of each stream, trains on the unshuffled
-fallback stream for the one-process comparison, and tries a stream whose order
-differs between ranks.
+on the first attempt and after step KILL_HF on the second); then, on the
+attempt that trained both to the end (once a job), reads two epochs of each
+stream (an uninterrupted run's first TOTAL steps are their first TOTAL
+batches: TOTAL is less than two epochs), trains on the unshuffled fallback
+stream for the one-process comparison, and tries a stream whose order differs
+between ranks. Every loader starts its own worker processes on each pass, so
+nothing is read twice.
 """
 
 import json
@@ -50,15 +53,6 @@ def train_fallback(par: Parallel) -> list[float]:
     return flat_params(par.unwrap(model)).tolist()
 
 
-def uninterrupted(par: Parallel, kind: str, steps: int) -> list[list[int]]:
-    """The ids an uninterrupted run reads in its first ``steps`` steps."""
-    prepared = par.prepare(stream_job.loader(kind, BATCH, WORKERS))
-    seen: list[list[int]] = []
-    while len(seen) < steps:
-        seen += [stream_job.unpack(kind, b)[0] for b in prepared]
-    return seen[:steps]
-
-
 attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
 result: dict[str, object] = {"attempt": attempt}
 with Parallel(strategy="ddp", timeout_s=60) as par:
@@ -70,8 +64,12 @@ with Parallel(strategy="ddp", timeout_s=60) as par:
         name = f"resumed-{kind}-attempt{attempt}-rank{os.environ['RANK']}.json"
         with open(os.path.join(out, name), "w") as fh:
             json.dump(seen, fh)
-        result[f"reference-{kind}"] = uninterrupted(par, kind, int(total))
-        result[f"epochs-{kind}"] = stream_job.read_epochs(par, kind, BATCH, WORKERS, 2)
+    for kind in ("torch", "hf"):
+        epochs = stream_job.read_epochs(par, kind, BATCH, WORKERS, 2)
+        steps = [batch for epoch in epochs for batch in epoch]
+        assert len(steps) >= int(total), f"{kind}: two epochs are {len(steps)} steps"
+        result[f"reference-{kind}"] = steps[: int(total)]  # what an uninterrupted run reads
+        result[f"epochs-{kind}"] = epochs
     result["params"] = train_fallback(par)
     try:
         par.prepare(DataLoader(Unseeded(), batch_size=2))
