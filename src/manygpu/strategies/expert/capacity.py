@@ -39,10 +39,14 @@ def capacity(factor: float, tokens: int, top_k: int, num_experts: int) -> int:
     return math.ceil(factor * tokens * top_k / num_experts)
 
 
-def keep_mask(choices: torch.Tensor, before: torch.Tensor, places: int) -> torch.Tensor:
+def keep_mask(
+    choices: torch.Tensor, before: torch.Tensor, places: int, counts: torch.Tensor | None = None
+) -> torch.Tensor:
     """Which copies are kept: ``choices`` (flat expert ids in batch order), ``before[e]``
-    copies already given to expert ``e`` earlier in the global batch, ``places`` each."""
-    counts = torch.bincount(choices, minlength=before.numel())
+    copies already given to expert ``e`` earlier in the global batch, ``places`` each;
+    ``counts``: ``choices``' copies per expert, when the caller has them already."""
+    if counts is None:
+        counts = torch.bincount(choices, minlength=before.numel())
     starts = torch.cumsum(counts, 0) - counts
     order = torch.argsort(choices, stable=True)
     position = torch.empty_like(choices)
@@ -87,4 +91,4 @@ class Capacity(nn.Module):
         if self.group is not None:
             before, total = earlier_and_total(counts, tokens, self.data_rank, self.group)
         places = capacity(self.capacity_factor, total, top_k, self.num_experts)
-        return keep_mask(choices, before, places).view_as(top_k_index)
+        return keep_mask(choices, before, places, counts).view_as(top_k_index)
