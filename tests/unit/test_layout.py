@@ -7,6 +7,7 @@ names the file, the line and what to do instead.
 from __future__ import annotations
 
 import ast
+import functools
 import re
 import subprocess
 import sys
@@ -70,10 +71,13 @@ def _layer(module: str) -> int:
     return LAYERS[best]
 
 
+@functools.cache
 def _tree(path: Path) -> ast.Module:
+    """Parsed once per file for the whole module (read-only: the checks only walk it)."""
     return ast.parse(path.read_text(), filename=str(path))
 
 
+@functools.cache
 def _imports(path: Path) -> list[tuple[int, str]]:
     """(line, module) for every manygpu import; ``from manygpu import x`` names ``x``."""
     out = []
