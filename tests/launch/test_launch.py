@@ -57,32 +57,11 @@ def assert_gone(pid_dir: Path) -> None:
     raise AssertionError(f"worker processes {alive} outlived the job")
 
 
-def test_torchrun_script_runs_unchanged(tmp_path: Path) -> None:
-    res = manygpu(
-        "launch",
-        "--nproc-per-node",
-        "2",
-        "torchrun_style.py",  # relative: __file__ must still be absolute
-        str(tmp_path),
-        "--flag",
-        "x",
-        cwd=SCRIPTS,
-        env={"PYTHONPATH": str(ROOT / "src")},
-    )
-    assert res.returncode == 0, res.stderr
-    records = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
-    for rank, rec in enumerate(records):
-        assert rec["RANK"] == str(rank) and rec["LOCAL_RANK"] == str(rank)
-        assert rec["WORLD_SIZE"] == "2" and rec["LOCAL_WORLD_SIZE"] == "2"
-        assert rec["GROUP_RANK"] == "0" and rec["MASTER_ADDR"] and rec["MASTER_PORT"]
-        assert rec["sum"] == 3.0
-        assert rec["argv"] == [str(tmp_path), "--flag", "x"]
-        assert rec["file"] == str(SCRIPTS / "torchrun_style.py")  # absolute, as under torchrun
-
-
-def test_torchrun_flags_launch(tmp_path: Path) -> None:
-    """nanoGPT's `torchrun --standalone`, tee/redirects into --log-dir, a rank filter;
-    and --no-python running a program directly."""
+def test_torchrun_script_runs_unchanged_under_torchruns_flags(tmp_path: Path) -> None:
+    """A plain torchrun script sees torchrun's variables, its argv and an absolute
+    ``__file__``, under nanoGPT's `torchrun --standalone` (our default anyway), tee/redirects
+    into --log-dir, a rank filter; and --no-python runs a program directly. Its group,
+    formed, used and destroyed within one poll of the watcher, raises no false alarm."""
     logs = tmp_path / "logs"
     res = manygpu(
         "launch",
@@ -100,13 +79,27 @@ def test_torchrun_flags_launch(tmp_path: Path) -> None:
         "--monitor-interval",
         "0.2",
         "--run-path",
-        str(SCRIPTS / "torchrun_style.py"),
+        "torchrun_style.py",  # relative: __file__ must still be absolute
         str(tmp_path),
+        "--flag",
+        "x",
+        cwd=SCRIPTS,
         env={"PYTHONPATH": str(ROOT / "src")},
     )
     assert res.returncode == 0, res.stderr
     assert sorted(p.name for p in tmp_path.glob("rank*.json")) == ["rank0.json", "rank1.json"]
+    records = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+    for rank, rec in enumerate(records):
+        assert rec["RANK"] == str(rank) and rec["LOCAL_RANK"] == str(rank)
+        assert rec["WORLD_SIZE"] == "2" and rec["LOCAL_WORLD_SIZE"] == "2"
+        assert rec["GROUP_RANK"] == "0" and rec["MASTER_ADDR"] and rec["MASTER_PORT"]
+        assert rec["sum"] == 3.0
+        assert rec["argv"] == [str(tmp_path), "--flag", "x"]
+        assert rec["file"] == str(SCRIPTS / "torchrun_style.py")  # absolute, as under torchrun
     assert len(list(logs.rglob("stdout.log"))) == 2  # tee'd into the kept log directory
+    # No "never formed a process group" (nor any other line of ours) for a group
+    # destroyed before the end: the Flight Recorder still knows it.
+    assert [ln for ln in res.stderr.splitlines() if ln.startswith("manygpu:")] == [], res.stderr
     out = tmp_path / "np"
     out.mkdir()
     res = manygpu(
@@ -271,34 +264,33 @@ def test_a_worker_stuck_at_exit_is_ended_and_counts_as_a_success(tmp_path: Path)
     assert_gone(tmp_path)
 
 
-@pytest.mark.parametrize("mode", ["pool", "compile"])
-def test_a_finished_job_exits_as_plain_python_would(tmp_path: Path, mode: str) -> None:
-    """An idle non-daemon pool held by a module (ours, or inductor's async compile on
-    an empty cache) does not keep a finished worker alive: the exit hooks that tell
+def test_a_finished_job_exits_as_plain_python_would(tmp_path: Path) -> None:
+    """Idle non-daemon pools held by modules (ours, and inductor's async compile on
+    an empty cache) do not keep a finished worker alive: the exit hooks that tell
     pool threads to quit run before the threads are joined. The job exits at once,
-    not through the exit timer (its line would name the rank). One worker compiles
-    (each holds its own pool; a second would only compile the same kernels again)."""
+    not through the exit timer (its line would name the rank). One worker holds both
+    pools (either alone would keep it alive); a second would only compile the same
+    kernels again."""
     cache = tmp_path / "inductor-cache"
-    workers = 1 if mode == "compile" else 2
     res = manygpu(
         "launch",
         "--nproc-per-node",
-        str(workers),
+        "1",
         str(SCRIPTS / "exits_like_python.py"),
         str(tmp_path),
-        mode,
+        "compile,pool",
         env={"MANYGPU_EXIT_GRACE": "60", "TORCHINDUCTOR_CACHE_DIR": str(cache)},
     )
     ended = time.time()
     assert res.returncode == 0, res.stderr[-3000:]
-    assert sorted(p.name for p in tmp_path.glob("done*")) == [f"done{r}" for r in range(workers)]
+    assert sorted(p.name for p in tmp_path.glob("done*")) == ["done0"]
     assert "the script returned, but the process was still running" not in res.stderr
-    # From the scripts' end (compiling takes what the load allows) to the job's: well
+    # From the script's end (compiling takes what the load allows) to the job's: well
     # under the 60 s exit timer.
-    after = ended - min(p.stat().st_mtime for p in tmp_path.glob("done*"))
-    assert after < 40, f"{after:.1f}s after the scripts ended: the exit timer ended it"
-    if mode == "compile":
-        assert any(cache.rglob("*.so")), "inductor compiled nothing: the test proves nothing"
+    after = ended - (tmp_path / "done0").stat().st_mtime
+    assert after < 40, f"{after:.1f}s after the script ended: the exit timer ended it"
+    assert any(cache.rglob("*.so")), "inductor compiled nothing: the test proves nothing"
+    assert (tmp_path / "pool0").read_text() == "held", "our pool was never made"
     assert_gone(tmp_path)
 
 
@@ -363,8 +355,10 @@ def test_master_port_in_use(tmp_path: Path) -> None:
 
 
 def test_demo_reaches_accuracy(tmp_path: Path) -> None:
+    """Three epochs: the accuracy target is met (the seeded run reaches 0.956 there),
+    and two timing windows, whose median is their mean."""
     out = tmp_path / "demo.json"
-    res = manygpu("demo", "--epochs", "5", "--json", str(out), timeout=170)
+    res = manygpu("demo", "--epochs", "3", "--json", str(out), timeout=170)
     assert res.returncode == 0, res.stderr
     result = json.loads(out.read_text())
     assert result["workers"] == 2 and result["strategy"] == "ddp"
@@ -373,66 +367,15 @@ def test_demo_reaches_accuracy(tmp_path: Path) -> None:
     # It speaks first, before PyTorch and the workers start; then it launches.
     first, second = res.stdout.splitlines()[:2]
     assert first.startswith("manygpu demo: training a small CNN")
-    assert "4 epoch(s) are timed" in first
+    assert "2 epoch(s) are timed" in first
     assert second == "manygpu demo: launching 2 worker process(es)"
     # The speed-up is the median of one window per epoch after the first, with its range.
     windows, spread = result["windows"], result["speedup_spread"]
-    assert len(windows) == spread["windows"] == 4
+    assert len(windows) == spread["windows"] == 2
     ratios = sorted(w["workers_samples_per_s"] / w["single_samples_per_s"] for w in windows)
     assert spread["low"] == pytest.approx(ratios[0]) and spread["high"] == pytest.approx(ratios[-1])
-    assert result["speedup"] == pytest.approx((ratios[1] + ratios[2]) / 2)
+    assert result["speedup"] == pytest.approx((ratios[0] + ratios[1]) / 2)
     assert result["load"]["cpus"] >= 1 and "load average" in res.stdout
-
-
-def test_bench_comm_every_op_correct(tmp_path: Path) -> None:
-    out, png = tmp_path / "comm.json", tmp_path / "comm.png"
-    res = manygpu(
-        "bench",
-        "comm",
-        "--nproc-per-node",
-        "2",
-        "--ops",
-        "all_reduce,all_gather,reduce_scatter,broadcast,reduce,all_to_all",
-        "--min-bytes",
-        "64",
-        "--max-bytes",
-        "1K",
-        "--iters",
-        "2",
-        "--warmup",
-        "1",
-        "--json",
-        str(out),
-        "--plot",
-        str(png),
-    )
-    assert res.returncode == 0, res.stderr
-    data = json.loads(out.read_text())
-    rows = data["rows"]
-    assert data["world_size"] == 2 and data["memcpy_gbs"] > 0
-    assert data["command"].startswith("manygpu bench comm --nproc-per-node 2")
-    assert data["sweep"]["iters"] == 2 and data["sweep"]["min_bytes"] == 64
-    # 5 sizes x (4 all-reduce algorithms + 5 other ops)
-    assert len(rows) == 5 * 9
-    assert {r["algorithm"] for r in rows if r["op"] == "all_reduce"} == {
-        "native",
-        "ring",
-        "ps",
-        "tree",
-    }
-    assert all(r["wrong"] == 0 for r in rows)
-    for r in rows:
-        factor = (
-            1.0
-            if r["op"] in ("all_reduce",)
-            else 0.5
-            if r["op"] in ("all_gather", "reduce_scatter", "all_to_all")
-            else 1.0
-        )
-        assert r["busbw_gbs"] == pytest.approx(r["algbw_gbs"] * factor)
-    assert png.read_bytes()[:4] == b"\x89PNG"
-    header = next(ln for ln in res.stdout.splitlines() if ln.startswith("op "))
-    assert header.split()[-3:-1] == ["algbw", "busbw"], header  # units on each value
 
 
 def test_no_orphans_when_the_launcher_is_killed(tmp_path: Path) -> None:

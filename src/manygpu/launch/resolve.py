@@ -19,7 +19,14 @@ from manygpu.launch import engines
 from manygpu.launch.engines import OuterJob
 from manygpu.launch.entry import script_problem
 from manygpu.launch.netcheck import split_endpoint
-from manygpu.launch.spec import AGREED_ID, LaunchRequest, LaunchSpec, ProgramOptions, parse_nnodes
+from manygpu.launch.spec import (
+    AGREED_ID,
+    LaunchRequest,
+    LaunchSpec,
+    ProgramOptions,
+    gpu_indices,
+    parse_nnodes,
+)
 from manygpu.runtime import env as envmod
 from manygpu.runtime.cluster import DEFAULT_PORT, mpi_port, mpi_ranks, slurm_master
 from manygpu.runtime.device import cpu_count, threads_per_process
@@ -35,21 +42,14 @@ def parse_gpus(text: str, env: Environ, cuda_count: int) -> tuple[str, ...]:
     Indices refer to the GPUs this process sees, so an outer
     ``CUDA_VISIBLE_DEVICES`` is honoured (index 0 = its first entry).
     """
-    parts = [p.strip() for p in text.split(",")]
-    if text.strip().lower() == "all":
+    indices = gpu_indices(text)
+    if indices is None:
         if cuda_count == 0:
             raise UsageError(
                 "--gpus all: this machine has no CUDA GPU (check nvidia-smi and the driver); "
                 "drop --gpus to run CPU processes"
             )
         return tuple(_visible(env, cuda_count))
-    if not parts or any(not (p.isascii() and p.isdigit()) for p in parts):
-        raise UsageError(
-            f"--gpus {text!r} is not a list of GPU indices; write e.g. --gpus 0,1 or --gpus all"
-        )
-    indices = [int(p) for p in parts]
-    if len(set(indices)) != len(indices):
-        raise UsageError(f"--gpus {text!r} names a GPU twice; list each GPU once")
     missing = [i for i in indices if i >= cuda_count]
     if missing:
         have = f"GPUs 0..{cuda_count - 1}" if cuda_count else "no CUDA GPU"

@@ -50,6 +50,25 @@ def parse_ranks(text: str | None) -> tuple[int, ...] | None:
     return tuple(int(p) for p in parts)
 
 
+def gpu_indices(text: str) -> tuple[int, ...] | None:
+    """``"0,2"`` -> (0, 2) for --gpus; ``"all"`` -> ``None`` (every GPU there is).
+
+    Only the form: whether those GPUs exist is the resolver's question (it needs
+    torch). Checked when the request is made, so a typo costs no torch import.
+    """
+    if text.strip().lower() == "all":
+        return None
+    parts = [p.strip() for p in text.split(",")]
+    if any(not (p.isascii() and p.isdigit()) for p in parts):
+        raise UsageError(
+            f"--gpus {text!r} is not a list of GPU indices; write e.g. --gpus 0,1 or --gpus all"
+        )
+    indices = tuple(int(p) for p in parts)
+    if len(set(indices)) != len(indices):
+        raise UsageError(f"--gpus {text!r} names a GPU twice; list each GPU once")
+    return indices
+
+
 def parse_nnodes(text: str, where: str | None = None) -> tuple[int, int]:
     """``"2"`` -> (2, 2); ``"1:4"`` -> (1, 4): the one reader of a node count or range.
 
@@ -232,6 +251,10 @@ class Placement:
         "--local-addr", "--local_addr", help="address this node announces to the others"
     )
     """Address this node announces to the others."""
+
+    def __post_init__(self) -> None:
+        if self.gpus is not None:
+            gpu_indices(self.gpus)  # the form alone: before torch loads
 
 
 @dataclass(frozen=True, kw_only=True)

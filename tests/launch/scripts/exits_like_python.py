@@ -1,10 +1,10 @@
 """Trains briefly and returns, leaving what makes a finished job hang if exit is
 not done as Python does it: an idle, non-daemon thread pool held by a module.
 
-argv: OUT, MODE. ``pool``: our own ThreadPoolExecutor kept in ``sys.modules``;
-``compile``: ``Parallel(compile=True)`` (inductor's async compile keeps its
-pool; run with an empty TORCHINDUCTOR_CACHE_DIR). Writes OUT/pid<rank> and
-OUT/done<rank>.
+argv: OUT, MODES (comma-separated). ``pool``: our own ThreadPoolExecutor kept
+in ``sys.modules`` (OUT/pool<rank> says it was made); ``compile``:
+``Parallel(compile=True)`` (inductor's async compile keeps its pool; run with an
+empty TORCHINDUCTOR_CACHE_DIR). Writes OUT/pid<rank> and OUT/done<rank>.
 """
 
 import os
@@ -28,8 +28,8 @@ class Net(nn.Module):
         return self.b(torch.relu(self.a(x)))
 
 
-out, mode = sys.argv[1], sys.argv[2]
-with Parallel(strategy="ddp", compile=mode == "compile") as par:
+out, modes = sys.argv[1], sys.argv[2].split(",")
+with Parallel(strategy="ddp", compile="compile" in modes) as par:
     with open(os.path.join(out, f"pid{par.rank}"), "w") as fh:
         fh.write(str(os.getpid()))
     model = Net()
@@ -39,9 +39,11 @@ with Parallel(strategy="ddp", compile=mode == "compile") as par:
         par.backward(model(x).pow(2).mean())
         opt.step()
         opt.zero_grad()
-    if mode == "pool":
+    if "pool" in modes:
         pool = ThreadPoolExecutor(2)
         sys.modules["_held_pool"] = pool  # type: ignore[assignment]  # as a library holds one
         assert pool.submit(lambda: 1).result() == 1
+        with open(os.path.join(out, f"pool{par.rank}"), "w") as fh:
+            fh.write("held")
     with open(os.path.join(out, f"done{par.rank}"), "w") as fh:
         fh.write("ok")

@@ -2,8 +2,8 @@
 
 - ``typo``: every rank builds ``Parallel(strategy="fdsp")`` (a configuration error).
 - ``alone``: each rank trains without ever joining a process group.
-- ``show``: prints what ``Parallel()`` (naming nothing) became, and the gloo interface.
-- ``wait DIR``: every rank waits in a barrier, forever, after writing ``DIR/started<R>``.
+- ``wait DIR``: every rank builds ``Parallel()`` naming no strategy, prints what it became
+  and the gloo interface, writes ``DIR/started<R>``, then waits forever.
 """
 
 import os
@@ -25,12 +25,8 @@ elif mode == "wait":
 
     from manygpu import Parallel
 
-    with Parallel(strategy="ddp", timeout_s=600):
-        open(os.path.join(sys.argv[2], f"started{os.environ['RANK']}"), "w").close()
-        time.sleep(600)
-elif mode == "show":
-    from manygpu import Parallel
-
-    with Parallel() as par:
+    with Parallel(timeout_s=600) as par:
         iface = os.environ.get("GLOO_SOCKET_IFNAME")
-        print(f"rank {par.rank}: {par.strategy_name} {par.config.precision} {iface}")
+        print(f"rank {par.rank}: {par.strategy_name} {par.config.precision} {iface}", flush=True)
+        open(os.path.join(sys.argv[2], f"started{par.rank}"), "w").close()
+        time.sleep(600)
