@@ -20,9 +20,10 @@ job saves and resumes bit for bit; a node whose processes die is named; an elast
 job goes on without a lost node; ``srun manygpu doctor --all-ranks`` checks every
 node and tells the 200 Mbit/s link between them from a node's own pairs. The
 requeued, killed and elastic jobs run one rank per node (a rank process costs ~3 s
-of CPU): ranks per node are the first two jobs' subject. Slurm's packages
-are installed with apt-get when missing (the module skips, saying why, when that
-fails).
+of CPU): ranks per node are the first two jobs' subject; the refused launchers run in
+a one-node allocation (each node's launchers refuse alike, ~2 CPU-s a launcher).
+Slurm's packages are installed with apt-get when missing (the module skips, saying
+why, when that fails).
 """
 
 from __future__ import annotations
@@ -112,12 +113,15 @@ def _job_output(where: Path) -> str:
     return "\n".join(p.read_text(errors="replace") for p in where.glob("slurm-*.out"))
 
 
-def _sbatch_file(tmp_path: Path, lines: list[str], per_node: int = 1, minutes: int = 4) -> Path:
-    """A batch script for 2 nodes x ``per_node`` tasks: ``lines`` after the directives
-    (more ``#SBATCH`` lines, then the commands); its output in tmp_path/slurm-JOB.out."""
+def _sbatch_file(
+    tmp_path: Path, lines: list[str], per_node: int = 1, minutes: int = 4, nodes: int = 2
+) -> Path:
+    """A batch script for ``nodes`` nodes x ``per_node`` tasks: ``lines`` after the
+    directives (more ``#SBATCH`` lines, then the commands); its output in
+    tmp_path/slurm-JOB.out."""
     head = [
         "#!/bin/sh",
-        "#SBATCH --nodes=2",
+        f"#SBATCH --nodes={nodes}",
         f"#SBATCH --ntasks-per-node={per_node}",
         f"#SBATCH --time={minutes}",
         f"#SBATCH --output={tmp_path / 'slurm-%j.out'}",
@@ -210,8 +214,10 @@ def test_srun_one_launcher_per_node_in_an_allocation_of_several_tasks_per_node(
     out.mkdir()
     launch = _launch("1")
     job = [*launch, "--timeout", "60", str(SCRIPT), str(out), "ddp"]
-    # 2 tasks per node (one per GPU: the usual allocation), the README's recipe in it
-    script = _sbatch_file(tmp_path, [f"srun --ntasks-per-node=1 {' '.join(job)}"], per_node=2)
+    # 2 tasks per node (one per GPU: the usual allocation), the README's recipe in it. One
+    # node: the refusal is each node's (its launchers count), and a launcher costs ~2 CPU-s.
+    srun = f"srun --ntasks-per-node=1 {' '.join(job)}"
+    script = _sbatch_file(tmp_path, [srun], per_node=2, nodes=1)
     res = slurm.run(
         ["sbatch", "--wait", "--export=ALL", f"--chdir={tmp_path}", str(script)],
         env=_job_env(),
@@ -219,12 +225,13 @@ def test_srun_one_launcher_per_node_in_an_allocation_of_several_tasks_per_node(
         check=False,
     )
     job_out = _job_output(tmp_path)
-    # An allocation of 2 tasks per node exports SLURM_NTASKS=4, so srun ignores
-    # --ntasks-per-node=1 (it only warns) and starts 2 launchers per node: each would
-    # run a job of its own, silently. Each launcher refuses in one line instead.
+    # An allocation of 2 tasks per node exports its task count (SLURM_NTASKS=2 on this
+    # one node), so srun ignores --ntasks-per-node=1 (it only warns) and starts 2
+    # launchers per node: each would run a job of its own, silently. Each launcher
+    # refuses in one line instead.
     assert res.returncode != 0, job_out[-4000:]
     refusal = (
-        "manygpu launch: error: srun started 4 launchers on 2 node(s); manygpu launch "
+        "manygpu launch: error: srun started 2 launchers on 1 node(s); manygpu launch "
         "starts each node's processes itself, so start one per node: srun --ntasks=$SLURM_NNODES "
         "--ntasks-per-node=1 manygpu launch ..., or srun the script itself (one task per GPU)"
     )
