@@ -61,7 +61,9 @@ def test_torchrun_script_runs_unchanged_under_torchruns_flags(tmp_path: Path) ->
     """A plain torchrun script sees torchrun's variables, its argv and an absolute
     ``__file__``, under nanoGPT's `torchrun --standalone` (our default anyway), tee/redirects
     into --log-dir, a rank filter; and --no-python runs a program directly. Its group,
-    formed, used and destroyed within one poll of the watcher, raises no false alarm."""
+    formed, used and destroyed within one poll of the watcher, raises no false alarm, and
+    the thread count the user chose reaches the workers unsaid (tests/launch/test_threads_note.py
+    has the count the launcher chooses)."""
     logs = tmp_path / "logs"
     res = manygpu(
         "launch",
@@ -84,7 +86,7 @@ def test_torchrun_script_runs_unchanged_under_torchruns_flags(tmp_path: Path) ->
         "--flag",
         "x",
         cwd=SCRIPTS,
-        env={"PYTHONPATH": str(ROOT / "src")},
+        env={"PYTHONPATH": str(ROOT / "src"), "OMP_NUM_THREADS": "2"},
     )
     assert res.returncode == 0, res.stderr
     assert sorted(p.name for p in tmp_path.glob("rank*.json")) == ["rank0.json", "rank1.json"]
@@ -96,9 +98,10 @@ def test_torchrun_script_runs_unchanged_under_torchruns_flags(tmp_path: Path) ->
         assert rec["sum"] == 3.0
         assert rec["argv"] == [str(tmp_path), "--flag", "x"]
         assert rec["file"] == str(SCRIPTS / "torchrun_style.py")  # absolute, as under torchrun
+        assert rec["OMP_NUM_THREADS"] == "2"  # the user's, not the launcher's 1 per worker
     assert len(list(logs.rglob("stdout.log"))) == 2  # tee'd into the kept log directory
-    # No "never formed a process group" (nor any other line of ours) for a group
-    # destroyed before the end: the Flight Recorder still knows it.
+    # No "never formed a process group" for a group destroyed before the end (the Flight
+    # Recorder still knows it), no OMP_NUM_THREADS note: no line of ours at all.
     assert [ln for ln in res.stderr.splitlines() if ln.startswith("manygpu:")] == [], res.stderr
     out = tmp_path / "np"
     out.mkdir()

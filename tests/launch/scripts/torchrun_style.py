@@ -19,6 +19,7 @@ keys = (
     "MASTER_ADDR",
     "MASTER_PORT",
     "GROUP_RANK",
+    "OMP_NUM_THREADS",
 )
 record = {k: os.environ.get(k) for k in keys} | {"sum": t.item(), "argv": sys.argv[1:]}
 record["file"] = __file__
