@@ -24,7 +24,6 @@ from manygpu.runtime.process_group import DistContext
 from manygpu.strategies.abilities import PlacesRanks
 from manygpu.strategies.axes import axis, replica_axis
 from manygpu.strategies.base import JobOptions, OptionsT, Strategy, given_repr
-from manygpu.strategies.fsdp.sharding import set_fsdp_grad_sync
 from manygpu.strategies.mesh import MeshShape, check_axes, composed_axes, job_mesh
 
 
@@ -71,6 +70,10 @@ class MeshStrategy(Strategy[OptionsT]):
         return self.shape.data_rank(self.ctx.rank), self.shape.data_size
 
     def set_grad_sync(self, module: nn.Module, enabled: bool) -> None:
+        # Here, not at the top: FSDP2 loads DTensor and sympy (~1 CPU-s), which a
+        # process that only builds a Parallel, or runs DDP, does not need.
+        from manygpu.strategies.fsdp.sharding import set_fsdp_grad_sync
+
         set_fsdp_grad_sync(module, enabled)
 
 

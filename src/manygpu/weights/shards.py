@@ -12,18 +12,31 @@ parameter in flight). Plain tensors (replicated strategies) are read whole.
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable
+from typing import TYPE_CHECKING, TypeGuard
 
 import torch
-from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
 from manygpu.errors import CheckpointError
+
+if TYPE_CHECKING:
+    from torch.distributed.tensor import DTensor
 
 Reader = Callable[[tuple[slice, ...] | None], torch.Tensor]
 """Reads a block of one stored tensor (None: all of it), on CPU."""
 
 
+def is_dtensor(tensor: object) -> TypeGuard[DTensor]:
+    """Whether ``tensor`` is a DTensor, without importing DTensor (with sympy, ~1 CPU-s
+    of every process that builds a Parallel): none exists before its module loads."""
+    module = sys.modules.get("torch.distributed.tensor")
+    return module is not None and isinstance(tensor, module.DTensor)
+
+
 def _one_block(placement: object) -> bool:
+    from torch.distributed.tensor import Replicate, Shard
+
     if type(placement).__name__ == "_StridedShard":  # not a Shard subclass today; keep it so
         return False
     return isinstance(placement, Shard | Replicate)
@@ -47,14 +60,14 @@ def nbytes(tensor: torch.Tensor) -> int:
 
 def local_bytes(tensor: torch.Tensor) -> int:
     """Bytes this rank holds of ``tensor`` (its local part for a DTensor)."""
-    return nbytes(tensor.to_local() if isinstance(tensor, DTensor) else tensor)
+    return nbytes(tensor.to_local() if is_dtensor(tensor) else tensor)
 
 
 def fill_one(target: torch.Tensor, read: Reader) -> int:
     """Copy the stored tensor into ``target`` in place (its own part for a DTensor),
     cast to ``target``'s dtype, on ``target``'s device; returns the bytes read."""
     with torch.no_grad():
-        if not isinstance(target, DTensor):
+        if not is_dtensor(target):
             data = read(None)
             target.copy_(data)
             return nbytes(data)
@@ -66,6 +79,8 @@ def fill_one(target: torch.Tensor, read: Reader) -> int:
         local = target.to_local()
         block = local_block(target)
         if block is None:
+            from torch.distributed.tensor import distribute_tensor
+
             full = read(None)
             part = distribute_tensor(
                 full.to(target.dtype), target.device_mesh, target.placements, src_data_rank=None
@@ -91,12 +106,14 @@ def gathered(tensor: torch.Tensor) -> torch.Tensor:
     With CPU offload the local part is on the host while the mesh is on a device;
     the all-gather runs on the mesh's device, so the part goes there first.
     """
-    if not isinstance(tensor, DTensor):
+    if not is_dtensor(tensor):
         return tensor.detach()
     with torch.no_grad():
         local = tensor.to_local()
         mesh = tensor.device_mesh
         if local.device.type != mesh.device_type:
+            from torch.distributed.tensor import DTensor
+
             tensor = DTensor.from_local(
                 local.to(mesh.device_type),
                 mesh,
@@ -112,12 +129,12 @@ def copy_part(target: torch.Tensor, source: torch.Tensor) -> None:
     """``target``'s values from ``source`` laid out the same way (both plain, or both
     DTensors of one mesh and placements); anything else is refused."""
     with torch.no_grad():
-        if not isinstance(target, DTensor) and not isinstance(source, DTensor):
+        if not is_dtensor(target) and not is_dtensor(source):
             target.copy_(source)
             return
         same = (
-            isinstance(target, DTensor)
-            and isinstance(source, DTensor)
+            is_dtensor(target)
+            and is_dtensor(source)
             and target.device_mesh == source.device_mesh
             and target.placements == source.placements
         )
@@ -126,5 +143,5 @@ def copy_part(target: torch.Tensor, source: torch.Tensor) -> None:
                 "one stored tensor fills two tensors of this rank laid out differently; "
                 "load from safetensors (manygpu checkpoint export) instead"
             )
-        assert isinstance(target, DTensor) and isinstance(source, DTensor)
+        assert is_dtensor(target) and is_dtensor(source)
         target.to_local().copy_(source.to_local())
