@@ -5,7 +5,8 @@ exactly the torch plugin's ``PET_*`` environment (node 0 named by its headless-s
 DNS name through the hosts' ``/etc/hosts``), one process each (``PET_NPROC_PER_NODE=1``:
 what crosses the pods is the point, and each process costs seconds of CPU; ``auto`` is
 tests/unit/test_engines.py's), the recipe's GPT under fsdp (tests/helpers/preempt_job.py)
-sharded over both pods, on a checkpoint directory both pods share.
+sharded over both pods, on a checkpoint directory both pods share. This is also the
+Trainer v2 case of the engines' contracts (tests/cluster/test_engine_contracts.py).
 
 - Deleted pods (preemption, eviction, a drained node): kubelet sends SIGTERM to the
   container's PID 1 (here each pod's launcher, and only it) and SIGKILL after
