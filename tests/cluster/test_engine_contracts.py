@@ -9,7 +9,10 @@ tests/distributed/test_real_models.py).
 - Kubeflow Trainer v2 (a TrainJob's torch plugin): ``PET_*`` only, node 0 named by
   its headless-service DNS name (``train-node-0-0.train``), resolved through the
   hosts' ``/etc/hosts`` as the cluster's DNS would; ``PET_NPROC_PER_NODE=1``
-  (``auto`` and the other values: tests/unit/test_engines.py).
+  (``auto`` and the other values: tests/unit/test_engines.py). Not run here: the
+  job of tests/cluster/test_k8s_pods.py runs under exactly this environment, 2
+  pods of one process, the recipe under fsdp, and must equal the same 2 ranks
+  run locally bit for bit (a second job of 2 processes would cost ~12 s of CPU).
 - Kubeflow PyTorchJob before training-operator 1.7: ``MASTER_ADDR`` (the master
   pod's service name), ``MASTER_PORT``, ``RANK`` = the pod's index and
   ``WORLD_SIZE`` = the number of pods, which must not be read as processes: 2
@@ -22,7 +25,7 @@ One process per node wherever the count is not the point: each costs ~3 s of CPU
 No API server runs here: what is tested is each operator's environment contract
 (the variables it injects, from its source), not the operator. The job's secret
 comes from the environment, as a Kubernetes Secret mounted as a variable gives it.
-The three jobs run at once on one cluster (different ports).
+The two jobs run at once on one cluster (different ports).
 """
 
 from __future__ import annotations
@@ -45,23 +48,10 @@ pytestmark = pytest.mark.skipif(not OK, reason=f"emulated cluster unavailable: {
 SCRIPT = Path(__file__).parent / "scripts" / "recipe_equivalence.py"
 ADAM_TOL = 1e-4
 STRATEGIES = ("ddp", "fsdp")
-NPROC = {"trainer-v2": 1, "pytorchjob-v1": 2, "skypilot": 1}
+NPROC = {"pytorchjob-v1": 2, "skypilot": 1}
 """Processes per node each engine's environment asks for."""
 WORLDS = {2 * nproc for nproc in NPROC.values()}
 POD = "10.96.0.1"  # KUBERNETES_SERVICE_HOST: every pod has it
-
-
-def _trainer_v2(node: int) -> dict[str, str]:
-    """What Kubeflow Trainer's torch plugin injects into node ``node`` of TrainJob ``train``."""
-    return {
-        "PET_NNODES": "2",
-        "PET_NPROC_PER_NODE": "1",
-        "PET_NODE_RANK": str(node),
-        "PET_MASTER_ADDR": "train-node-0-0.train",
-        "PET_MASTER_PORT": "29521",
-        "JOB_COMPLETION_INDEX": str(node),
-        "KUBERNETES_SERVICE_HOST": POD,
-    }
 
 
 def _pytorchjob_v1(node: int) -> dict[str, str]:
@@ -91,9 +81,8 @@ def _skypilot(node: int, addresses: list[str]) -> dict[str, str]:
 def runs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, tuple[Path, list]]]:
     """engine -> (its output directory, each host's completed launcher)."""
     with EmulatedCluster(2, LinkShape(rate="1gbit")) as cluster:
-        cluster.name_hosts({"train-node-0-0.train": 0, "train-node-0-1.train": 1, "pj-master-0": 0})
+        cluster.name_hosts({"pj-master-0": 0})
         envs = {
-            "trainer-v2": _trainer_v2,
             "pytorchjob-v1": _pytorchjob_v1,
             "skypilot": lambda node: _skypilot(node, cluster.addresses),
         }
@@ -132,7 +121,7 @@ def references() -> dict[int, dict[str, torch.Tensor]]:
 
 
 @pytest.mark.timeout(420)
-@pytest.mark.parametrize("engine", ["trainer-v2", "pytorchjob-v1", "skypilot"])
+@pytest.mark.parametrize("engine", ["pytorchjob-v1", "skypilot"])
 def test_no_flags_under_the_engine_trains_as_one_process(
     runs: dict[str, tuple[Path, list]],
     references: dict[int, dict[str, torch.Tensor]],

@@ -71,6 +71,37 @@ def read_epochs(par: Parallel, kind: str, batch: int, workers: int, epochs: int)
     return [[unpack(kind, b)[0] for b in prepared] for _ in range(epochs)]
 
 
+def steps(
+    par: Parallel,
+    kind: str,
+    directory: str | Path,
+    total: int,
+    *,
+    every: int = 0,
+    batch: int = 8,
+    workers: int = 2,
+) -> Iterator[tuple[int, list[int]]]:
+    """Train to step ``total`` (resuming from ``directory``), yielding each step and this
+    rank's ids once the step is checkpointed: a caller may interleave two streams."""
+    model = make_model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    model, opt, prepared = par.prepare(model, opt, loader(kind, batch, workers))
+    ckpt = Checkpointer(par, directory, model=model, optimizer=opt, loader=prepared, every=every)
+    state = ckpt.resume()
+    while state.step < total:
+        for b in prepared:
+            ids, x, y = unpack(kind, b)
+            par.backward(nn.functional.mse_loss(model(x), y))
+            opt.step()
+            opt.zero_grad()
+            state.step += 1
+            ckpt.after_step(state)
+            yield state.step, ids
+            if state.step >= total:
+                break
+    ckpt.close()
+
+
 def train(
     par: Parallel,
     kind: str,
@@ -88,25 +119,15 @@ def train(
     Rank 1 SIGKILLs itself after step ``kill_at`` when the launcher's restart
     count is ``attempt``.
     """
-    model = make_model()
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    model, opt, prepared = par.prepare(model, opt, loader(kind, batch, workers))
-    ckpt = Checkpointer(par, directory, model=model, optimizer=opt, loader=prepared, every=every)
-    state = ckpt.resume()
     seen: dict[int, list[int]] = {}
-    restarts = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
-    while state.step < total:
-        for b in prepared:
-            ids, x, y = unpack(kind, b)
-            par.backward(nn.functional.mse_loss(model(x), y))
-            opt.step()
-            opt.zero_grad()
-            state.step += 1
-            seen[state.step] = ids
-            ckpt.after_step(state)
-            if state.step == kill_at and restarts == attempt and par.rank == 1:
-                os.kill(os.getpid(), signal.SIGKILL)  # a worker dies mid-epoch
-            if state.step >= total:
-                break
-    ckpt.close()
+    for step, ids in steps(par, kind, directory, total, every=every, batch=batch, workers=workers):
+        seen[step] = ids
+        if step == kill_at and killing(attempt, par):
+            os.kill(os.getpid(), signal.SIGKILL)  # a worker dies mid-epoch
     return seen
+
+
+def killing(attempt: int, par: Parallel) -> bool:
+    """Whether this is rank 1 on the launcher's attempt ``attempt`` (the one to kill)."""
+    restarts = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    return restarts == attempt and par.rank == 1

@@ -1,4 +1,9 @@
-"""Real faults under ``manygpu launch``: kill -9 of a worker, and SIGTERM (preemption)."""
+"""Real faults under ``manygpu launch``: kill -9 of a worker, notices (preemption), Ctrl-C.
+
+A job killed once serves a notice too: after its restarted run has ended, it
+trains a new run that the notice stops (each launch costs a launcher and two
+workers; a notice and a kill need not have jobs of their own).
+"""
 
 from __future__ import annotations
 
@@ -31,6 +36,7 @@ def _launch(
     sleep_s: float = 0.0,
     restarts: int = 0,
     extra_env: dict[str, str] | None = None,
+    notice_ckpt: Path | None = None,
 ) -> subprocess.Popen[str]:
     out.mkdir(parents=True, exist_ok=True)
     cmd = [
@@ -49,6 +55,7 @@ def _launch(
         str(every),
         str(kill_at),
         str(sleep_s),
+        *([str(notice_ckpt)] if notice_ckpt else []),
     ]
     # One thread per worker, as the reference's harness ranks have: same arithmetic.
     env = subprocess_env() | {"OMP_NUM_THREADS": "1"} | (extra_env or {})
@@ -63,8 +70,41 @@ def _uninterrupted(
         return train(par, ckpt, total, 0, weights=weights)
 
 
-@pytest.mark.parametrize("empty", [False, True], ids=["ddp", "fsdp-init-module-weights"])
-def test_kill_9_restarts_and_ends_bit_identical(tmp_path: Path, empty: bool) -> None:
+def _wait_for_training(job: subprocess.Popen[str], out: Path, limit_s: float = 60) -> None:
+    """Until rank 0 has trained a step of the run that a notice is to stop, and a little more."""
+    deadline = time.monotonic() + limit_s
+    while not (out / "started").exists():
+        assert time.monotonic() < deadline and job.poll() is None, "training never started"
+        time.sleep(0.2)
+    time.sleep(0.5)
+
+
+def _check_notice(said: str, signum: int, ckpt: Path) -> None:
+    """One save on the notice, named in a line, a checkpoint of the two ranks."""
+    assert f"manygpu: {signal.Signals(signum).name}: saved step" in said, said
+    steps = sorted(p.name for p in ckpt.iterdir())
+    assert len(steps) == 1 and steps[0].startswith("step-")
+    meta = inspect(ckpt)  # what `manygpu checkpoint inspect --json` prints (test_checkpoint_cli)
+    assert meta["status"] == "ok" and 0 < meta["step"] < 100_000 and meta["world_size"] == 2
+
+
+@pytest.mark.parametrize(
+    ("empty", "signum", "to"),
+    [(False, signal.SIGTERM, "workers"), (True, signal.SIGUSR1, "launcher")],
+    ids=[
+        "ddp-then-sigterm-to-every-worker",
+        "fsdp-init-module-weights-then-sigusr1-to-the-launcher",
+    ],
+)
+def test_kill_9_restarts_bit_identical_then_a_notice_saves_and_exits_cleanly(
+    tmp_path: Path, empty: bool, signum: int, to: str
+) -> None:
+    """One job: a worker killed (-9) and the restarted job ending bit-identical; then,
+    in the same attempt, a new run that a notice stops with a save and exit code 0.
+
+    The notice is SIGTERM to every worker (as Slurm's preemption and Kubernetes do),
+    or SIGUSR1 to the launcher only (``srun manygpu launch`` with ``--signal=USR1@N``:
+    the launchers are Slurm's tasks, and pass it on)."""
     # fsdp-init-module-weights: the model built empty and read from a file into
     # each rank's shards; the resume must still win over the file, exactly.
     strategy, weights = (
@@ -77,50 +117,32 @@ def test_kill_9_restarts_and_ends_bit_identical(tmp_path: Path, empty: bool) -> 
         _uninterrupted, 2, str(tmp_path / "ref-ck"), 20, strategy, weights
     )[0]
     # Rank 1 SIGKILLs itself after step 11 (saved at 8); the agent restarts both.
+    out, notice_ckpt = tmp_path / "run", tmp_path / "notice-ck"
     run = _launch(
-        tmp_path / "run", tmp_path / "ck", total=20, every=4, kill_at=11, restarts=1,
-        extra_env=extra,
+        out, tmp_path / "ck", total=20, every=4, kill_at=11, sleep_s=0.05, restarts=1,
+        extra_env=extra, notice_ckpt=notice_ckpt,
     )  # fmt: skip
-    _, err = run.communicate(timeout=180)
+    try:
+        _wait_for_training(run, out, limit_s=180)  # after a kill and a restart
+        pids = [int(p.read_text()) for p in out.glob("pid*")] if to == "workers" else [run.pid]
+        for pid in pids:
+            os.kill(pid, signum)
+        said, err = run.communicate(timeout=180)
+    finally:
+        run.kill()  # no-op once it ended; a failed test leaves no launcher behind
     assert run.returncode == 0, err
     # The restart said in one line (the rank, how it died, which restart); rank 0's lost
     # collective is no traceback of the backend's.
-    said = [ln for ln in err.splitlines() if "restarting" in ln]
-    assert len(said) == 1 and said[0].startswith("manygpu: rank 1 was killed by SIGKILL (pid "), err
-    assert said[0].endswith("; restarting every worker (restart 1 of 1)"), err
+    restarts = [ln for ln in err.splitlines() if "restarting" in ln]
+    assert len(restarts) == 1, err
+    assert restarts[0].startswith("manygpu: rank 1 was killed by SIGKILL (pid "), err
+    assert restarts[0].endswith("; restarting every worker (restart 1 of 1)"), err
     assert "Traceback" not in err and "GLHF" not in err, err
-    resumed = json.loads((tmp_path / "run" / "losses-1.json").read_text())
+    resumed = json.loads((out / "losses-1.json").read_text())
     assert min(int(s) for s in resumed) == 9  # continued after the step-8 checkpoint
     assert all(resumed[s] == ref_losses[int(s)] for s in resumed)
-    assert torch.equal(torch.load(tmp_path / "run" / "params.pt"), ref_params)
-
-
-@pytest.mark.parametrize(
-    ("signum", "to"),
-    [(signal.SIGTERM, "workers"), (signal.SIGUSR1, "launcher")],
-    ids=["sigterm-to-every-worker", "sigusr1-to-the-launcher"],
-)
-def test_a_notice_saves_and_exits_cleanly(signum: int, to: str, tmp_path: Path) -> None:
-    """SIGTERM to every worker (as Slurm's preemption and Kubernetes do), or SIGUSR1
-    to the launcher only (``srun manygpu launch`` with ``--signal=USR1@N``: the
-    launchers are Slurm's tasks, and pass it on): a save, then exit code 0."""
-    out, ckpt = tmp_path / "run", tmp_path / "ck"
-    job = _launch(out, ckpt, total=100_000, every=0, sleep_s=0.05)
-    deadline = time.monotonic() + 60
-    while not (out / "started").exists():
-        assert time.monotonic() < deadline and job.poll() is None, job.stderr
-        time.sleep(0.2)
-    time.sleep(0.5)
-    pids = [int(p.read_text()) for p in out.glob("pid*")] if to == "workers" else [job.pid]
-    for pid in pids:
-        os.kill(pid, signum)
-    said, err = job.communicate(timeout=60)
-    assert job.returncode == 0, err
-    assert f"manygpu: {signal.Signals(signum).name}: saved step" in said + err, said + err
-    steps = sorted(p.name for p in ckpt.iterdir())
-    assert len(steps) == 1 and steps[0].startswith("step-")
-    meta = inspect(ckpt)  # what `manygpu checkpoint inspect --json` prints (test_checkpoint_cli)
-    assert meta["status"] == "ok" and 0 < meta["step"] < 100_000 and meta["world_size"] == 2
+    assert torch.equal(torch.load(out / "params.pt"), ref_params)
+    _check_notice(said + err, signum, notice_ckpt)
 
 
 def test_ctrl_c_saves_once_and_says_so_in_one_line(tmp_path: Path) -> None:
@@ -130,11 +152,7 @@ def test_ctrl_c_saves_once_and_says_so_in_one_line(tmp_path: Path) -> None:
     out, ckpt = tmp_path / "run", tmp_path / "ck"
     job = _launch(out, ckpt, total=100_000, every=0, sleep_s=0.05)
     try:
-        deadline = time.monotonic() + 60
-        while not (out / "started").exists():
-            assert time.monotonic() < deadline and job.poll() is None, "training never started"
-            time.sleep(0.2)
-        time.sleep(0.5)
+        _wait_for_training(job, out)
         job.send_signal(signal.SIGINT)
         said, err = job.communicate(timeout=60)
     finally:

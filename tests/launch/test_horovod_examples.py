@@ -3,7 +3,8 @@
 ``train_mnist_style.py`` follows Horovod's PyTorch recipe; each rank draws
 different initial weights, so the broadcast from rank 0 is what makes the two
 ranks train as one: their result must equal one process on the same global
-batch (twice the per-rank batch at the same scaled learning rate).
+batch (twice the per-rank batch at the same scaled learning rate); that one
+process is forked by the test harness (no torch import of its own).
 ``synthetic_benchmark.py`` must run and report images per second, under
 ``manygpu launch`` and plain torchrun, with the CPU-sized model it picks by default. Both are
 run by their path, as a multi-host launch (``-H``) would run them.
@@ -13,12 +14,14 @@ from __future__ import annotations
 
 import json
 import os
+import runpy
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
+from dist_harness import JOB_VARIABLES, run_ranks
 
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLES = ROOT / "examples" / "horovod"
@@ -34,6 +37,16 @@ def _run(args: list[str], cwd: Path) -> subprocess.CompletedProcess[str]:
     )
 
 
+def _mnist_one_process(script: str, args: list[str]) -> None:
+    """``python train_mnist_style.py ARGS`` on the two ranks' global batch at the same
+    scaled rate: the script run by its path in a process forked by the test harness (no
+    torch import of its own), without the harness's job variables, as plain python."""
+    for name in (*JOB_VARIABLES, "MASTER_ADDR", "MASTER_PORT"):
+        os.environ.pop(name, None)
+    sys.argv = [script, *args, "--batch-size", "64", "--lr", "0.02"]
+    runpy.run_path(script, run_name="__main__")
+
+
 def test_mnist_recipe_on_two_ranks_equals_one_process(tmp_path: Path) -> None:
     script = str(EXAMPLES / "train_mnist_style.py")
     small = ["--epochs", "2", "--train-size", "256", "--test-size", "128"]
@@ -45,8 +58,7 @@ def test_mnist_recipe_on_two_ranks_equals_one_process(tmp_path: Path) -> None:
     assert two.returncode == 0, two.stderr[-3000:]
     assert "Test set: Average loss" in two.stdout
     assert json.loads((tmp_path / "two.json").read_text())["size"] == 2
-    one = _run([script, *small, "--batch-size", "64", "--lr", "0.02", "--save", "one.pt"], tmp_path)
-    assert one.returncode == 0, one.stderr[-3000:]
+    run_ranks(_mnist_one_process, 1, script, [*small, "--save", str(tmp_path / "one.pt")])
     got, want = torch.load(tmp_path / "two.pt"), torch.load(tmp_path / "one.pt")
     assert got.keys() == want.keys()
     for name in want:

@@ -1,9 +1,11 @@
 """Iterable datasets under ``manygpu launch``: each rank writes what it read to OUT/rank-R.json.
 
 ``stream_launch.py CKPT OUT TOTAL KILL_TORCH KILL_HF``: trains on both streams
-with checkpoints every 10 steps (rank 1 SIGKILLs itself after step KILL_TORCH
-on the first attempt and after step KILL_HF on the second); then, on the
-attempt that trained both to the end (once a job), reads two epochs of each
+at once, step for step, the hf stream KILL_HF - KILL_TORCH steps ahead, with
+checkpoints every 10 steps; on the first attempt rank 1 SIGKILLs itself after
+the torch stream's step KILL_TORCH, the hf stream's KILL_HF (one kill, one
+restart, both streams resumed: one mid-epoch, one in its second epoch). Then,
+on the attempt that trained both to the end (once a job), reads two epochs of each
 stream (an uninterrupted run's first TOTAL steps are their first TOTAL
 batches: TOTAL is less than two epochs), trains on the unshuffled fallback
 stream for the one-process comparison, and tries a stream whose order differs
@@ -13,7 +15,9 @@ nothing is read twice.
 
 import json
 import os
+import signal
 import sys
+from typing import Any
 
 import stream_job
 import torch
@@ -53,14 +57,33 @@ def train_fallback(par: Parallel) -> list[float]:
     return flat_params(par.unwrap(model)).tolist()
 
 
+def train_both(par: Parallel, total: int, kill_torch: int, kill_hf: int) -> dict[str, Any]:
+    """Both streams to step ``total``, the hf one ``kill_hf - kill_torch`` steps ahead;
+    per stream, what each step read on this rank."""
+    ahead = kill_hf - kill_torch if kill_torch > 0 else 0
+    runs = {kind: stream_job.steps(par, kind, os.path.join(ckpt, kind), total, every=10)
+            for kind in ("torch", "hf")}  # fmt: skip
+    seen: dict[str, dict[int, list[int]]] = {"torch": {}, "hf": {}}
+    at = {"torch": -1, "hf": -1}  # the last step each stream took
+    while runs:
+        hf_turn = "hf" in runs and ("torch" not in runs or at["hf"] - ahead <= at["torch"])
+        kind = "hf" if hf_turn else "torch"
+        taken = next(runs[kind], None)
+        if taken is None:  # this stream is at ``total``
+            del runs[kind]
+            continue
+        at[kind], seen[kind][taken[0]] = taken
+        if kind == "torch" and at[kind] == kill_torch and stream_job.killing(0, par):
+            assert at["hf"] == kill_hf, at
+            os.kill(os.getpid(), signal.SIGKILL)  # a worker dies mid-epoch, once a job
+    return seen
+
+
 attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
 result: dict[str, object] = {"attempt": attempt}
 with Parallel(strategy="ddp", timeout_s=60) as par:
-    for kind, kill, on in (("torch", kill_torch, 0), ("hf", kill_hf, 1)):
-        seen = stream_job.train(
-            par, kind, os.path.join(ckpt, kind), int(total), every=10, kill_at=int(kill), attempt=on
-        )
-        # Written at once: a later stream's kill ends this attempt before the summary.
+    trained = train_both(par, int(total), int(kill_torch), int(kill_hf))
+    for kind, seen in trained.items():
         name = f"resumed-{kind}-attempt{attempt}-rank{os.environ['RANK']}.json"
         with open(os.path.join(out, name), "w") as fh:
             json.dump(seen, fh)
