@@ -42,7 +42,7 @@ EXPECTED = {
     "stop": HOST1 + r" never entered all_reduce #2 that rank 0 waits in; "
     r"rank 1 is stopped \(SIGSTOP or a debugger\)",
     "native": HOST1 + r" never entered all_reduce #2 that rank 0 waits in; rank 1 does not "
-    r"answer: it is in native code holding the GIL at hang_kinds\.py:70",
+    r"answer: it is in native code holding the GIL at hang_kinds\.py:72",
     "ddp_skip": r"all ranks wait in collective #10; rank 3 \(host 10\.\d+\.\d+\.2\) started it "
     r"as barrier\(\), the others as all_reduce\(float32\[10\]\); rank 3 is at hang_kinds\.py:59",
 }
@@ -163,5 +163,5 @@ def test_a_rank_that_aborts_on_a_shape_mismatch_is_named_with_its_line(
     job = jobs["shape"]
     report = [line for line in job.stderr[1].splitlines() if line.startswith("manygpu: ")]
     assert report[0].startswith("manygpu: rank 1 was killed by SIGABRT"), report
-    assert report[0].endswith(" at hang_kinds.py:73"), report
+    assert report[0].endswith(" at hang_kinds.py:75"), report
     assert _left(job.out, 2) == []
