@@ -10,7 +10,12 @@ One 3-host cluster serves every case:
   on its veth and its switch port) while the others run at 1 Gbit/s: host 2 is
   named with "network", and no rank is named for compute or input.
 
-The three jobs run one after the other.
+The jobs run one after the other, and the uniform and two-culprit cases are one job:
+the same ranks train 200 uniform steps under one ``Parallel``, then the two culprits'
+160 under another (one start of the 4 ranks instead of two, ~17 s of CPU). Each case
+is judged on its own lines and table: the main rank marks the end of the first on
+stderr once every rank is done with it, after its verdicts; a false alarm printed
+late would still fail the second case (a third line, or a second for one rank).
 """
 
 from __future__ import annotations
@@ -32,14 +37,16 @@ pytestmark = pytest.mark.skipif(not OK, reason=f"emulated cluster unavailable: {
 
 SCRIPT = Path(__file__).resolve().parents[1] / "launch" / "scripts" / "straggler_kinds.py"
 LINE = re.compile(r"manygpu: straggler: (.*)")
-PORTS = {"mixed": 29641, "uniform": 29643, "network": 29644}
+PORTS = {"uniform,mixed": 29641, "network": 29644}
+DONE = "straggler_kinds: {} done"
+"""What the main rank prints once every rank finished a case of a multi-case job."""
 
 
 class Job:
     """One job: a launcher per host it uses, and what the serving host printed."""
 
     def __init__(
-        self, cluster: EmulatedCluster, kind: str, hosts: int, ranks: int, steps: int, out: Path
+        self, cluster: EmulatedCluster, kind: str, hosts: int, ranks: int, steps: str, out: Path
     ) -> None:
         self.kind, self.out = kind, out
         port = PORTS[kind]
@@ -50,7 +57,7 @@ class Job:
                     sys.executable, "-m", "manygpu", "launch", "--nnodes", str(hosts),
                     "--node-rank", str(i), "--nproc-per-node", str(ranks),
                     "--master-addr", cluster.addresses[0], "--master-port", str(port),
-                    "--timeout", "60", str(SCRIPT), kind, str(steps), "5" if kind == "network"
+                    "--timeout", "60", str(SCRIPT), kind, steps, "5" if kind == "network"
                     else "10", str(out),
                 ],
                 stdout=subprocess.PIPE,
@@ -75,32 +82,59 @@ class Job:
                 proc.kill()
         return self
 
+    def case(self, kind: str) -> Case:
+        """One of this job's comma-separated kinds, judged on its own."""
+        return Case(self, kind)
+
+
+class Case:
+    """One kind of a job: the job's exit codes and output, and its own lines and table."""
+
+    def __init__(self, job: Job, kind: str) -> None:
+        self.job, self.kind = job, kind
+        self.codes, self.output = job.codes, job.output
+
     @property
     def lines(self) -> list[str]:
-        return [m.group(1) for m in LINE.finditer(self.output[0])]
+        """The verdicts the serving host printed during this kind (between the marks)."""
+        kinds = self.job.kind.split(",")
+        text = self.output[0]
+        at = kinds.index(self.kind)
+        if at > 0:
+            mark = DONE.format(kinds[at - 1])
+            assert mark in text, text[-3000:]
+            text = text.split(mark, 1)[1]
+        if at < len(kinds) - 1:
+            mark = DONE.format(self.kind)
+            assert mark in text, text[-3000:]
+            text = text.split(mark, 1)[0]
+        return [m.group(1) for m in LINE.finditer(text)]
 
     @property
     def table(self) -> list[dict[str, object]]:
-        rows: list[dict[str, object]] = json.loads((self.out / "steps.json").read_text())
+        path = self.job.out / f"steps-{self.kind}.json"
+        rows: list[dict[str, object]] = json.loads(path.read_text())
         return rows
 
 
 @pytest.fixture(scope="module")
-def jobs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Job]]:
+def jobs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Case]]:
     with EmulatedCluster(3, LinkShape(rate="1gbit")) as cluster:
         out = tmp_path_factory.mktemp
-        done: dict[str, Job] = {}
-        done["uniform"] = Job(cluster, "uniform", 2, 2, 200, out("uniform")).wait()
-        done["mixed"] = Job(cluster, "mixed", 2, 2, 160, out("mixed")).wait()
+        both = Job(cluster, "uniform,mixed", 2, 2, "200,160", out("uniform-mixed")).wait()
         # One after the other: each job's timings are judged, and a job beside it
         # would add its own CPU load. (Run beside the mixed job, host 0's launcher
         # once aborted at its exit: the hang watch's store call, fixed in f5b6bf9.)
         cluster.reshape(2, LinkShape(rate="100mbit"))
-        done["network"] = Job(cluster, "network", 3, 1, 70, out("network")).wait()
-        yield done
+        network = Job(cluster, "network", 3, 1, "70", out("network")).wait()
+        yield {
+            "uniform": both.case("uniform"),
+            "mixed": both.case("mixed"),
+            "network": network.case("network"),
+        }
 
 
-def _ok(job: Job) -> None:
+def _ok(job: Case) -> None:
     assert job.codes == [0] * len(job.codes), "\n".join(o[-2000:] for o in job.output)
 
 
@@ -110,7 +144,7 @@ HOST1 = r"host 10\.\d+\.\d+\.2"
 
 @pytest.mark.slow
 @pytest.mark.timeout(600)
-def test_a_rank_that_computes_slowly_is_named_with_compute(jobs: dict[str, Job]) -> None:
+def test_a_rank_that_computes_slowly_is_named_with_compute(jobs: dict[str, Case]) -> None:
     job = jobs["mixed"]
     _ok(job)
     mine = [line for line in job.lines if line.startswith("rank 3 ")]
@@ -128,7 +162,7 @@ def test_a_rank_that_computes_slowly_is_named_with_compute(jobs: dict[str, Job])
 
 @pytest.mark.slow
 @pytest.mark.timeout(600)
-def test_a_rank_whose_loader_is_slow_is_named_with_input(jobs: dict[str, Job]) -> None:
+def test_a_rank_whose_loader_is_slow_is_named_with_input(jobs: dict[str, Case]) -> None:
     job = jobs["mixed"]
     _ok(job)
     mine = [line for line in job.lines if line.startswith("rank 1 ")]
@@ -143,7 +177,7 @@ def test_a_rank_whose_loader_is_slow_is_named_with_input(jobs: dict[str, Job]) -
 
 @pytest.mark.slow
 @pytest.mark.timeout(600)
-def test_a_uniform_job_names_nobody_over_200_steps(jobs: dict[str, Job]) -> None:
+def test_a_uniform_job_names_nobody_over_200_steps(jobs: dict[str, Case]) -> None:
     job = jobs["uniform"]
     _ok(job)
     assert job.lines == [], job.lines
@@ -157,7 +191,7 @@ def test_a_uniform_job_names_nobody_over_200_steps(jobs: dict[str, Job]) -> None
 @pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_a_host_whose_link_alone_is_throttled_is_named_with_network(
-    jobs: dict[str, Job],
+    jobs: dict[str, Case],
 ) -> None:
     job = jobs["network"]
     _ok(job)

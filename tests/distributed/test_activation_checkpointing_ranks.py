@@ -34,8 +34,8 @@ from dist_harness import preload, run_ranks
 from recipes import Recipe, max_diff, train_parallel
 
 pytest.importorskip("transformers")
-# Importing Llama takes seconds of CPU: once in the rank server, not once per rank.
-preload("recipes", "zoo", "transformers.models.llama.modeling_llama")
+# Importing Llama takes seconds of CPU, inductor ~0.9: once in the rank server, not per rank.
+preload("recipes", "zoo", "transformers.models.llama.modeling_llama", "torch._inductor.compile_fx")
 
 pytestmark = pytest.mark.slow
 

@@ -17,7 +17,6 @@ committed and verifies, none is half there.
 
 from __future__ import annotations
 
-import multiprocessing
 import os
 import signal
 import time
@@ -28,7 +27,7 @@ from typing import Any
 import pytest
 import torch
 from ckpt_job import build, train
-from dist_harness import run_ranks
+from dist_harness import JOB_VARIABLES, _context, preload, run_ranks
 from s3_server import BUCKET, s3_server
 
 from manygpu import Parallel
@@ -36,6 +35,8 @@ from manygpu.checkpoint_io import remote, remote_layout
 
 pytest.importorskip("s3fs")
 pytest.importorskip("moto")
+# The S3 client stack (s3fs, aiobotocore: ~0.5 CPU-s) once in the rank server, not per rank.
+preload("ckpt_job", "s3fs", "manygpu.checkpoint_io.remote")
 
 CASES = [("full", False), ("full", True), ("dcp", False), ("dcp", True)]
 
@@ -111,11 +112,21 @@ def _dies_mid_upload(url: str, flag: str, hold_s: float = 600.0) -> None:
         train(par, url, 20, 5, async_save=True)
 
 
+def _dies_in(env: dict[str, str], url: str, flag: str, hold_s: float) -> None:
+    """:func:`_dies_mid_upload` in this test's environment (the server's own is older)."""
+    os.environ.clear()
+    os.environ.update(env)
+    _dies_mid_upload(url, flag, hold_s)
+
+
 def _start_and_wait(url: str, flag: Path, hold_s: float) -> Any:
-    """The job in a process of its own, once step 10's upload is under way."""
-    proc = multiprocessing.get_context("spawn").Process(
-        target=_dies_mid_upload, args=(url, str(flag), hold_s), daemon=True
-    )
+    """The job in a process of its own, once step 10's upload is under way.
+
+    Forked from the rank server, which has torch loaded: a spawned process would
+    import it again (~2.5 CPU-s). The process is still new, and only this job's.
+    """
+    env = {k: v for k, v in os.environ.items() if k not in JOB_VARIABLES}
+    proc = _context().Process(target=_dies_in, args=(env, url, str(flag), hold_s), daemon=True)
     proc.start()
     deadline = time.monotonic() + 120
     while not flag.exists() and proc.is_alive() and time.monotonic() < deadline:

@@ -40,7 +40,8 @@ from recipes import INIT_SEED, Recipe, full_params, global_batches, max_diff, we
 from torch.utils.data import DataLoader
 from zoo import OPTIMIZERS, ZOO, dataset, warmup_cosine
 
-preload("recipes", "zoo")
+# Inductor (~0.9 CPU-s of imports) once in the rank server, not in every compiling rank.
+preload("recipes", "zoo", "torch._inductor.compile_fx")
 
 pytestmark = pytest.mark.slow
 
@@ -198,25 +199,28 @@ def test_channels_last_matches_one_plain_process(strategy: str) -> None:
 
 
 @needs_cxx
-@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
-def test_compile_matches_one_plain_process(strategy: str) -> None:
+@pytest.mark.timeout(480)  # four compiling runs (two strategies) on the CPU
+def test_compile_matches_one_plain_process() -> None:
     """``compile=True``, then ``fullgraph=True`` (neither DDP's forward nor FSDP2's hooks
-    may break a graph), on the same 2 ranks one after the other."""
+    may break a graph), under ddp then fsdp, on the same 2 ranks one after the other
+    (each process sets inductor up once: its C++ compiler checks, its caches)."""
     from manygpu import CompileOptions
 
-    # fsdp fullgraph: the model built empty (init_module) and loaded with weights=.
-    full = replace(GPT, weights=True) if strategy == "fsdp" else GPT
-    runs = [
-        (GPT, {"strategy": strategy, "compile": True}),
-        (full, {"strategy": strategy, "compile": CompileOptions(fullgraph=True)}),
-    ]
+    runs = []
+    for strategy in ("ddp", "fsdp"):
+        # fsdp fullgraph: the model built empty (init_module) and loaded with weights=.
+        full = replace(GPT, weights=True) if strategy == "fsdp" else GPT
+        runs += [
+            (GPT, {"strategy": strategy, "compile": True}),
+            (full, {"strategy": strategy, "compile": CompileOptions(fullgraph=True)}),
+        ]
     results = run_ranks(train_rank, WORLD, runs, timeout=480)
     for i, (recipe, parallel) in enumerate(runs):
         outs = [r[i] for r in results]
         _matches_reference(outs, recipe)
         for out in outs:
             assert out["graphs"] > 0 and not out["batches_channels_last"], parallel
-            if strategy == "ddp":
+            if parallel["strategy"] == "ddp":
                 # Inside the DDP wrapper, after wrapping: DDPOptimizer splits the graph
                 # at DDP's 25 MB gradient buckets, so all-reduces overlap the backward.
                 assert out["compiled"] == ["model"], parallel

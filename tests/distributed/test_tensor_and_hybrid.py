@@ -5,11 +5,16 @@ steps with momentum (tensor parallel splits the matmuls' sums, so only
 rounding differs), and the per-step losses agree to 1e-5. Not Adam: the key
 bias's true gradient is zero (softmax ignores a constant shift), and Adam
 would blow its rounding noise up to full-size steps.
+
+The cases run in two jobs, one start of 2 ranks and one of 4 (module fixtures): each
+case's ``Parallel`` borrows the job's process group, and the tests read their case.
 """
 
 from __future__ import annotations
 
+import datetime
 import warnings
+from typing import Any
 
 import pytest
 import torch
@@ -119,9 +124,55 @@ def _check(results: list[dict[str, object]], ref: dict[str, object]) -> None:
             assert (out["params"][key] - value).abs().max().item() < TOL, key
 
 
+def _jobs(calls: list[tuple[Any, ...]]) -> list[Any]:
+    """Several cases on this rank in one process start, each ``Parallel`` borrowing one
+    process group (re-creating groups on one port back to back races the rendezvous)."""
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
+    run = {"train": _train, "mesh": _mesh_facts}
+    return [run[what](*args) for what, *args in calls]
+
+
+PLAN = {"0": "colwise", "2": "rowwise"}
+JOBS: dict[int, dict[str, tuple[Any, ...]]] = {
+    2: {
+        "tensor-mlp": ("train", "mlp", "tensor", {"tp": -1}, None),
+        "tensor-block": ("train", "block", "tensor", {"tp": -1}, None),
+        "user-plan": ("train", "mlp", "tensor", {"tp": 2}, PLAN),
+    },
+    4: {
+        "tensor-block": ("train", "block", "tensor", {"tp": -1}, None),
+        "hybrid-block": ("train", "block", "hybrid", {"dp": 2, "tp": 2}, None),
+        "hybrid-mlp": ("train", "mlp", "hybrid", {"dp": 2, "tp": 2}, None),
+        "hsdp": ("train", "mlp", "fsdp", {"dp": 2, "fsdp": -1}, None),
+        "mesh": ("mesh",),
+    },
+}
+
+
+def _run_job(world: int) -> dict[str, list[Any]]:
+    results = run_ranks(_jobs, world, list(JOBS[world].values()), timeout=170)
+    return {name: [ranks[i] for ranks in results] for i, name in enumerate(JOBS[world])}
+
+
+@pytest.fixture(scope="module")
+def two() -> dict[str, list[Any]]:
+    """Every 2-rank case's per-rank results, by case name."""
+    return _run_job(2)
+
+
+@pytest.fixture(scope="module")
+def four() -> dict[str, list[Any]]:
+    """Every 4-rank case's per-rank results, by case name."""
+    return _run_job(4)
+
+
 @pytest.mark.parametrize("kind, world", [("mlp", 2), ("block", 2), ("block", 4)])
-def test_tensor_parallel_matches_one_process(kind: str, world: int) -> None:
-    results = run_ranks(_train, world, kind, "tensor", {"tp": -1}, None, timeout=150)
+def test_tensor_parallel_matches_one_process(
+    kind: str, world: int, request: pytest.FixtureRequest
+) -> None:
+    results = request.getfixturevalue({2: "two", 4: "four"}[world])[f"tensor-{kind}"]
     _check(results, reference(kind, 1))
     # Split layers hold 1/tp of their weights on each rank; the head is replicated.
     weight = "mlp.0.weight" if kind == "block" else "0.weight"
@@ -132,22 +183,21 @@ def test_tensor_parallel_matches_one_process(kind: str, world: int) -> None:
     )
 
 
-def test_user_plan_on_the_mlp() -> None:
-    plan = {"0": "colwise", "2": "rowwise"}
-    _check(run_ranks(_train, 2, "mlp", "tensor", {"tp": 2}, plan, timeout=120), reference("mlp", 1))
+def test_user_plan_on_the_mlp(two: dict[str, list[Any]]) -> None:
+    _check(two["user-plan"], reference("mlp", 1))  # PLAN: colwise then rowwise
 
 
 @pytest.mark.parametrize("kind", ["block", "mlp"])
-def test_dp2_x_tp2_matches_the_global_batch(kind: str) -> None:
+def test_dp2_x_tp2_matches_the_global_batch(kind: str, four: dict[str, list[Any]]) -> None:
     """And quietly: the mlp's root (an FSDP2 unit) returns its row-parallel layer's
     output, which must not be a view of the layer's DTensor shard (FSDP2 warns)."""
-    results = run_ranks(_train, 4, kind, "hybrid", {"dp": 2, "tp": 2}, None, timeout=150)
+    results = four[f"hybrid-{kind}"]
     _check(results, reference(kind, 2))
     assert all(out["views"] == [] for out in results), results[0]["views"]
 
 
-def test_hsdp_replicates_across_and_shards_within() -> None:
-    results = run_ranks(_train, 4, "mlp", "fsdp", {"dp": 2, "fsdp": -1}, None, timeout=150)
+def test_hsdp_replicates_across_and_shards_within(four: dict[str, list[Any]]) -> None:
+    results = four["hsdp"]
     _check(results, reference("mlp", 4))  # all 4 ranks read different data
     # Sharded over fsdp=2 only: each rank holds half of a weight, not a quarter.
     assert results[0]["local"]["0.weight"] == 32 * DIM // 2
@@ -171,11 +221,13 @@ def _mesh_facts() -> dict[str, object]:
         par.close()
 
 
-def test_the_job_owns_one_mesh_and_reduces_over_its_dimensions() -> None:
+def test_the_job_owns_one_mesh_and_reduces_over_its_dimensions(
+    four: dict[str, list[Any]],
+) -> None:
     """Ranks are laid out row-major (rank = dp_i * 2 + tp_i): the tp group of rank r is
     {2(r//2), 2(r//2)+1}, its dp group {r%2, r%2+2}. dp x tp composes FSDP2 over the data
     dimensions as HSDP with shards of one rank, hence the fsdp dimension of size 1."""
-    facts = run_ranks(_mesh_facts, 4, timeout=150)
+    facts = four["mesh"]
     for rank, got in enumerate(facts):
         assert got["names"] == ("dp", "fsdp", "tp") and got["one_mesh"], got
         assert got["tp"] == 4 * (rank // 2) + 1, (rank, got)

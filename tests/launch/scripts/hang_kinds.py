@@ -3,9 +3,9 @@ several ways; argv: KIND OUT. Every rank writes OUT/pid<rank>.
 
 ``spin``: Python code that never returns, in save_checkpoint(); ``loader``: a
 DataLoader worker that sleeps in __getitem__; ``stop``: SIGSTOP; ``native``:
-libc sleep holding the GIL; ``shape``: a plain all_reduce with another shape;
-``ddp_skip``: one step of a DDP loop without its gradient all-reduce (no_sync),
-then the end-of-training barrier.
+libc sleep holding the GIL, again after a signal; ``shape``: a plain all_reduce
+with another shape; ``ddp_skip``: one step of a DDP loop without its gradient
+all-reduce (no_sync), then the end-of-training barrier.
 """
 
 import ctypes
@@ -67,7 +67,9 @@ if rank == culprit:
     elif kind == "stop":
         os.kill(os.getpid(), signal.SIGSTOP)
     elif kind == "native":
-        ctypes.PyDLL(None).sleep(3600)
+        libc = ctypes.PyDLL(None)  # PyDLL: the GIL stays held in its calls
+        while True:  # a signal ends a sleep early: the launcher's SIGUSR2 asks for a stack
+            libc.sleep(3600)
     elif kind == "shape":
         t = torch.ones(8)
 dist.all_reduce(t)
