@@ -5,6 +5,7 @@ from __future__ import annotations
 import multiprocessing.process
 import os
 import subprocess
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -113,3 +114,21 @@ def _slow_if_it_starts_processes(
 
     monkeypatch.setattr(subprocess.Popen, "__init__", checked_popen)
     monkeypatch.setattr(multiprocessing.process.BaseProcess, "start", checked_start)
+
+
+@pytest.fixture(autouse=True)
+def _one_thread() -> Iterator[None]:
+    """One intra-op thread in the pytest process while a test runs.
+
+    The references the equivalence tests compare with, and the unit tests' own
+    math, run here on tiny models: with torch's default of one thread per core,
+    each small op hands work to an OpenMP team that spins waiting on cores the
+    suite keeps busy, which costs several times the op itself. The ranks already
+    run with one thread (OMP_NUM_THREADS=1, see dist_harness.py).
+    """
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
