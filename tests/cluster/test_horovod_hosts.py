@@ -16,8 +16,10 @@ Tolerance: max |difference| < 1e-5 (fp32, only the order of the sums differs).
 ``synthetic_benchmark.py`` must run over both hosts (one process each) and
 report images per second.
 
-One cluster and its sshd serve both tests (each spawn costs seconds); each
-test ends with no process left in either host but sshd.
+Both scripts run in one launch, one after the other in the same two processes
+(scripts/one_after_another.py: each as the launcher runs a script, ``hvd.shutdown()``
+between them), on one cluster and its sshd: each start of a process costs seconds of
+CPU. The job ends with no process left in either host but sshd.
 """
 
 from __future__ import annotations
@@ -25,7 +27,6 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -39,96 +40,89 @@ OK, WHY = netns_available()
 pytestmark = pytest.mark.skipif(not OK, reason=f"emulated cluster unavailable: {WHY}")
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples" / "horovod"
+BOTH = Path(__file__).parent / "scripts" / "one_after_another.py"
 TOL = 1e-5
+SMALL = ["--epochs", "2", "--train-size", "256", "--test-size", "128", "--batch-size", "16"]
 
 
 @pytest.fixture(scope="module")
-def cluster() -> Iterator[tuple[EmulatedCluster, SshHosts]]:
-    """Two emulated hosts at 1 Gbit/s; host 1 runs sshd (the module's tests share them)."""
+def job(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> tuple[Path, str, subprocess.CompletedProcess[str]]:
+    """Two emulated hosts at 1 Gbit/s (host 1 runs sshd), and one job over them that runs
+    the MNIST recipe, then the synthetic benchmark: (its directory, host 0's address,
+    the driver's result). Checks nothing of the job is left on either host."""
     why = ensure_openssh()
     if why is not None:
         pytest.skip(why)
-    with EmulatedCluster(2, LinkShape(rate="1gbit")) as hosts, SshHosts(hosts) as ssh:
-        yield hosts, ssh
+    where = tmp_path_factory.mktemp("horovod")
+    mnist = [str(EXAMPLES / "train_mnist_style.py"), *SMALL, "--save", "two.pt"]
+    mnist += ["--metrics", "two.json"]
+    bench = [str(EXAMPLES / "synthetic_benchmark.py"), "--model", "resnet_cnn",
+             "--image-size", "32", "--num-classes", "10", "--batch-size", "4",
+             "--num-warmup-batches", "1", "--num-batches-per-iter", "2", "--num-iters", "2",
+             "--json", "bench.json"]  # fmt: skip
+    with EmulatedCluster(2, LinkShape(rate="1gbit")) as cluster, SshHosts(cluster) as ssh:
+        # One process per host is enough to cross them (each process costs seconds).
+        listed = ",".join(f"{addr}:1" for addr in cluster.addresses)
+        argv = [sys.executable, "-m", "manygpu", "launch", "-H", listed,
+                "--ssh-config", str(ssh.config), "--timeout", "60", str(BOTH),
+                *mnist, "--", *bench]  # fmt: skip
+        res = subprocess.run(
+            cluster.command(0, argv),
+            capture_output=True,
+            text=True,
+            env=subprocess_env(namespace=True),
+            cwd=where,
+            timeout=300,
+        )
+        left = ssh.wait_until_clean([0, 1])
+        assert left == {}, f"processes left behind: {left}"
+        return where, cluster.addresses[0], res
 
 
-@pytest.fixture
-def hosts(
-    cluster: tuple[EmulatedCluster, SshHosts],
-) -> Iterator[tuple[EmulatedCluster, SshHosts]]:
-    """The shared hosts; after the test, nothing of its job is left on either."""
-    yield cluster
-    left = cluster[1].wait_until_clean([0, 1])
-    assert left == {}, f"processes left behind: {left}"
-
-
-def _launch_on_hosts(
-    hosts: tuple[EmulatedCluster, SshHosts], slots: int, script: str, args: list[str], cwd: Path
-) -> subprocess.CompletedProcess[str]:
-    """``manygpu launch -H a:SLOTS,b:SLOTS SCRIPT ARGS`` typed on host 0, run to its end."""
-    cluster, ssh = hosts
-    listed = ",".join(f"{addr}:{slots}" for addr in cluster.addresses)
-    argv = [sys.executable, "-m", "manygpu", "launch", "-H", listed,
-            "--ssh-config", str(ssh.config), "--timeout", "60", script, *args]  # fmt: skip
-    return subprocess.run(
-        cluster.command(0, argv),
-        capture_output=True,
-        text=True,
-        env=subprocess_env(namespace=True),
-        cwd=cwd,
-        timeout=200,
-    )
-
-
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(420)
 def test_mnist_recipe_from_different_weights_equals_one_process(
-    hosts: tuple[EmulatedCluster, SshHosts], tmp_path: Path
+    job: tuple[Path, str, subprocess.CompletedProcess[str]],
 ) -> None:
-    script = str(EXAMPLES / "train_mnist_style.py")
-    small = ["--epochs", "2", "--train-size", "256", "--test-size", "128", "--batch-size", "16"]
-    two = _launch_on_hosts(
-        hosts, 1, script, [*small, "--save", "two.pt", "--metrics", "two.json"], tmp_path
-    )
+    where, _, two = job
     assert two.returncode == 0, two.stdout[-2000:] + two.stderr[-3000:]
     assert "Test set: Average loss" in two.stdout
     # One process, the same global batch (2 x 16) at the rate the 2 ranks used (2 x 0.01).
-    one_args = [*small, "--batch-size", "32", "--lr", "0.02", "--save", "one.pt"]
+    one_args = [*SMALL, "--batch-size", "32", "--lr", "0.02", "--save", "one.pt"]
     one = subprocess.run(
-        [sys.executable, script, *one_args, "--metrics", "one.json"],
+        [
+            sys.executable,
+            str(EXAMPLES / "train_mnist_style.py"),
+            *one_args,
+            "--metrics",
+            "one.json",
+        ],
         capture_output=True,
         text=True,
         env=subprocess_env() | {"OMP_NUM_THREADS": "1"},
-        cwd=tmp_path,
+        cwd=where,
         timeout=200,
     )
     assert one.returncode == 0, one.stderr[-3000:]
-    got, want = torch.load(tmp_path / "two.pt"), torch.load(tmp_path / "one.pt")
+    got, want = torch.load(where / "two.pt"), torch.load(where / "one.pt")
     assert got.keys() == want.keys()
     for name in want:
         assert (got[name] - want[name]).abs().max().item() < TOL, name
-    metrics = json.loads((tmp_path / "two.json").read_text())
-    alone = json.loads((tmp_path / "one.json").read_text())
+    metrics = json.loads((where / "two.json").read_text())
+    alone = json.loads((where / "one.json").read_text())
     assert metrics["size"] == 2 and alone["size"] == 1
     assert metrics["test_loss"] == pytest.approx(alone["test_loss"], rel=TOL, abs=TOL)
     assert metrics["accuracy"] == pytest.approx(alone["accuracy"], abs=TOL)
 
 
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(420)
 def test_synthetic_benchmark_reports_images_per_second_over_hosts(
-    hosts: tuple[EmulatedCluster, SshHosts], tmp_path: Path
+    job: tuple[Path, str, subprocess.CompletedProcess[str]],
 ) -> None:
-    res = _launch_on_hosts(
-        hosts,
-        1,  # one process per host is enough to cross them (each process costs seconds)
-        str(EXAMPLES / "synthetic_benchmark.py"),
-        ["--model", "resnet_cnn", "--image-size", "32", "--num-classes", "10",
-         "--batch-size", "4", "--num-warmup-batches", "1", "--num-batches-per-iter", "2",
-         "--num-iters", "2", "--json", "bench.json"],
-        tmp_path,
-    )  # fmt: skip
+    where, addr, res = job
     assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-3000:]
-    addr = hosts[0].addresses[0]
     assert f"{addr}/0: Total img/sec on 2 CPU(s)" in res.stdout, res.stdout[-2000:]
-    result = json.loads((tmp_path / "bench.json").read_text())
+    result = json.loads((where / "bench.json").read_text())
     assert result["size"] == 2 and len(result["iters"]) == 2
     assert result["img_sec_total"] > 0
