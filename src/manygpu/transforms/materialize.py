@@ -37,6 +37,7 @@ import torch
 from torch import nn
 
 from manygpu.errors import UsageError
+from manygpu.weights.shards import fill_one
 
 Place = Callable[[nn.Module, torch.device], nn.Module]
 """What a strategy calls on each part of the model it keeps: that part, real, on the device."""
@@ -218,10 +219,6 @@ def _init_one(
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(_module_seed(seed, qname))
         init(twin)
-    # Here, not at the top: the weights package loads DTensor (and sympy), ~1 CPU-s
-    # that every process making a Parallel paid before it asked for a model.
-    from manygpu.weights.shards import fill_one
-
     for name, p in module._parameters.items():
         full = twin._parameters[name]
         if p is not None and full is not None and id(p) not in done:
