@@ -273,7 +273,9 @@ def test_a_finished_job_exits_as_plain_python_would(tmp_path: Path) -> None:
     pool threads to quit run before the threads are joined. The job exits at once,
     not through the exit timer (its line would name the rank). One worker holds both
     pools (either alone would keep it alive); a second would only compile the same
-    kernels again."""
+    kernels again. The worker froze torch's objects out of the collector as torch
+    loaded (runtime/heap.py), yet Python's last collection still flushed a file the
+    script left open in a reference cycle."""
     cache = tmp_path / "inductor-cache"
     res = manygpu(
         "launch",
@@ -281,7 +283,7 @@ def test_a_finished_job_exits_as_plain_python_would(tmp_path: Path) -> None:
         "1",
         str(SCRIPTS / "exits_like_python.py"),
         str(tmp_path),
-        "compile,pool",
+        "compile,pool,cycle",
         env={"MANYGPU_EXIT_GRACE": "60", "TORCHINDUCTOR_CACHE_DIR": str(cache)},
     )
     ended = time.time()
@@ -294,6 +296,8 @@ def test_a_finished_job_exits_as_plain_python_would(tmp_path: Path) -> None:
     assert after < 40, f"{after:.1f}s after the script ended: the exit timer ended it"
     assert any(cache.rglob("*.so")), "inductor compiled nothing: the test proves nothing"
     assert (tmp_path / "pool0").read_text() == "held", "our pool was never made"
+    assert int((tmp_path / "frozen0").read_text()) > 50_000  # torch's objects (~180,000)
+    assert (tmp_path / "cycle0").read_text() == "flushed at exit"
     assert_gone(tmp_path)
 
 

@@ -8,6 +8,7 @@ from manygpu._version import __version__
 from manygpu.cli import bench, checkpoint, demo, doctor, k8s, launch, plan
 from manygpu.cli.parser import OneLineParser
 from manygpu.errors import UsageError
+from manygpu.runtime.heap import freeze_after_torch_import
 
 
 def build_parser() -> OneLineParser:
@@ -20,6 +21,7 @@ def build_parser() -> OneLineParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    freeze_after_torch_import()  # the command's exit skips walking torch's objects
     parser = build_parser()
     ns = parser.parse_args(argv)
     if getattr(ns, "run", None) is None:

@@ -4,9 +4,13 @@ not done as Python does it: an idle, non-daemon thread pool held by a module.
 argv: OUT, MODES (comma-separated). ``pool``: our own ThreadPoolExecutor kept
 in ``sys.modules`` (OUT/pool<rank> says it was made); ``compile``:
 ``Parallel(compile=True)`` (inductor's async compile keeps its pool; run with an
-empty TORCHINDUCTOR_CACHE_DIR). Writes OUT/pid<rank> and OUT/done<rank>.
+empty TORCHINDUCTOR_CACHE_DIR); ``cycle``: a file written but never closed,
+reachable only through a reference cycle at exit (Python's last collection
+flushes it: OUT/cycle<rank>), and OUT/frozen<rank>, how many objects the worker
+froze out of the collector when torch loaded. Writes OUT/pid<rank> and OUT/done<rank>.
 """
 
+import gc
 import os
 import sys
 from concurrent.futures import ThreadPoolExecutor
@@ -45,5 +49,12 @@ with Parallel(strategy="ddp", compile="compile" in modes) as par:
         assert pool.submit(lambda: 1).result() == 1
         with open(os.path.join(out, f"pool{par.rank}"), "w") as fh:
             fh.write("held")
+    if "cycle" in modes:
+        with open(os.path.join(out, f"frozen{par.rank}"), "w") as fh:
+            fh.write(str(gc.get_freeze_count()))
+        holder = type("Holder", (), {})()
+        holder.me = holder
+        holder.log = open(os.path.join(out, f"cycle{par.rank}"), "w")  # noqa: SIM115
+        holder.log.write("flushed at exit")
     with open(os.path.join(out, f"done{par.rank}"), "w") as fh:
         fh.write("ok")

@@ -20,6 +20,7 @@ from manygpu.launch import blame, evidence
 from manygpu.launch.worker import exit_timer, keeper
 from manygpu.runtime import env as envmod
 from manygpu.runtime import notice
+from manygpu.runtime.heap import freeze_after_torch_import
 
 
 def _record(exc: BaseException) -> None:
@@ -181,6 +182,7 @@ def main() -> None:
     _guard_descendants()
     if keeper.applies(envmod.current()):
         keeper.keep()  # from here on, this is the child that runs the script
+    freeze_after_torch_import()  # before this worker's first import of torch, wherever it is
     _default_group_timeout()
     notice.record_warnings()  # SIGUSR1 would end the rank before any save
     with contextlib.suppress(OSError):  # no watch is better than no job
