@@ -35,14 +35,17 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from dist_harness import run_ranks
+from dist_harness import preload, run_ranks
 from moe_models import EXPERTS, TOP_K, VOCAB, grouped_model, listed_model, mixtral
 from torch import nn
-from transformers.models.mixtral.modeling_mixtral import load_balancing_loss_func
 
 from manygpu import Parallel
 from manygpu.strategies.expert.balance import load_balancing_loss
 from manygpu.strategies.expert.capacity import Capacity
+
+# Hugging Face's Mixtral (~2.4 CPU-s to import): once in the rank server, not once
+# per rank, and not at collection (see _hf_balance).
+preload("moe_models", "transformers.models.mixtral.modeling_mixtral")
 
 TOL = 1e-5
 CAPACITY = 1.0
@@ -76,15 +79,22 @@ def loss_of(kind: str, model: nn.Module, tokens: torch.Tensor) -> torch.Tensor:
     if kind in ("mixtral-aux", "mixtral-local-aux"):  # local: each rank's own batch's
         out = model(input_ids=tokens, output_router_logits=True)
         whole = dist.is_initialized() and kind == "mixtral-aux"
-        logits, balance = out.logits, (load_balancing_loss if whole else load_balancing_loss_func)
+        logits, balance = out.logits, (load_balancing_loss if whole else _hf_balance)
         aux = balance(out.router_logits, EXPERTS, TOP_K)
         return _next_token(logits, tokens) + AUX * aux  # type: ignore[no-any-return]
     if kind.startswith("listed"):  # experts in a ModuleList; "-aux" adds the balance loss
         logits, router_logits = model(tokens)
-        balance = load_balancing_loss if dist.is_initialized() else load_balancing_loss_func
+        balance = load_balancing_loss if dist.is_initialized() else _hf_balance
         aux = balance(router_logits, EXPERTS, TOP_K) if kind == "listed-aux" else 0.0
         return _next_token(logits, tokens) + AUX * aux  # type: ignore[no-any-return]
     return _next_token(model(tokens), tokens)
+
+
+def _hf_balance(router_logits: Any, experts: int, top_k: int) -> torch.Tensor:
+    """Hugging Face's load-balancing loss, imported where it is first used."""
+    from transformers.models.mixtral.modeling_mixtral import load_balancing_loss_func
+
+    return load_balancing_loss_func(router_logits, experts, top_k)  # type: ignore[no-any-return]
 
 
 def _next_token(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:

@@ -8,8 +8,6 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-from sklearn.datasets import load_digits
-from sklearn.model_selection import train_test_split
 from torch.utils.data import TensorDataset
 
 
@@ -19,7 +17,11 @@ def digits(
     """(train, test) datasets of normalised ``1 x image_size x image_size`` images.
 
     The split is stratified and seeded, so every rank builds the same one.
+    scikit-learn loads here, not with the module: it takes ~2 CPU-s (pandas, scipy).
     """
+    from sklearn.datasets import load_digits
+    from sklearn.model_selection import train_test_split
+
     bunch = load_digits()
     images = torch.tensor(bunch.images, dtype=torch.float32).unsqueeze(1) / 16.0
     if image_size != 8:
