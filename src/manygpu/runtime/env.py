@@ -138,6 +138,12 @@ def traceback_wanted(env: Environ) -> bool:
     return env.get("MANYGPU_TRACEBACK", "0").lower() in {"1", "true", "yes", "on"}
 
 
+def gc_freeze_wanted(env: Environ) -> bool:
+    """``MANYGPU_GC_FREEZE=0`` keeps torch's objects in Python's collector in launched
+    workers and the ``manygpu`` command (see :mod:`manygpu.runtime.heap`); on by default."""
+    return env.get("MANYGPU_GC_FREEZE", "1").lower() not in {"0", "false", "no", "off"}
+
+
 def fp8_emulate(env: Environ) -> bool:
     """``MANYGPU_FP8_EMULATE=1``: ``precision="fp8"`` through torchao's emulation on any
     device, the CPU included. For tests: slow, a CPU-only numerics check."""

@@ -17,6 +17,7 @@ this). Objects the program creates afterwards are collected as usual, so a
 file left open in a reference cycle is still flushed at exit. Objects made
 before torch's import (what a script does above ``import torch``) are frozen
 with it: they are never freed by the collector, as if still referenced.
+``MANYGPU_GC_FREEZE=0`` turns it off (``bench/launch_overhead.py`` compares).
 """
 
 from __future__ import annotations
@@ -27,6 +28,8 @@ import importlib.machinery
 import sys
 from types import ModuleType
 from typing import Any
+
+from manygpu.runtime import env as envmod
 
 
 class _TorchWatch(importlib.abc.MetaPathFinder):
@@ -81,6 +84,8 @@ def _unwatch() -> None:
 
 def freeze_after_torch_import() -> None:
     """Freeze the heap when ``import torch`` next completes (nothing if torch is loaded)."""
+    if not envmod.gc_freeze_wanted(envmod.current()):
+        return
     if "torch" in sys.modules or any(isinstance(f, _TorchWatch) for f in sys.meta_path):
         return
     sys.meta_path.insert(0, _TorchWatch())
