@@ -50,6 +50,8 @@ with Parallel(strategy="ddp", compile="compile" in modes) as par:
         with open(os.path.join(out, f"pool{par.rank}"), "w") as fh:
             fh.write("held")
     if "cycle" in modes:
+        # The optimizer loaded torch._dynamo, with the collector paused only meanwhile.
+        assert gc.isenabled() and "torch._dynamo" in sys.modules
         with open(os.path.join(out, f"frozen{par.rank}"), "w") as fh:
             fh.write(str(gc.get_freeze_count()))
         holder = type("Holder", (), {})()
