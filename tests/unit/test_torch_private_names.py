@@ -8,6 +8,8 @@ moves one fails here, loudly, instead of silently undoing the guard.
   sets it (bound to one address, behind the gate) before calling torch's.
 - ``_RendezvousState`` / ``_NodeDesc`` with the fields our JSON state reads and writes
   (``manygpu.launch.rdzv_state``), instead of torch's pickle.
+
+And the agent's process context, which ``manygpu.launch.settle`` reads.
 """
 
 from __future__ import annotations
@@ -71,3 +73,17 @@ def test_fsdp2_s_custom_reduce_scatter_interface_and_default_prefetch_switch() -
     assert "default_prefetch = len(self._states_to_backward_prefetch) == 0" in pre_backward, where
     unshard = inspect.getsource(_fsdp_param_group.FSDPParamGroup.unshard)
     assert "if self.is_unsharded:\n            return" in unshard, where
+
+
+def test_the_agent_s_process_context_shows_its_workers_and_error_files() -> None:
+    """``launch.settle`` reads the local agent's ``_pcontext`` (its
+    ``subprocess_handlers`` and ``error_files``) to let every worker reach a
+    configuration error before torch stops them; without them, it waits for nothing."""
+    from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
+    from torch.distributed.elastic.multiprocessing import api
+
+    where = "(manygpu.launch.settle relies on it: re-check it for this torch)"
+    assert "self._pcontext" in inspect.getsource(LocalElasticAgent), f"no _pcontext {where}"
+    source = inspect.getsource(api.SubprocessContext)
+    assert "self.subprocess_handlers = {" in source, f"no subprocess_handlers {where}"
+    assert "self.error_files" in inspect.getsource(api.PContext), f"no error_files {where}"

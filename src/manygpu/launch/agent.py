@@ -45,6 +45,7 @@ from manygpu.launch.netcheck import (
     source_address,
     split_endpoint,
 )
+from manygpu.launch.settle import settle_configuration_error
 from manygpu.launch.spec import LaunchSpec
 from manygpu.runtime import env as envmod
 from manygpu.runtime import secret as secretmod
@@ -199,6 +200,9 @@ class _AnnouncingAgent(LocalElasticAgent):
     _last_failures: dict[int, ProcessFailure] | None = None
 
     def _monitor_workers(self, worker_group: WorkerGroup) -> RunResult:
+        # torch stops every survivor at the first failure: a configuration error the
+        # others are about to hit too is let through first (one line for all).
+        settle_configuration_error(getattr(self, "_pcontext", None))
         result = super()._monitor_workers(worker_group)
         self._last_failures = dict(result.failures)
         return result
