@@ -296,7 +296,7 @@ def test_a_finished_job_exits_as_plain_python_would(tmp_path: Path) -> None:
     assert after < 40, f"{after:.1f}s after the script ended: the exit timer ended it"
     assert any(cache.rglob("*.so")), "inductor compiled nothing: the test proves nothing"
     assert (tmp_path / "pool0").read_text() == "held", "our pool was never made"
-    assert int((tmp_path / "frozen0").read_text()) > 50_000  # torch's objects (~180,000)
+    assert int((tmp_path / "frozen0").read_text()) > 50_000  # torch's objects (~175,000)
     assert (tmp_path / "cycle0").read_text() == "flushed at exit"
     assert_gone(tmp_path)
 

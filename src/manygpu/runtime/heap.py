@@ -1,14 +1,14 @@
 """Freeze torch's objects out of the garbage collector once ``import torch`` returns.
 
-Importing torch leaves ~180,000 objects tracked by Python's cyclic collector.
+Importing torch leaves ~175,000 objects tracked by Python's cyclic collector.
 Every full collection walks them again, though they live as long as the
 process: the collections during the import itself, the occasional full one
 while training, and the ones the interpreter runs at exit. A forked DataLoader
 worker also copies every page whose objects a collection touches. Measured on
 2 cores (2026-11-28): ``python -c "import torch"`` spends ~0.6 s of CPU more
 than the same with ``os._exit`` at the end; with this module, a 2-worker
-``manygpu launch`` of a script that imports torch costs 4.3 CPU-s instead of 5.6
-(launcher and workers together).
+``manygpu launch`` of a script that imports torch costs 4.5 CPU-s instead of 5.8
+(launcher and workers together; BENCHMARKS.md).
 
 :func:`freeze_after_torch_import` makes the coming ``import torch`` run with
 the collector paused, then collects once and moves what exists at that moment
@@ -34,7 +34,7 @@ from manygpu.runtime import env as envmod
 WATCHED = {"torch": True, "torch._dynamo": False}
 """Imports run with the collector paused, and whether the heap is frozen after each.
 
-``torch._dynamo`` (~100,000 more objects) loads when the script builds its first
+``torch._dynamo`` (~120,000 more objects) loads when the script builds its first
 optimizer (torch's ``Optimizer.__init__`` imports it): by then the heap holds the
 script's model and tensors, which must stay collectable, so that import is only
 paused (~0.2 CPU-s less), not followed by a freeze."""
