@@ -197,7 +197,9 @@ def lost_peers_line(
 
 
 _RANK_TEXT = re.compile(r"^(?P<where>[^\n]*?: )?rank (?P<rank>\d+) (?P<rest>.*)$", re.S)
-_USAGE = re.compile(r"^failed with exit code \d+: UsageError: (?P<message>.*)$", re.S)
+USAGE_PREFIX = "UsageError: "
+"""How a worker's recorded error starts when it is a configuration error."""
+_USAGE = re.compile(rf"^failed with exit code \d+: {USAGE_PREFIX}(?P<message>.*)$", re.S)
 _INDENT = "  "
 
 

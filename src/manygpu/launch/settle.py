@@ -19,6 +19,8 @@ import json
 import time
 from typing import Any
 
+from manygpu.launch.blame import USAGE_PREFIX
+
 SETTLE_S = 3.0
 """The longest the agent waits for the other workers after a configuration error."""
 
@@ -57,4 +59,4 @@ def is_configuration_error(error_file: str | None) -> bool:
     message = record.get("message") if isinstance(record, dict) else None
     if isinstance(message, dict):
         message = message.get("message")
-    return isinstance(message, str) and message.startswith("UsageError: ")
+    return isinstance(message, str) and message.startswith(USAGE_PREFIX)
