@@ -87,3 +87,19 @@ def test_the_agent_s_process_context_shows_its_workers_and_error_files() -> None
     source = inspect.getsource(api.SubprocessContext)
     assert "self.subprocess_handlers = {" in source, f"no subprocess_handlers {where}"
     assert "self.error_files" in inspect.getsource(api.PContext), f"no error_files {where}"
+
+
+def test_the_agent_s_exit_barrier_is_the_one_a_failed_node_counts_out_of() -> None:
+    """``launch.exit_barrier`` counts a failed node into the barrier torch's agent waits in
+    after its workers succeed: the same key prefix and node count, and ``_exit_barrier``
+    the method the agent calls for it (``launch.agent`` marks it to count only once)."""
+    from torch.distributed.elastic.agent.server import api
+    from torch.distributed.elastic.utils import store as store_util
+
+    where = "(manygpu.launch.exit_barrier relies on it: re-check it for this torch)"
+    assert callable(getattr(store_util, "_barrier_nonblocking", None)), f"no barrier {where}"
+    barrier = inspect.getsource(api.SimpleElasticAgent._exit_barrier)
+    assert "key_prefix=_TERMINAL_STATE_SYNC_ID" in barrier, where
+    assert "world_size=self._worker_group.group_world_size" in barrier, where
+    assert "self._exit_barrier()" in inspect.getsource(api.SimpleElasticAgent._invoke_run), where
+    assert "self._store" in inspect.getsource(api.SimpleElasticAgent), where

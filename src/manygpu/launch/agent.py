@@ -24,7 +24,7 @@ from typing import Any
 
 import torch.distributed.launcher.api as launcher_api
 from torch.distributed import DistStoreError
-from torch.distributed.elastic.agent.server.api import RunResult, WorkerGroup
+from torch.distributed.elastic.agent.server.api import DEFAULT_ROLE, RunResult, WorkerGroup
 from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
 from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, Std
 from torch.distributed.elastic.multiprocessing.api import SignalException
@@ -37,7 +37,7 @@ from torch.distributed.elastic.rendezvous.api import (
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
 from manygpu.errors import UsageError
-from manygpu.launch import blame, driven, hangwatch, notices, rendezvous
+from manygpu.launch import blame, driven, exit_barrier, hangwatch, notices, rendezvous
 from manygpu.launch.netcheck import (
     check_port_free,
     check_resolves,
@@ -195,9 +195,34 @@ def _lost_peers(outcomes: list[blame.Outcome], err: ChildFailedError) -> str:
 
 class _AnnouncingAgent(LocalElasticAgent):
     """torch's agent, saying in one line why it restarts the workers (``--max-restarts``):
-    torch restarts them silently, and the next attempt's errors hid the first's cause."""
+    torch restarts them silently, and the next attempt's errors hid the first's cause.
+    Also: a configuration error reaches every worker before the others are stopped
+    (``launch/settle.py``), and a node that ends failed counts itself out of the exit
+    barrier where the nodes that finished wait (``launch/exit_barrier.py``)."""
 
     _last_failures: dict[int, ProcessFailure] | None = None
+    _at_exit_barrier = False
+
+    def run(self, role: str = DEFAULT_ROLE) -> RunResult:
+        # A node that ends failed, or stopped, never reaches torch's exit barrier: it
+        # counts itself out there, its workers stopped, so the nodes that finished do
+        # not wait 300 s for it (launch/exit_barrier.py).
+        try:
+            result = super().run(role)
+        except SignalException:
+            self._count_out()
+            raise
+        if result.is_failed():
+            self._count_out()
+        return result
+
+    def _exit_barrier(self) -> None:
+        self._at_exit_barrier = True
+        super()._exit_barrier()
+
+    def _count_out(self) -> None:
+        if self._store is not None and not self._at_exit_barrier:
+            exit_barrier.count_out(self._store, self._worker_group.group_world_size)
 
     def _monitor_workers(self, worker_group: WorkerGroup) -> RunResult:
         # torch stops every survivor at the first failure: a configuration error the
