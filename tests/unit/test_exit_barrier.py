@@ -1,17 +1,20 @@
-"""A failed node counts itself out of torch's exit barrier (launch/exit_barrier.py).
+"""The exit barrier where nodes wait for each other (launch/exit_barrier.py).
 
 On real in-process TCPStores (a server and a client, as a node that hosts the job's
-store and one that does not): the node that finished waits in torch's own barrier
-and is let go when the failed one counts out; a store whose host is gone is
-answered with ``False`` in the count's timeout, not the barrier's 300 s. The whole
-path through two launchers: tests/launch/test_launch_exit.py.
+store and one that does not): a node that finished, waiting in torch's barrier or
+in ours, is let go when a failed one counts out; ours gives up at its timeout, and
+ends at once on a signal (torch's held it until the barrier opened); a store whose
+host is gone is a ``False`` in seconds, not the barrier's 300 s. The whole path
+through two launchers: tests/launch/test_launch_exit.py.
 """
 
 from __future__ import annotations
 
+import signal
 import threading
 import time
 from datetime import timedelta
+from types import FrameType
 
 import pytest
 from dist_harness import free_port
@@ -19,7 +22,7 @@ from torch.distributed import TCPStore
 from torch.distributed.elastic.agent.server import api as agent_api
 from torch.distributed.elastic.utils import store as store_util
 
-from manygpu.launch.exit_barrier import count_out
+from manygpu.launch.exit_barrier import count_out, wait
 
 
 def _stores() -> tuple[TCPStore, TCPStore]:
@@ -58,4 +61,45 @@ def test_a_store_whose_host_is_gone_is_a_false_in_the_count_s_timeout() -> None:
     del host  # the node that served the store has ended
     start = time.monotonic()
     assert not count_out(failed, 2, timeout_s=2)
+    assert time.monotonic() - start < 10
+
+
+def test_our_wait_is_let_go_by_a_count_out_and_gives_up_at_its_timeout() -> None:
+    host, failed = _stores()
+    threading.Timer(0.5, count_out, (failed, 2)).start()
+    assert wait(host, 2, timeout_s=20, poll_s=0.05)
+    other, _ = _stores()
+    start = time.monotonic()
+    assert not wait(other, 2, timeout_s=1, poll_s=0.05)
+    assert 1 <= time.monotonic() - start < 5
+
+
+class _Stopped(Exception):
+    pass
+
+
+def test_a_signal_ends_our_wait_at_once() -> None:
+    """torch's agent raises from its signal handler; Python runs it between the polls."""
+    host, _ = _stores()
+
+    def stop(signum: int, frame: FrameType | None) -> None:
+        raise _Stopped
+
+    previous = signal.signal(signal.SIGALRM, stop)
+    start = time.monotonic()
+    try:
+        signal.setitimer(signal.ITIMER_REAL, 0.3)
+        with pytest.raises(_Stopped):
+            wait(host, 2, timeout_s=30)
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+    assert time.monotonic() - start < 3
+
+
+def test_our_wait_on_a_store_whose_host_is_gone_is_a_false() -> None:
+    host, other = _stores()
+    del host
+    start = time.monotonic()
+    assert not wait(other, 2, timeout_s=30)
     assert time.monotonic() - start < 10

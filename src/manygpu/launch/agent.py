@@ -217,12 +217,20 @@ class _AnnouncingAgent(LocalElasticAgent):
         return result
 
     def _exit_barrier(self) -> None:
-        self._at_exit_barrier = True
-        super()._exit_barrier()
+        # torch's wait is one store call that holds off Ctrl-C until the barrier opens.
+        self._at_exit_barrier = self._in_exit_barrier = True  # torch's health check reads it
+        try:
+            exit_barrier.wait(self._store, self._nodes(), self._exit_barrier_timeout)
+        finally:
+            self._in_exit_barrier = False
 
     def _count_out(self) -> None:
         if self._store is not None and not self._at_exit_barrier:
-            exit_barrier.count_out(self._store, self._worker_group.group_world_size)
+            exit_barrier.count_out(self._store, self._nodes())
+
+    def _nodes(self) -> int:
+        """How many nodes the job has in this round (one before any rendezvous)."""
+        return self._worker_group.group_world_size or 1
 
     def _monitor_workers(self, worker_group: WorkerGroup) -> RunResult:
         # torch stops every survivor at the first failure: a configuration error the

@@ -11,15 +11,28 @@ barrier as waiting for the agents "to finish executing their local workers
 (either successfully or not)"; here a failed node says it has finished, once its
 workers are stopped. The barrier still opens only when every node is done, so a
 node whose workers still run keeps the store's host waiting, as before.
+
+The wait itself is :func:`wait`: torch's is one blocking store call, during which
+Python runs no signal handler, so a Ctrl-C or a scheduler's SIGTERM to a node
+waiting there was acted on only when the barrier opened, up to 300 s later. Here
+the node asks the store twice a second and sleeps between, where a signal ends
+the wait at once.
 """
 
 from __future__ import annotations
 
+import time
 from datetime import timedelta
 from typing import Any
 
 from torch.distributed.elastic.agent.server import api as agent_api
 from torch.distributed.elastic.utils import store as store_util
+
+PREFIX = agent_api._TERMINAL_STATE_SYNC_ID
+"""The exit barrier's keys in the job's store: torch's own, so torch's agents and ours meet."""
+
+POLL_S = 0.5
+"""How often a node waiting at the exit barrier asks whether every node has arrived."""
 
 COUNT_TIMEOUT_S = 5.0
 """How long counting out may wait for the store: a store whose host is gone has no
@@ -31,9 +44,23 @@ def count_out(store: Any, nodes: int, timeout_s: float = COUNT_TIMEOUT_S) -> boo
     agents) without waiting for the others; whether the store took it."""
     try:
         store.set_timeout(timedelta(seconds=timeout_s))
-        store_util._barrier_nonblocking(
-            store=store, world_size=nodes, key_prefix=agent_api._TERMINAL_STATE_SYNC_ID
-        )
+        store_util._barrier_nonblocking(store=store, world_size=nodes, key_prefix=PREFIX)
     except (RuntimeError, OSError):  # the store's host is gone: nobody waits on it
+        return False
+    return True
+
+
+def wait(store: Any, nodes: int, timeout_s: float, poll_s: float = POLL_S) -> bool:
+    """Arrive at the exit barrier, then wait up to ``timeout_s`` for the ``nodes``
+    agents of the job; whether all of them arrived. A signal's handler runs between
+    two questions to the store (torch's agent raises its ``SignalException`` there)."""
+    try:
+        last = store_util._barrier_nonblocking(store=store, world_size=nodes, key_prefix=PREFIX)
+        deadline = time.monotonic() + timeout_s
+        while not store.check([last]):
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(poll_s)
+    except (RuntimeError, OSError):  # the store's host has ended: no one is left to wait for
         return False
     return True
