@@ -1,4 +1,4 @@
-"""A node whose workers failed still counts itself out of torch's exit barrier.
+"""torch's exit barrier: a failed node counts itself out, a waiting one hears signals.
 
 Once its own workers succeed, torch's agent waits in an exit barrier until every
 node's agent has arrived (``exit_barrier_timeout``, 300 s): the node that hosts
@@ -35,8 +35,8 @@ POLL_S = 0.5
 """How often a node waiting at the exit barrier asks whether every node has arrived."""
 
 COUNT_TIMEOUT_S = 5.0
-"""How long counting out may wait for the store: a store whose host is gone has no
-one waiting on it, and a failing launcher must not wait for it either."""
+"""How long one question to the store may take here: a store whose host is gone
+has no one waiting on it, and no launcher should wait for it either."""
 
 
 def count_out(store: Any, nodes: int, timeout_s: float = COUNT_TIMEOUT_S) -> bool:
@@ -55,6 +55,7 @@ def wait(store: Any, nodes: int, timeout_s: float, poll_s: float = POLL_S) -> bo
     agents of the job; whether all of them arrived. A signal's handler runs between
     two questions to the store (torch's agent raises its ``SignalException`` there)."""
     try:
+        store.set_timeout(timedelta(seconds=COUNT_TIMEOUT_S))
         last = store_util._barrier_nonblocking(store=store, world_size=nodes, key_prefix=PREFIX)
         deadline = time.monotonic() + timeout_s
         while not store.check([last]):
