@@ -71,6 +71,9 @@ STRATEGIES = ("ddp", "fsdp")
 TOTAL, SNAPSHOT_AT = 8, 6  # the job's steps, and the step its second attempt saves (ray_driver.py)
 DATA = {"samples": 24, "global_batch": 8}  # its data too
 TOKEN = secrets.token_hex(32)
+STOP_S = 5
+"""How long Ray's nodes get to stop on SIGTERM before their hosts' processes are killed
+(Ray's own stop took ~30 s, most of it waiting on a host already gone)."""
 
 
 LEAN = {
@@ -130,11 +133,13 @@ def ray_hosts() -> Iterator[tuple[EmulatedCluster, Path, int]]:
         finally:
             for node in nodes:
                 node.terminate()  # ray start --block stops its node's processes on SIGTERM
-            for node in nodes:
+            deadline = time.monotonic() + STOP_S
+            for host, node in enumerate(nodes):
                 try:
-                    node.wait(timeout=60)
+                    node.wait(timeout=max(0.1, deadline - time.monotonic()))
                 except subprocess.TimeoutExpired:
-                    node.kill()
+                    cluster.kill_host(host)  # what Ray is still stopping: every process there
+                    node.wait(timeout=30)
             shutil.rmtree(tmp, ignore_errors=True)
 
 
