@@ -9,10 +9,11 @@ rank 2 never calls the last all-reduce.
 from __future__ import annotations
 
 import time
+from pathlib import Path
 from typing import Any
 
 import torch
-from dist_harness import preload, run_ranks
+from dist_harness import away_until_marked, mark, preload, run_ranks
 from torch import nn
 
 preload("manygpu.horovod")
@@ -30,7 +31,7 @@ def _catch(fn: Any) -> str:
     return "no error"
 
 
-def _mistakes() -> dict[str, Any]:
+def _mistakes(marks: str) -> dict[str, Any]:
     import manygpu.horovod as hvd
     from manygpu.errors import CollectiveTimeoutError
 
@@ -49,8 +50,8 @@ def _mistakes() -> dict[str, Any]:
         params = {"w": torch.ones(2)} | ({"extra": torch.ones(1)} if r != 2 else {})
         out["params"] = _catch(lambda: hvd.broadcast_parameters(params, root_rank=0))
         out["after"] = hvd.allreduce(torch.tensor([1.0]), op=hvd.Sum).item()  # still usable
-        if r == 2:
-            time.sleep(3 * TIMEOUT_S)  # never calls the next collective
+        if r == 2:  # never calls the next collective (until ranks 0 and 1 gave up on it)
+            away_until_marked(marks, 2, 3 * TIMEOUT_S)
             return out
         start = time.monotonic()
         try:
@@ -59,13 +60,16 @@ def _mistakes() -> dict[str, Any]:
         except CollectiveTimeoutError as exc:
             out["stall"] = str(exc)
         out["stall_s"] = time.monotonic() - start
+        mark(marks, r)
         return out
     finally:
         hvd.shutdown()
 
 
-def test_mismatches_and_stalls_name_the_ranks() -> None:
-    results = run_ranks(_mistakes, 3, timeout=120, extra_env={"MANYGPU_TIMEOUT": str(TIMEOUT_S)})
+def test_mismatches_and_stalls_name_the_ranks(tmp_path: Path) -> None:
+    results = run_ranks(
+        _mistakes, 3, str(tmp_path), timeout=120, extra_env={"MANYGPU_TIMEOUT": str(TIMEOUT_S)}
+    )
     for r, out in enumerate(results):
         assert (
             f"rank {r}: manygpu.horovod: ranks disagree on a collective: "

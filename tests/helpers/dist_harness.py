@@ -238,3 +238,18 @@ def run_ranks(
     if failures:
         raise AssertionError("\n".join(failures))
     return [pickle.loads(results[r][1]) for r in range(world)]
+
+
+def away_until_marked(marks: str, count: int, longest_s: float) -> None:
+    """A rank that never makes the call its peers wait in stays away until ``count`` of
+    them have marked ``marks`` (:func:`mark`) or ``longest_s`` passed: a fixed sleep
+    kept the job, and the test, waiting long after the peers had seen the stall
+    (tests/distributed/test_horovod_errors.py: 3 s less of its ~11)."""
+    deadline = time.monotonic() + longest_s
+    while len(os.listdir(marks)) < count and time.monotonic() < deadline:
+        time.sleep(0.1)
+
+
+def mark(marks: str, rank: int) -> None:
+    """Say, in ``marks``, that this rank is done waiting for a peer that stays away."""
+    Path(marks, f"rank{rank}").touch()
