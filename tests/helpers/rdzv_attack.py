@@ -56,13 +56,18 @@ PLAUSIBLE = ("manygpu.run_id", "/worker/attempt_0/default_pg/0//cpu//0", "MASTER
 """Keys a job's stores hold or held, written even when listing keys fails."""
 
 
+PROBE_S = 4
+"""How long a probe waits for a store to answer: a gate that admitted it would in
+milliseconds; one that does not never answers, and the probe must not wait 10 s a port."""
+
+
 def probe(host: str, port: int, marker: str) -> dict[str, object]:
     """Everything a TCPStore client can do to ``host:port``, and how far it got."""
     from torch.distributed import TCPStore
 
     result: dict[str, object] = {"port": port, "connected": False, "keys": [], "error": ""}
     try:
-        store = TCPStore(host, port, is_master=False, timeout=timedelta(seconds=10))
+        store = TCPStore(host, port, is_master=False, timeout=timedelta(seconds=PROBE_S))
         result["connected"] = True
         keys = list(store.list_keys())
         result["keys"] = keys
