@@ -43,8 +43,7 @@ def count_out(store: Any, nodes: int, timeout_s: float = COUNT_TIMEOUT_S) -> boo
     """Count this node as arrived at the exit barrier of ``store`` (a job of ``nodes``
     agents) without waiting for the others; whether the store took it."""
     try:
-        store.set_timeout(timedelta(seconds=timeout_s))
-        store_util._barrier_nonblocking(store=store, world_size=nodes, key_prefix=PREFIX)
+        _arrive(store, nodes, timeout_s)
     except (RuntimeError, OSError):  # the store's host is gone: nobody waits on it
         return False
     return True
@@ -55,8 +54,7 @@ def wait(store: Any, nodes: int, timeout_s: float, poll_s: float = POLL_S) -> bo
     agents of the job; whether all of them arrived. A signal's handler runs between
     two questions to the store (torch's agent raises its ``SignalException`` there)."""
     try:
-        store.set_timeout(timedelta(seconds=COUNT_TIMEOUT_S))
-        last = store_util._barrier_nonblocking(store=store, world_size=nodes, key_prefix=PREFIX)
+        last = _arrive(store, nodes, COUNT_TIMEOUT_S)
         deadline = time.monotonic() + timeout_s
         while not store.check([last]):
             if time.monotonic() >= deadline:
@@ -65,3 +63,10 @@ def wait(store: Any, nodes: int, timeout_s: float, poll_s: float = POLL_S) -> bo
     except (RuntimeError, OSError):  # the store's host has ended: no one is left to wait for
         return False
     return True
+
+
+def _arrive(store: Any, nodes: int, timeout_s: float) -> str:
+    """Count this node in, each question to the store bounded by ``timeout_s``; the key
+    the last of the ``nodes`` to arrive sets."""
+    store.set_timeout(timedelta(seconds=timeout_s))
+    return str(store_util._barrier_nonblocking(store=store, world_size=nodes, key_prefix=PREFIX))
