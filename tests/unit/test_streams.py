@@ -8,6 +8,9 @@ with its (rank, worker).
 from __future__ import annotations
 
 import datetime as dt
+import functools
+import gc
+import os
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -16,7 +19,7 @@ import pytest
 import stream_job
 import torch
 import torch.distributed as dist
-from torch.utils.data import DataLoader, IterableDataset, get_worker_info
+from torch.utils.data import DataLoader, Dataset, IterableDataset, get_worker_info
 from torch.utils.data._utils import worker as torch_worker
 
 from manygpu import Parallel
@@ -262,3 +265,63 @@ def test_the_step_agreement_group_has_the_job_s_timeout() -> None:
         assert len(next(iter(stream))["id"]) == 8  # the agreement itself goes through
     finally:
         dist.destroy_process_group()
+
+
+class _FreedWhere:
+    """Garbage in a reference cycle: its ``__del__`` writes the pid of whoever frees it."""
+
+    def __init__(self, marks: Path) -> None:
+        self.marks, self.me = marks, self
+
+    def __del__(self) -> None:
+        with open(self.marks, "a") as fh:
+            fh.write(f"{os.getpid()}\n")
+
+
+class _CollectsInWorker(Dataset[int]):
+    """Each sample runs a full collection in the loader worker that reads it."""
+
+    def __len__(self) -> int:
+        return 8
+
+    def __getitem__(self, i: int) -> int:
+        gc.collect()
+        return i
+
+
+class _StreamCollects(IterableDataset[int]):
+    def __iter__(self) -> Iterator[int]:
+        for i in range(8):
+            gc.collect()
+            yield i
+
+
+def _note_init(path: Path, worker_id: int) -> None:
+    with open(path, "a") as fh:
+        fh.write(f"{worker_id}\n")
+
+
+@pytest.mark.slow  # forked loader workers (no fresh interpreter)
+def test_loader_workers_never_free_what_they_inherited_and_still_run_the_users_init(
+    tmp_path: Path,
+) -> None:
+    """Garbage the parent had not collected when its loader forked (a process group
+    in a cycle: freed in a worker, its destructor joins threads the worker lacks and
+    aborts it) is freed by the parent alone, for a map-style loader and a stream;
+    the user's ``worker_init_fn`` still runs in every worker."""
+    marks, inits = tmp_path / "freed", tmp_path / "inits"
+    init = functools.partial(_note_init, inits)
+    with Parallel(strategy="single") as par:
+        for data in (_CollectsInWorker(), _StreamCollects()):
+            loader = par.prepare(DataLoader(data, batch_size=2, num_workers=2, worker_init_fn=init))
+            gc.disable()  # no automatic collection frees it before the workers fork
+            try:
+                _FreedWhere(marks)
+                got = sorted(i for b in loader for i in b.tolist())
+            finally:
+                gc.enable()
+            gc.collect()
+            assert got == list(range(8)), type(data)
+            assert marks.read_text().split() == [str(os.getpid())], "freed in a worker too"
+            marks.unlink()
+    assert sorted(inits.read_text().split()) == ["0"] * 2 + ["1"] * 2

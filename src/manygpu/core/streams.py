@@ -50,7 +50,7 @@ from torch.utils.data._utils import worker as torch_worker
 
 from manygpu.comm.common import wait as wait_work
 from manygpu.comm.objects import all_gather_json
-from manygpu.core.data import PreparedLoader, _seed_worker, per_rank_batch
+from manygpu.core.data import PreparedLoader, per_rank_batch, worker_start
 from manygpu.errors import UsageError
 
 
@@ -254,7 +254,7 @@ def prepare_stream(
         # Shards end in incomplete batches; a training step wants whole ones.
         drop_last=loader.drop_last or (train and not isinstance(split, BlockSplit)),
         timeout=loader.timeout,
-        worker_init_fn=loader.worker_init_fn or _seed_worker,
+        worker_init_fn=worker_start(loader.worker_init_fn),
         multiprocessing_context=loader.multiprocessing_context,
         generator=loader.generator or torch.Generator(),
         prefetch_factor=loader.prefetch_factor if loader.num_workers else None,
