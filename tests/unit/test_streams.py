@@ -11,6 +11,7 @@ import datetime as dt
 import functools
 import gc
 import os
+import pickle
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -24,6 +25,7 @@ from torch.utils.data._utils import worker as torch_worker
 
 from manygpu import Parallel
 from manygpu.checkpoint.resumed import position
+from manygpu.core.data import worker_start
 from manygpu.core.streams import (
     BlockSplit,
     PreparedStream,
@@ -325,3 +327,20 @@ def test_loader_workers_never_free_what_they_inherited_and_still_run_the_users_i
             assert marks.read_text().split() == [str(os.getpid())], "freed in a worker too"
             marks.unlink()
     assert sorted(inits.read_text().split()) == ["0"] * 2 + ["1"] * 2
+
+
+def test_the_worker_start_pickles_for_spawned_workers_and_runs_the_users_init(
+    tmp_path: Path,
+) -> None:
+    """A ``spawn`` loader sends ``worker_init_fn`` pickled: ours must survive that."""
+    inits = tmp_path / "inits"
+    start = pickle.loads(pickle.dumps(worker_start(functools.partial(_note_init, inits))))
+    frozen = gc.get_freeze_count()
+    try:
+        start(3)
+        assert gc.get_freeze_count() > frozen
+    finally:
+        gc.unfreeze()
+    assert inits.read_text() == "3\n"
+    pickle.loads(pickle.dumps(worker_start(None)))(0)  # the default seeds numpy and random
+    gc.unfreeze()
