@@ -276,8 +276,7 @@ class _FreedWhere:
         self.marks, self.me = marks, self
 
     def __del__(self) -> None:
-        with open(self.marks, "a") as fh:
-            fh.write(f"{os.getpid()}\n")
+        _add_line(self.marks, os.getpid())
 
 
 class _CollectsInWorker(Dataset[int]):
@@ -298,9 +297,10 @@ class _StreamCollects(IterableDataset[int]):
             yield i
 
 
-def _note_init(path: Path, worker_id: int) -> None:
+def _add_line(path: Path, value: int) -> None:
+    """Appends ``value`` to ``path`` (as a loader's ``worker_init_fn``: the worker's id)."""
     with open(path, "a") as fh:
-        fh.write(f"{worker_id}\n")
+        fh.write(f"{value}\n")
 
 
 @pytest.mark.slow  # forked loader workers (no fresh interpreter)
@@ -312,7 +312,7 @@ def test_loader_workers_never_free_what_they_inherited_and_still_run_the_users_i
     aborts it) is freed by the parent alone, for a map-style loader and a stream;
     the user's ``worker_init_fn`` still runs in every worker."""
     marks, inits = tmp_path / "freed", tmp_path / "inits"
-    init = functools.partial(_note_init, inits)
+    init = functools.partial(_add_line, inits)
     with Parallel(strategy="single") as par:
         for data in (_CollectsInWorker(), _StreamCollects()):
             loader = par.prepare(DataLoader(data, batch_size=2, num_workers=2, worker_init_fn=init))
@@ -334,7 +334,7 @@ def test_the_worker_start_pickles_for_spawned_workers_and_runs_the_users_init(
 ) -> None:
     """A ``spawn`` loader sends ``worker_init_fn`` pickled: ours must survive that."""
     inits = tmp_path / "inits"
-    start = pickle.loads(pickle.dumps(worker_start(functools.partial(_note_init, inits))))
+    start = pickle.loads(pickle.dumps(worker_start(functools.partial(_add_line, inits))))
     frozen = gc.get_freeze_count()
     try:
         start(3)
