@@ -267,6 +267,23 @@ def test_a_worker_stuck_at_exit_is_ended_and_counts_as_a_success(tmp_path: Path)
     assert_gone(tmp_path)
 
 
+def test_a_rank_that_dies_after_its_script_returned_is_said_to(tmp_path: Path) -> None:
+    """The script's work is done, then its process aborts in the interpreter's shutdown
+    (a daemon thread in a store call): the job fails with 134, and the line says the
+    script had returned and what aborts there, not only "killed by SIGABRT"."""
+    res = manygpu("launch", "--nproc-per-node", "1", str(SCRIPTS / "aborts_at_exit.py"),
+                  str(tmp_path))  # fmt: skip
+    summary = [ln for ln in res.stderr.splitlines() if ln.startswith("manygpu: rank")]
+    assert res.returncode == 134, res.stderr[-3000:]
+    assert (tmp_path / "done0").read_text() == "done"
+    assert summary == [
+        f"manygpu: rank 0 was killed by SIGABRT (pid {(tmp_path / 'pid0').read_text()}) after "
+        "its script had returned: in the interpreter's shutdown, a daemon thread still in "
+        "native code or a native destructor"
+    ], res.stderr[-3000:]
+    assert_gone(tmp_path)
+
+
 def test_a_finished_job_exits_as_plain_python_would(tmp_path: Path) -> None:
     """Idle non-daemon pools held by modules (ours, and inductor's async compile on
     an empty cache) do not keep a finished worker alive: the exit hooks that tell

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import json
 import pickle
+from pathlib import Path
 
 import pytest
+from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
 
 from manygpu.errors import CollectiveTimeoutError, PeerLostError
 from manygpu.launch import blame
@@ -31,6 +34,41 @@ def test_sigkill_without_a_note_is_a_root_cause_sigterm_is_a_consequence() -> No
 def test_exit_code_comes_from_the_note() -> None:
     o = blame.outcome(1, -6, 100, {"time_ns": 1, "kind": "exit", "code": 3, "consequence": False})
     assert o.exit_code == 3 and o.how == "failed with exit code 3"
+
+
+RETURNED = {"time_ns": 1, "kind": blame.RETURNED, "code": 0, "consequence": False}
+
+
+def test_a_rank_that_returned_and_then_died_is_said_to_have_returned() -> None:
+    """The note that the script returned changes the words only: the code, the time
+    (torch's, when it died) and whether it is a consequence are the signal's."""
+    aborted = blame.outcome(1, -6, 100, RETURNED)
+    assert aborted.exit_code == 134 and aborted.time_ns == 100 * 10**9
+    assert not aborted.consequence
+    assert aborted.how == (
+        "was killed by SIGABRT after its script had returned: in the interpreter's "
+        "shutdown, a daemon thread still in native code or a native destructor"
+    )
+    stopped = blame.outcome(0, -15, 100, RETURNED)  # the agent stopped it: no native words
+    assert stopped.consequence
+    assert stopped.how == "was killed by SIGTERM after its script had returned"
+    exited = blame.outcome(2, 3, 100, RETURNED)  # os._exit(3) in an atexit handler
+    assert exited.exit_code == 3
+    assert exited.how == "failed with exit code 3 after its script had returned"
+
+
+def test_a_failure_without_an_error_is_pointed_back_at_its_note(tmp_path: Path) -> None:
+    """torch replaces the error file's path with "<N/A>" when the worker wrote no error
+    (an exit code, a signal); the note beside the path it was given is read again."""
+    given = str(tmp_path / "attempt_0" / "1" / "error.json")
+    failure = ProcessFailure(local_rank=1, pid=7, exitcode=-6, error_file=given)
+    assert failure.error_file != given  # torch's "<N/A>": the note is out of reach
+    (tmp_path / "attempt_0" / "1").mkdir(parents=True)
+    (tmp_path / "attempt_0" / "1" / f"error.json{blame.NOTE_SUFFIX}").write_text(
+        json.dumps(RETURNED)
+    )
+    blame.reach_notes({3: failure}, {0: "elsewhere", 1: given})
+    assert failure.error_file == given and blame.read(failure.error_file) == RETURNED
 
 
 def test_peer_failures_are_recognised() -> None:

@@ -177,10 +177,12 @@ def _describe(o: blame.Outcome, failure: ProcessFailure) -> str:
     text = _recorded_message(failure)
     text = blame.tidy(text) if o.consequence else text
     detail = f": {text}" if text else ""
-    pid = f" (pid {failure.pid})" if o.how.startswith("was killed") else ""
+    if not o.how.startswith("was killed"):
+        return f"rank {o.rank} {o.how}{detail}"
     at = hangwatch.crash_site(o.rank, -failure.exitcode) if failure.exitcode < 0 else ""
-    pid += f" at {at}" if at else ""
-    return f"rank {o.rank} {o.how}{pid}{detail}"
+    pid = f" (pid {failure.pid})" + (f" at {at}" if at else "")
+    killed, _, after = o.how.partition(" after ")  # "was killed by SIGABRT (pid 7) after ..."
+    return f"rank {o.rank} {killed}{pid}{' after ' if after else ''}{after}{detail}"
 
 
 def _lost_peers(outcomes: list[blame.Outcome], err: ChildFailedError) -> str:
@@ -235,8 +237,10 @@ class _AnnouncingAgent(LocalElasticAgent):
     def _monitor_workers(self, worker_group: WorkerGroup) -> RunResult:
         # torch stops every survivor at the first failure: a configuration error the
         # others are about to hit too is let through first (one line for all).
-        settle_configuration_error(getattr(self, "_pcontext", None))
+        pcontext = getattr(self, "_pcontext", None)
+        settle_configuration_error(pcontext)
         result = super()._monitor_workers(worker_group)
+        blame.reach_notes(result.failures, getattr(pcontext, "error_files", None) or {})
         self._last_failures = dict(result.failures)
         return result
 

@@ -17,7 +17,7 @@ import os
 import re
 import signal
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -95,6 +95,20 @@ def write(*, kind: str, code: int, consequence: bool) -> None:
         pass  # a note is a help for the report, never a reason to fail
 
 
+def reach_notes(failures: Mapping[int, Any], error_files: Mapping[int, str]) -> None:
+    """Point each failure (torch's ``ProcessFailure``) back at the error file its worker
+    was given (``error_files``, by local rank).
+
+    torch replaces that path with "<N/A>" when the worker wrote no error (it exited
+    with a code, or died by a signal), and the note beside it, which says when and
+    how the worker ended or that its script had returned, was never read.
+    """
+    for failure in failures.values():
+        given = error_files.get(failure.local_rank)
+        if given and not os.path.isfile(failure.error_file):
+            failure.error_file = given
+
+
 def read(error_file: str) -> dict[str, Any] | None:
     """A worker's note, or ``None`` (it left none, or the file is unreadable)."""
     try:
@@ -144,9 +158,24 @@ class Outcome:
             return None
 
 
+RETURNED = "returned"
+"""The note's kind when the script returned: what follows is the interpreter's shutdown."""
+_AFTER_RETURN = " after its script had returned"
+_NATIVE_AT_SHUTDOWN = (
+    ": in the interpreter's shutdown, a daemon thread still in native code or a native destructor"
+)
+
+
 def outcome(rank: int, exitcode: int, timestamp_s: int, note: dict[str, Any] | None) -> Outcome:
-    """One rank's end from torch's record (exit code, seconds) and our note."""
-    if note is not None and isinstance(note.get("time_ns"), int):
+    """One rank's end from torch's record (exit code, seconds) and our note.
+
+    A rank whose note says its script returned, and that still failed, died in
+    the interpreter's shutdown: its training is done, and the report says so
+    (a daemon thread inside a store call when Python ends it aborts the process
+    with "terminate called without an active exception").
+    """
+    returned = note is not None and note.get("kind") == RETURNED
+    if note is not None and not returned and isinstance(note.get("time_ns"), int):
         code = int(note.get("code", 1))
         how = f"failed with exit code {code}"
         return Outcome(rank, code, note["time_ns"], bool(note.get("consequence")), how)
@@ -154,9 +183,17 @@ def outcome(rank: int, exitcode: int, timestamp_s: int, note: dict[str, Any] | N
         name = _signal_name(-exitcode)
         # SIGTERM is how the agent stops the survivors of a failure.
         stopped = -exitcode == signal.SIGTERM
-        return Outcome(rank, 128 - exitcode, timestamp_s * 10**9, stopped, f"was killed by {name}")
-    how = f"failed with exit code {exitcode}"
+        how = f"was killed by {name}" + (_after_return(-exitcode) if returned else "")
+        return Outcome(rank, 128 - exitcode, timestamp_s * 10**9, stopped, how)
+    how = f"failed with exit code {exitcode}" + (_AFTER_RETURN if returned else "")
     return Outcome(rank, exitcode, timestamp_s * 10**9, False, how)
+
+
+def _after_return(signum: int) -> str:
+    """What a death by ``signum`` after the script returned says: where an abort or a
+    segfault in the shutdown comes from."""
+    native = signum in (signal.SIGABRT, signal.SIGSEGV)
+    return _AFTER_RETURN + (_NATIVE_AT_SHUTDOWN if native else "")
 
 
 def hosts_file_names(address: str, hosts_text: str) -> list[str]:

@@ -146,7 +146,12 @@ def _guard_descendants() -> None:
 
 
 def _finish() -> None:
-    """The script has returned: wait for its threads as Python would, then arm the exit timer."""
+    """The script has returned: wait for its threads as Python would, then arm the exit timer.
+
+    The note that it returned lets the launcher say so of a rank that still dies
+    in the interpreter's shutdown.
+    """
+    blame.write(kind=blame.RETURNED, code=0, consequence=False)
     evidence.note_if_alone(envmod.current())
     _release_group()
     _shut_threads_down()
