@@ -166,10 +166,11 @@ def _recorded_message(failure: ProcessFailure, whole: bool = False) -> str:
     return text.splitlines()[0][:300]
 
 
-def _outcomes(err: ChildFailedError) -> list[blame.Outcome]:
+def _outcomes(failures: Mapping[int, ProcessFailure]) -> list[blame.Outcome]:
+    """Each failed rank's end, from torch's record and the worker's note."""
     return [
         blame.outcome(rank, f.exitcode, f.timestamp, blame.read(f.error_file))
-        for rank, f in err.failures.items()
+        for rank, f in failures.items()
     ]
 
 
@@ -247,9 +248,7 @@ class _AnnouncingAgent(LocalElasticAgent):
     def _restart_workers(self, worker_group: WorkerGroup) -> None:
         failures, spec = self._last_failures, worker_group.spec
         if failures:  # a failure, not a node joining (that restart is not counted)
-            outcomes = [blame.outcome(r, f.exitcode, f.timestamp, blame.read(f.error_file))
-                        for r, f in failures.items()]  # fmt: skip
-            root = blame.root_cause(outcomes)
+            root = blame.root_cause(_outcomes(failures))
             attempt = spec.max_restarts - self._remaining_restarts
             cause = _describe(root, failures[root.rank])
             print(f"manygpu: {blame.restart_line(cause, attempt, spec.max_restarts)}",
@@ -276,7 +275,7 @@ def report_failure(err: ChildFailedError, to_driver: bool = False) -> int:
     ``to_driver``: every outcome as a line for the driver of a launch over
     hosts, which reports the job's first failure over all of them.
     """
-    outcomes = _outcomes(err)
+    outcomes = _outcomes(err.failures)
     if to_driver:
         for o in outcomes:
             driven.report(o, _describe(o, err.failures[o.rank]))
